@@ -1,0 +1,243 @@
+//! Reverse-mode autodiff: appends the VJP of every op on the path to the loss; outputs `[loss, grads...]`.
+use crate::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, Shape, UnaryOp};
+
+/// Builds the backward graph of `graph` for the scalar `loss` w.r.t. the nodes `wrt`.
+///
+/// The result holds every forward node (same ids) followed by the backward nodes; its outputs are
+/// `[loss, d loss / d wrt[0], ...]`. A `wrt` node the loss does not depend on gets a zero gradient.
+pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
+    let l = graph.nodes().get(loss).ok_or_else(|| Error::Graph(format!("loss node {loss} does not exist")))?;
+    if l.shape.rank() != 0 || l.dtype != DType::F32 {
+        return Err(Error::shape("grad", format!("the loss must be a float32 scalar, got {} {}", l.dtype, l.shape)));
+    }
+    for &w in wrt {
+        let n = graph.nodes().get(w).ok_or_else(|| Error::Graph(format!("wrt node {w} does not exist")))?;
+        if n.dtype != DType::F32 {
+            return Err(Error::dtype("grad", format!("cannot differentiate w.r.t. {} node {w}", n.dtype)));
+        }
+    }
+    let n = graph.len();
+    // Forward: which nodes depend on some wrt node. Backward: which nodes the loss depends on.
+    let mut depends = vec![false; n];
+    for &w in wrt {
+        depends[w] = true;
+    }
+    for id in 0..n {
+        if graph.node(id).inputs.iter().any(|&i| depends[i]) && differentiable(&graph.node(id).op) {
+            depends[id] = true;
+        }
+    }
+    let mut g = graph.clone();
+    let mut grads: Vec<Option<NodeId>> = vec![None; n];
+    grads[loss] = Some(g.scalar(1.0));
+    for id in (0..=loss).rev() {
+        let Some(gy) = grads[id] else { continue };
+        if !depends[id] {
+            continue;
+        }
+        let node = graph.node(id).clone();
+        let contribs = vjp(&mut g, id, gy, &node.op, &node.inputs)?;
+        for (input, gi) in node.inputs.iter().zip(contribs) {
+            let Some(gi) = gi else { continue };
+            if !depends[*input] {
+                continue;
+            }
+            grads[*input] = Some(match grads[*input] {
+                None => gi,
+                Some(prev) => g.add(Op::Binary(BinaryOp::Add), &[prev, gi])?,
+            });
+        }
+    }
+    let mut outputs = vec![loss];
+    for &w in wrt {
+        let gw = match grads[w] {
+            Some(gw) => gw,
+            None => {
+                let z = g.scalar(0.0);
+                g.add(Op::BroadcastTo { shape: graph.node(w).shape.clone() }, &[z])?
+            }
+        };
+        outputs.push(gw);
+    }
+    g.set_outputs(outputs)?;
+    Ok(g)
+}
+
+fn differentiable(op: &Op) -> bool {
+    match op {
+        Op::Binary(b) => !b.is_comparison(),
+        Op::Cast { to } => *to == DType::F32,
+        _ => true,
+    }
+}
+
+/// The gradient contribution to each input of node `y` given its upstream gradient `gy`.
+fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<Vec<Option<NodeId>>> {
+    use BinaryOp::*;
+    let shape = |g: &Graph, id: NodeId| g.node(id).shape.clone();
+    Ok(match op {
+        Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => vec![],
+        Op::Unary(u) => {
+            let x = ins[0];
+            let d = match u {
+                UnaryOp::Neg => g.add(Op::Unary(UnaryOp::Neg), &[gy])?,
+                UnaryOp::Relu => {
+                    let zero = g.scalar(0.0);
+                    let mask = g.add(Op::Binary(Gt), &[y, zero])?;
+                    g.add(Op::Binary(Mul), &[gy, mask])?
+                }
+                UnaryOp::Tanh => {
+                    let one = g.scalar(1.0);
+                    let y2 = g.add(Op::Binary(Mul), &[y, y])?;
+                    let d = g.add(Op::Binary(Sub), &[one, y2])?;
+                    g.add(Op::Binary(Mul), &[gy, d])?
+                }
+                UnaryOp::Sigmoid => {
+                    let one = g.scalar(1.0);
+                    let om = g.add(Op::Binary(Sub), &[one, y])?;
+                    let d = g.add(Op::Binary(Mul), &[y, om])?;
+                    g.add(Op::Binary(Mul), &[gy, d])?
+                }
+                UnaryOp::Exp => g.add(Op::Binary(Mul), &[gy, y])?,
+                UnaryOp::Log => g.add(Op::Binary(Div), &[gy, x])?,
+                UnaryOp::Sqrt => {
+                    let half = g.scalar(0.5);
+                    let h = g.add(Op::Binary(Div), &[half, y])?;
+                    g.add(Op::Binary(Mul), &[gy, h])?
+                }
+                UnaryOp::PowScalar(p) => {
+                    let c = g.scalar(*p);
+                    let xp = g.add(Op::Unary(UnaryOp::PowScalar(p - 1.0)), &[x])?;
+                    let d = g.add(Op::Binary(Mul), &[xp, c])?;
+                    g.add(Op::Binary(Mul), &[gy, d])?
+                }
+            };
+            vec![Some(d)]
+        }
+        Op::Binary(b) => {
+            let (a, bb) = (ins[0], ins[1]);
+            let (da, db) = match b {
+                Add => (gy, gy),
+                Sub => (gy, g.add(Op::Unary(UnaryOp::Neg), &[gy])?),
+                Mul => (g.add(Op::Binary(Mul), &[gy, bb])?, g.add(Op::Binary(Mul), &[gy, a])?),
+                Div => {
+                    let da = g.add(Op::Binary(Div), &[gy, bb])?;
+                    let t = g.add(Op::Binary(Mul), &[da, y])?;
+                    (da, g.add(Op::Unary(UnaryOp::Neg), &[t])?)
+                }
+                _ => return Ok(vec![None, None]),
+            };
+            let (sa, sb) = (shape(g, a), shape(g, bb));
+            vec![Some(sum_to(g, da, &sa)?), Some(sum_to(g, db, &sb)?)]
+        }
+        Op::MatMul { trans_a, trans_b } => {
+            let (a, b) = (ins[0], ins[1]);
+            let (ta, tb) = (*trans_a, *trans_b);
+            let da = if ta {
+                g.add(Op::MatMul { trans_a: tb, trans_b: true }, &[b, gy])?
+            } else {
+                g.add(Op::MatMul { trans_a: false, trans_b: !tb }, &[gy, b])?
+            };
+            let db = if tb {
+                g.add(Op::MatMul { trans_a: true, trans_b: ta }, &[gy, a])?
+            } else {
+                g.add(Op::MatMul { trans_a: !ta, trans_b: false }, &[a, gy])?
+            };
+            let (sa, sb) = (shape(g, a), shape(g, b));
+            vec![Some(sum_to(g, da, &sa)?), Some(sum_to(g, db, &sb)?)]
+        }
+        Op::Reduce { op: r, axes, keepdims } => {
+            let x = ins[0];
+            let xs = shape(g, x);
+            let kept = crate::infer::reduced_shape(&xs, axes, true);
+            let gk = reshape(g, gy, &kept, *keepdims)?;
+            let d = match r {
+                ReduceOp::Sum => g.add(Op::BroadcastTo { shape: xs.clone() }, &[gk])?,
+                ReduceOp::Mean => {
+                    let count: usize = axes.iter().map(|&a| xs.0[a]).product();
+                    let c = g.scalar(1.0 / count.max(1) as f32);
+                    let s = g.add(Op::Binary(Mul), &[gk, c])?;
+                    g.add(Op::BroadcastTo { shape: xs.clone() }, &[s])?
+                }
+                ReduceOp::Max => {
+                    // Ties share the gradient equally.
+                    let yk = reshape(g, y, &kept, *keepdims)?;
+                    let mask = g.add(Op::Binary(Eq), &[x, yk])?;
+                    let count = g.add(Op::Reduce { op: ReduceOp::Sum, axes: axes.clone(), keepdims: true }, &[mask])?;
+                    let share = g.add(Op::Binary(Div), &[gk, count])?;
+                    g.add(Op::Binary(Mul), &[mask, share])?
+                }
+            };
+            vec![Some(d)]
+        }
+        Op::BroadcastTo { .. } => {
+            let xs = shape(g, ins[0]);
+            vec![Some(sum_to(g, gy, &xs)?)]
+        }
+        Op::SumTo { .. } => {
+            let xs = shape(g, ins[0]);
+            vec![Some(g.add(Op::BroadcastTo { shape: xs }, &[gy])?)]
+        }
+        Op::Reshape { .. } => {
+            let xs = shape(g, ins[0]);
+            vec![Some(g.add(Op::Reshape { shape: xs }, &[gy])?)]
+        }
+        Op::Transpose { perm } => {
+            let mut inv = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inv[p] = i;
+            }
+            vec![Some(g.add(Op::Transpose { perm: inv }, &[gy])?)]
+        }
+        Op::Softmax { axis } => {
+            let gyy = g.add(Op::Binary(Mul), &[gy, y])?;
+            let s = g.add(Op::Reduce { op: ReduceOp::Sum, axes: vec![*axis], keepdims: true }, &[gyy])?;
+            let d = g.add(Op::Binary(Sub), &[gy, s])?;
+            vec![Some(g.add(Op::Binary(Mul), &[y, d])?)]
+        }
+        Op::LogSoftmax { axis } => {
+            let p = g.add(Op::Unary(UnaryOp::Exp), &[y])?;
+            let s = g.add(Op::Reduce { op: ReduceOp::Sum, axes: vec![*axis], keepdims: true }, &[gy])?;
+            let ps = g.add(Op::Binary(Mul), &[p, s])?;
+            vec![Some(g.add(Op::Binary(Sub), &[gy, ps])?)]
+        }
+        Op::SoftmaxCrossEntropy => {
+            vec![Some(g.add(Op::SoftmaxCrossEntropyGrad, &[ins[0], ins[1], gy])?), None]
+        }
+        Op::Mse => {
+            let n = shape(g, ins[0]).numel().max(1);
+            let c = g.scalar(2.0 / n as f32);
+            let scale = g.add(Op::Binary(Mul), &[gy, c])?;
+            let d = g.add(Op::Binary(Sub), &[ins[0], ins[1]])?;
+            let dp = g.add(Op::Binary(Mul), &[d, scale])?;
+            let dt = g.add(Op::Unary(UnaryOp::Neg), &[dp])?;
+            vec![Some(dp), Some(dt)]
+        }
+        Op::Where => {
+            let zero = g.scalar(0.0);
+            let da = g.add(Op::Where, &[ins[0], gy, zero])?;
+            let db = g.add(Op::Where, &[ins[0], zero, gy])?;
+            let (sa, sb) = (shape(g, ins[1]), shape(g, ins[2]));
+            vec![None, Some(sum_to(g, da, &sa)?), Some(sum_to(g, db, &sb)?)]
+        }
+        Op::Cast { .. } => vec![Some(gy)],
+        Op::SoftmaxCrossEntropyGrad => {
+            return Err(Error::unsupported("cross_entropy_grad", "second derivatives are not supported"))
+        }
+    })
+}
+
+fn sum_to(g: &mut Graph, x: NodeId, shape: &Shape) -> Result<NodeId> {
+    if &g.node(x).shape == shape {
+        return Ok(x);
+    }
+    g.add(Op::SumTo { shape: shape.clone() }, &[x])
+}
+
+/// Re-inserts reduced axes as size 1 when the reduction dropped them.
+fn reshape(g: &mut Graph, x: NodeId, kept: &Shape, keepdims: bool) -> Result<NodeId> {
+    if keepdims || &g.node(x).shape == kept {
+        return Ok(x);
+    }
+    g.add(Op::Reshape { shape: kept.clone() }, &[x])
+}

@@ -1,0 +1,195 @@
+//! The graph: an append-only list of nodes (insertion order is topological order) plus its outputs.
+use crate::{infer, DType, Error, Op, Result, Shape};
+use std::sync::Arc;
+
+/// Index of a node in its graph.
+pub type NodeId = usize;
+
+/// One value of the graph: the op that makes it, its inputs and its inferred type.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Node {
+    pub op: Op,
+    pub inputs: Vec<NodeId>,
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+/// An SSA dataflow graph. Nodes only refer to earlier nodes, so index order is a valid schedule.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Graph {
+    nodes: Vec<Node>,
+    outputs: Vec<NodeId>,
+}
+
+impl Graph {
+    pub fn new() -> Graph {
+        Graph::default()
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id]
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    pub fn outputs(&self) -> &[NodeId] {
+        &self.outputs
+    }
+
+    /// Adds a named input. Names must be unique among inputs and params.
+    pub fn input(&mut self, name: &str, shape: Shape, dtype: DType) -> Result<NodeId> {
+        self.check_new_name(name)?;
+        Ok(self.push(Op::Input { name: name.into() }, vec![], shape, dtype))
+    }
+
+    /// Adds a named trainable parameter.
+    pub fn param(&mut self, name: &str, shape: Shape, dtype: DType) -> Result<NodeId> {
+        self.check_new_name(name)?;
+        Ok(self.push(Op::Param { name: name.into() }, vec![], shape, dtype))
+    }
+
+    /// Adds an f32 constant of the given shape.
+    pub fn constant_f32(&mut self, values: &[f32], shape: Shape) -> Result<NodeId> {
+        self.constant_bits(values.iter().map(|v| v.to_bits()).collect(), shape, DType::F32)
+    }
+
+    /// Adds an i32 constant of the given shape.
+    pub fn constant_i32(&mut self, values: &[i32], shape: Shape) -> Result<NodeId> {
+        self.constant_bits(values.iter().map(|&v| v as u32).collect(), shape, DType::I32)
+    }
+
+    /// A scalar f32 constant.
+    pub fn scalar(&mut self, v: f32) -> NodeId {
+        self.push(Op::Const { data: Arc::new(vec![v.to_bits()]) }, vec![], Shape::scalar(), DType::F32)
+    }
+
+    fn constant_bits(&mut self, bits: Vec<u32>, shape: Shape, dtype: DType) -> Result<NodeId> {
+        if bits.len() != shape.numel() {
+            return Err(Error::shape(
+                "constant",
+                format!("{} values given for shape {shape}", bits.len()),
+            ));
+        }
+        Ok(self.push(Op::Const { data: Arc::new(bits) }, vec![], shape, dtype))
+    }
+
+    /// Appends an op, inferring and checking its output shape and dtype.
+    pub fn add(&mut self, op: Op, inputs: &[NodeId]) -> Result<NodeId> {
+        if matches!(op, Op::Input { .. } | Op::Param { .. } | Op::Const { .. }) {
+            return Err(Error::Graph(format!("[{}] use the dedicated constructor", op.name())));
+        }
+        if inputs.len() != op.arity() {
+            return Err(Error::Graph(format!(
+                "[{}] takes {} inputs, got {}",
+                op.name(),
+                op.arity(),
+                inputs.len()
+            )));
+        }
+        if let Some(&bad) = inputs.iter().find(|&&i| i >= self.nodes.len()) {
+            return Err(Error::Graph(format!("[{}] input node {bad} does not exist", op.name())));
+        }
+        let ins: Vec<&Node> = inputs.iter().map(|&i| &self.nodes[i]).collect();
+        let (shape, dtype) = infer::infer(&op, &ins)?;
+        Ok(self.push(op, inputs.to_vec(), shape, dtype))
+    }
+
+    /// Marks a node as a graph output (in order).
+    pub fn set_outputs(&mut self, outputs: Vec<NodeId>) -> Result<()> {
+        if let Some(&bad) = outputs.iter().find(|&&i| i >= self.nodes.len()) {
+            return Err(Error::Graph(format!("output node {bad} does not exist")));
+        }
+        self.outputs = outputs;
+        Ok(())
+    }
+
+    /// Ids and names of every input node, in insertion order.
+    pub fn inputs(&self) -> Vec<(NodeId, &str)> {
+        self.named(|op| match op {
+            Op::Input { name } => Some(name),
+            _ => None,
+        })
+    }
+
+    /// Ids and names of every param node, in insertion order.
+    pub fn params(&self) -> Vec<(NodeId, &str)> {
+        self.named(|op| match op {
+            Op::Param { name } => Some(name),
+            _ => None,
+        })
+    }
+
+    fn named<'a>(&'a self, f: impl Fn(&'a Op) -> Option<&'a String>) -> Vec<(NodeId, &'a str)> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter_map(|(i, n)| f(&n.op).map(|s| (i, s.as_str())))
+            .collect()
+    }
+
+    fn check_new_name(&self, name: &str) -> Result<()> {
+        let taken = self.nodes.iter().any(|n| match &n.op {
+            Op::Input { name: m } | Op::Param { name: m } => m == name,
+            _ => false,
+        });
+        if taken {
+            return Err(Error::Graph(format!("the name '{name}' is already used in this graph")));
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, op: Op, inputs: Vec<NodeId>, shape: Shape, dtype: DType) -> NodeId {
+        self.nodes.push(Node { op, inputs, shape, dtype });
+        self.nodes.len() - 1
+    }
+
+    /// Re-checks every node: inputs precede it and its recorded type matches inference.
+    pub fn verify(&self) -> Result<()> {
+        for (id, n) in self.nodes.iter().enumerate() {
+            if n.inputs.iter().any(|&i| i >= id) {
+                return Err(Error::Graph(format!("[{}] node {id} uses a later node", n.op.name())));
+            }
+            if n.op.arity() > 0 {
+                let ins: Vec<&Node> = n.inputs.iter().map(|&i| &self.nodes[i]).collect();
+                let (shape, dtype) = infer::infer(&n.op, &ins)?;
+                if shape != n.shape || dtype != n.dtype {
+                    return Err(Error::Graph(format!(
+                        "[{}] node {id} records {} {} but infers {} {}",
+                        n.op.name(),
+                        n.shape,
+                        n.dtype,
+                        shape,
+                        dtype
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// For every node, whether some output depends on it.
+    pub fn live_mask(&self) -> Vec<bool> {
+        let mut live = vec![false; self.nodes.len()];
+        for &o in &self.outputs {
+            live[o] = true;
+        }
+        for id in (0..self.nodes.len()).rev() {
+            if live[id] {
+                for &i in &self.nodes[id].inputs {
+                    live[i] = true;
+                }
+            }
+        }
+        live
+    }
+}

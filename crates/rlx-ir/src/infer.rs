@@ -1,0 +1,227 @@
+//! Shape and dtype inference: one rule per op, each failure naming the op, shapes and dtypes.
+use crate::{graph::Node, DType, Error, Op, ReduceOp, Result, Shape};
+
+/// Infers the output shape and dtype of `op` applied to `ins`.
+pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
+    let name = op.name();
+    let float = |i: usize| -> Result<()> {
+        if ins[i].dtype != DType::F32 {
+            return Err(Error::dtype(name, format!("expects float32, got {}", ins[i].dtype)));
+        }
+        Ok(())
+    };
+    match op {
+        Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => {
+            Err(Error::Graph(format!("[{name}] has no inputs to infer from")))
+        }
+        Op::Unary(_) => {
+            float(0)?;
+            Ok((ins[0].shape.clone(), DType::F32))
+        }
+        Op::Binary(b) => {
+            if ins[0].dtype != ins[1].dtype {
+                return Err(Error::dtype(
+                    name,
+                    format!("operands have different dtypes: {} and {}", ins[0].dtype, ins[1].dtype),
+                ));
+            }
+            let shape = broadcast(name, &ins[0].shape, &ins[1].shape)?;
+            let dtype = if b.is_comparison() { DType::F32 } else { ins[0].dtype };
+            Ok((shape, dtype))
+        }
+        Op::MatMul { trans_a, trans_b } => matmul(ins[0], ins[1], *trans_a, *trans_b),
+        Op::Reduce { op: r, axes, keepdims } => {
+            float(0)?;
+            let s = &ins[0].shape;
+            check_axes(name, s, axes)?;
+            if *r == ReduceOp::Max && axes.iter().any(|&a| s.0[a] == 0) {
+                return Err(Error::shape(name, format!("cannot take the max over an empty axis of {s}")));
+            }
+            Ok((reduced_shape(s, axes, *keepdims), DType::F32))
+        }
+        Op::BroadcastTo { shape } => {
+            let b = broadcast(name, &ins[0].shape, shape)?;
+            if &b != shape {
+                return Err(Error::shape(name, format!("cannot broadcast {} to {shape}", ins[0].shape)));
+            }
+            Ok((shape.clone(), ins[0].dtype))
+        }
+        Op::SumTo { shape } => {
+            float(0)?;
+            let b = broadcast(name, &ins[0].shape, shape)?;
+            if b != ins[0].shape {
+                return Err(Error::shape(name, format!("cannot sum {} down to {shape}", ins[0].shape)));
+            }
+            Ok((shape.clone(), DType::F32))
+        }
+        Op::Reshape { shape } => {
+            if shape.numel() != ins[0].shape.numel() {
+                return Err(Error::shape(
+                    name,
+                    format!("cannot reshape {} ({} elements) to {shape}", ins[0].shape, ins[0].shape.numel()),
+                ));
+            }
+            Ok((shape.clone(), ins[0].dtype))
+        }
+        Op::Transpose { perm } => {
+            let s = &ins[0].shape;
+            let mut seen = vec![false; s.rank()];
+            let valid = perm.len() == s.rank()
+                && perm.iter().all(|&p| p < s.rank() && !std::mem::replace(&mut seen[p], true));
+            if !valid {
+                return Err(Error::shape(name, format!("axes {perm:?} are not a permutation for {s}")));
+            }
+            Ok((Shape(perm.iter().map(|&p| s.0[p]).collect()), ins[0].dtype))
+        }
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            float(0)?;
+            check_axes(name, &ins[0].shape, &[*axis])?;
+            Ok((ins[0].shape.clone(), DType::F32))
+        }
+        Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => {
+            float(0)?;
+            let (l, y) = (&ins[0].shape, &ins[1].shape);
+            if ins[1].dtype != DType::I32 {
+                return Err(Error::dtype(name, format!("labels must be int32 class ids, got {}", ins[1].dtype)));
+            }
+            if l.rank() != 2 || y.rank() != 1 || l.0[0] != y.0[0] {
+                return Err(Error::shape(
+                    name,
+                    format!("expects logits (N, C) and labels (N,), got logits {l} and labels {y}"),
+                ));
+            }
+            if l.0[1] == 0 {
+                return Err(Error::shape(name, format!("logits {l} have no classes")));
+            }
+            if matches!(op, Op::SoftmaxCrossEntropyGrad) {
+                float(2)?;
+                if ins[2].shape.rank() != 0 {
+                    return Err(Error::shape(name, format!("upstream gradient must be a scalar, got {}", ins[2].shape)));
+                }
+                return Ok((l.clone(), DType::F32));
+            }
+            Ok((Shape::scalar(), DType::F32))
+        }
+        Op::Mse => {
+            float(0)?;
+            float(1)?;
+            if ins[0].shape != ins[1].shape {
+                return Err(Error::shape(
+                    name,
+                    format!("prediction {} and target {} must have the same shape", ins[0].shape, ins[1].shape),
+                ));
+            }
+            Ok((Shape::scalar(), DType::F32))
+        }
+        Op::Where => {
+            if ins[1].dtype != ins[2].dtype {
+                return Err(Error::dtype(
+                    name,
+                    format!("branches have different dtypes: {} and {}", ins[1].dtype, ins[2].dtype),
+                ));
+            }
+            let s = broadcast(name, &ins[0].shape, &ins[1].shape)?;
+            Ok((broadcast(name, &s, &ins[2].shape)?, ins[1].dtype))
+        }
+        Op::Cast { to } => Ok((ins[0].shape.clone(), *to)),
+    }
+}
+
+fn broadcast(op: &str, a: &Shape, b: &Shape) -> Result<Shape> {
+    Shape::broadcast(a, b).ok_or_else(|| Error::shape(op, format!("shapes {a} and {b} do not broadcast")))
+}
+
+fn check_axes(op: &str, s: &Shape, axes: &[usize]) -> Result<()> {
+    let sorted = axes.windows(2).all(|w| w[0] < w[1]);
+    if !sorted || axes.iter().any(|&a| a >= s.rank()) {
+        return Err(Error::shape(op, format!("axes {axes:?} are invalid for a tensor of shape {s}")));
+    }
+    Ok(())
+}
+
+/// The shape left after reducing `axes` of `s`.
+pub fn reduced_shape(s: &Shape, axes: &[usize], keepdims: bool) -> Shape {
+    let mut out = Vec::with_capacity(s.rank());
+    for (i, &d) in s.0.iter().enumerate() {
+        if !axes.contains(&i) {
+            out.push(d);
+        } else if keepdims {
+            out.push(1);
+        }
+    }
+    Shape(out)
+}
+
+fn matmul(a: &Node, b: &Node, ta: bool, tb: bool) -> Result<(Shape, DType)> {
+    let (sa, sb) = (&a.shape, &b.shape);
+    if a.dtype != DType::F32 || b.dtype != DType::F32 {
+        return Err(Error::dtype("matmul", format!("expects float32 operands, got {} and {}", a.dtype, b.dtype)));
+    }
+    if sa.rank() < 2 || sb.rank() < 2 {
+        return Err(Error::shape("matmul", format!("operands need at least 2 dims, got {sa} and {sb}")));
+    }
+    let (m, ka) = mat_dims(sa, ta);
+    let (kb, n) = mat_dims(sb, tb);
+    if ka != kb {
+        return Err(Error::shape(
+            "matmul",
+            format!("inner dimensions differ: {sa} @ {sb} ({ka} vs {kb})"),
+        ));
+    }
+    let batch_a = Shape(sa.0[..sa.rank() - 2].to_vec());
+    let batch_b = Shape(sb.0[..sb.rank() - 2].to_vec());
+    let batch = Shape::broadcast(&batch_a, &batch_b).ok_or_else(|| {
+        Error::shape("matmul", format!("batch dimensions of {sa} and {sb} do not broadcast"))
+    })?;
+    let mut out = batch.0;
+    out.extend([m, n]);
+    Ok((Shape(out), DType::F32))
+}
+
+/// (rows, cols) of the matrix part of `s`, after an optional transpose.
+pub fn mat_dims(s: &Shape, trans: bool) -> (usize, usize) {
+    let (r, c) = (s.0[s.rank() - 2], s.0[s.rank() - 1]);
+    if trans {
+        (c, r)
+    } else {
+        (r, c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{BinaryOp, DType, Error, Graph, Op, Shape};
+
+    #[test]
+    fn matmul_errors_name_the_shapes() {
+        let mut g = Graph::new();
+        let a = g.input("a", Shape::new([3, 4]), DType::F32).unwrap();
+        let b = g.input("b", Shape::new([5, 6]), DType::F32).unwrap();
+        let e = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[a, b]).unwrap_err();
+        assert!(matches!(e, Error::Shape { .. }));
+        let msg = e.to_string();
+        assert!(msg.starts_with("[matmul]") && msg.contains("(3, 4)") && msg.contains("(5, 6)"), "{msg}");
+    }
+
+    #[test]
+    fn batched_matmul_broadcasts_leading_dims() {
+        let mut g = Graph::new();
+        let a = g.input("a", Shape::new([2, 3, 4]), DType::F32).unwrap();
+        let b = g.input("b", Shape::new([4, 5]), DType::F32).unwrap();
+        let c = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[a, b]).unwrap();
+        assert_eq!(g.node(c).shape, Shape::new([2, 3, 5]));
+        let d = g.add(Op::MatMul { trans_a: true, trans_b: false }, &[a, a]).unwrap();
+        assert_eq!(g.node(d).shape, Shape::new([2, 4, 4]));
+    }
+
+    #[test]
+    fn dtype_mismatch_is_a_dtype_error() {
+        let mut g = Graph::new();
+        let a = g.input("a", Shape::new([3]), DType::F32).unwrap();
+        let b = g.input("b", Shape::new([3]), DType::I32).unwrap();
+        let e = g.add(Op::Binary(BinaryOp::Add), &[a, b]).unwrap_err();
+        assert!(matches!(e, Error::DType { .. }), "{e}");
+        let e = g.add(Op::SoftmaxCrossEntropy, &[a, a]).unwrap_err();
+        assert!(e.to_string().contains("int32"), "{e}");
+    }
+}

@@ -1,0 +1,19 @@
+//! rlx-ir: the device-free heart of rlx — graph, ops, shape inference, autodiff, memory planning.
+#![forbid(unsafe_code)]
+
+pub mod autodiff;
+pub mod dtype;
+pub mod error;
+pub mod graph;
+pub mod infer;
+pub mod op;
+pub mod planner;
+pub mod shape;
+
+pub use autodiff::grad;
+pub use dtype::DType;
+pub use error::{Error, Result};
+pub use graph::{Graph, Node, NodeId};
+pub use op::{BinaryOp, Op, ReduceOp, UnaryOp};
+pub use planner::{plan, Interval, Plan};
+pub use shape::Shape;

@@ -1,0 +1,148 @@
+//! The operation set of the IR. Each op's shape rule lives in `infer.rs`, its VJP in `autodiff.rs`.
+use crate::{DType, Shape};
+use std::sync::Arc;
+
+/// Elementwise functions of one tensor.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UnaryOp {
+    Neg,
+    Relu,
+    Tanh,
+    Sigmoid,
+    Exp,
+    Log,
+    Sqrt,
+    /// `x ** p` for a constant exponent.
+    PowScalar(f32),
+}
+
+/// Elementwise functions of two broadcast tensors. Comparisons give float32 0/1 masks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Eq,
+    Ne,
+}
+
+impl BinaryOp {
+    pub fn is_comparison(self) -> bool {
+        !matches!(self, BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div)
+    }
+}
+
+/// Reductions over a set of axes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+}
+
+/// One operation. Inputs are given by the node; attributes live here.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    /// A value supplied on every call (or bound once as a resident input).
+    Input { name: String },
+    /// A trainable weight, resident in the executable's parameter store.
+    Param { name: String },
+    /// Constant data baked into the graph (little-endian f32 or i32 values).
+    Const { data: Arc<Vec<u32>> },
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// `a @ b` over the last two dims, leading dims broadcast; `trans_*` transposes that operand.
+    MatMul { trans_a: bool, trans_b: bool },
+    /// Reduce over `axes` (sorted, unique); `keepdims` keeps them as size 1.
+    Reduce { op: ReduceOp, axes: Vec<usize>, keepdims: bool },
+    /// Broadcasts the input up to `shape` (numpy rules).
+    BroadcastTo { shape: Shape },
+    /// Sums a broadcast value back down to `shape` (the VJP of broadcasting).
+    SumTo { shape: Shape },
+    /// Same data, new shape (element count preserved). Costs nothing: an alias in the arena.
+    Reshape { shape: Shape },
+    /// Permutes dimensions: output dim `i` is input dim `perm[i]`.
+    Transpose { perm: Vec<usize> },
+    Softmax { axis: usize },
+    LogSoftmax { axis: usize },
+    /// Mean softmax cross-entropy of logits `[N, C]` against int32 labels `[N]`; a scalar.
+    SoftmaxCrossEntropy,
+    /// Gradient of `SoftmaxCrossEntropy` w.r.t. the logits: `(softmax - onehot) * g / N`.
+    SoftmaxCrossEntropyGrad,
+    /// Mean squared error of two same-shape tensors; a scalar.
+    Mse,
+    /// `cond != 0 ? a : b`, all three broadcast.
+    Where,
+    /// Element type conversion.
+    Cast { to: DType },
+}
+
+impl Op {
+    /// The name used in error messages and the Python API.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Input { .. } => "input",
+            Op::Param { .. } => "param",
+            Op::Const { .. } => "constant",
+            Op::Unary(u) => match u {
+                UnaryOp::Neg => "neg",
+                UnaryOp::Relu => "relu",
+                UnaryOp::Tanh => "tanh",
+                UnaryOp::Sigmoid => "sigmoid",
+                UnaryOp::Exp => "exp",
+                UnaryOp::Log => "log",
+                UnaryOp::Sqrt => "sqrt",
+                UnaryOp::PowScalar(_) => "pow",
+            },
+            Op::Binary(b) => match b {
+                BinaryOp::Add => "add",
+                BinaryOp::Sub => "sub",
+                BinaryOp::Mul => "mul",
+                BinaryOp::Div => "div",
+                BinaryOp::Lt => "less",
+                BinaryOp::Le => "less_equal",
+                BinaryOp::Gt => "greater",
+                BinaryOp::Ge => "greater_equal",
+                BinaryOp::Eq => "equal",
+                BinaryOp::Ne => "not_equal",
+            },
+            Op::MatMul { .. } => "matmul",
+            Op::Reduce { op, .. } => match op {
+                ReduceOp::Sum => "sum",
+                ReduceOp::Mean => "mean",
+                ReduceOp::Max => "max",
+            },
+            Op::BroadcastTo { .. } => "broadcast_to",
+            Op::SumTo { .. } => "sum_to",
+            Op::Reshape { .. } => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Softmax { .. } => "softmax",
+            Op::LogSoftmax { .. } => "log_softmax",
+            Op::SoftmaxCrossEntropy => "cross_entropy",
+            Op::SoftmaxCrossEntropyGrad => "cross_entropy_grad",
+            Op::Mse => "mse_loss",
+            Op::Where => "where",
+            Op::Cast { .. } => "cast",
+        }
+    }
+
+    /// Number of inputs the op takes.
+    pub fn arity(&self) -> usize {
+        match self {
+            Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => 0,
+            Op::Binary(_) | Op::MatMul { .. } | Op::SoftmaxCrossEntropy | Op::Mse => 2,
+            Op::SoftmaxCrossEntropyGrad | Op::Where => 3,
+            _ => 1,
+        }
+    }
+
+    /// True for ops whose output shares its input's storage.
+    pub fn is_alias(&self) -> bool {
+        matches!(self, Op::Reshape { .. })
+    }
+}
