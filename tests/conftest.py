@@ -91,7 +91,7 @@ def specs(arrays):
 
 def run_forward(fn, arrays, device=None):
     """Compile ``fn(**tensors)`` on a parameter-free model and run it once on ``arrays``."""
-    compiled = rlx.compile(lambda m, **t: fn(**t), Empty(), specs(arrays), device=device or DEVICE)
+    compiled = rlx.compile(lambda _model, **t: fn(**t), Empty(), specs(arrays), device=device or DEVICE)
     return compiled(**arrays)
 
 

@@ -1,0 +1,175 @@
+//! Runs a lowered program on the host: checks every range once, then dispatches each instruction.
+use crate::kernels;
+use crate::mem::{overlaps, Bases};
+use rlx_ir::{DType, Error, Op, Result};
+use rlx_runtime::backend::check_range;
+use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
+
+pub struct CpuProgram {
+    instrs: Vec<Instr>,
+    lens: Vec<usize>,
+}
+
+impl CpuProgram {
+    /// Checks that every tensor lies inside its buffer and that no instruction's output overlaps
+    /// one of its inputs — the invariants `mem::Bases` relies on to hand out slices.
+    pub fn new(program: &Program, lens: &[usize]) -> Result<CpuProgram> {
+        for instr in &program.instrs {
+            let (reads, writes): (Vec<&TRef>, Vec<&TRef>) = match instr {
+                Instr::Op { ins, out, op } => {
+                    check_kernel(op, ins, out)?;
+                    (ins.iter().collect(), vec![out])
+                }
+                Instr::CountStep { counter } => (vec![], vec![counter]),
+                Instr::Optim { param, grad, state, counter, .. } => {
+                    let mut w = vec![param];
+                    w.extend(state.iter());
+                    (vec![grad, counter], w)
+                }
+            };
+            for t in reads.iter().chain(&writes) {
+                let len = lens.get(t.buf as usize).copied().unwrap_or(0);
+                check_range("program", t.offset, t.bytes(), len)?;
+            }
+            for (i, w) in writes.iter().enumerate() {
+                let clash = reads.iter().any(|r| overlaps(w, r)) || writes[i + 1..].iter().any(|o| overlaps(w, o));
+                if clash && w.bytes() > 0 {
+                    return Err(Error::Graph(format!("internal: an instruction writes over its own operand: {instr:?}")));
+                }
+            }
+        }
+        Ok(CpuProgram { instrs: program.instrs.clone(), lens: lens.to_vec() })
+    }
+}
+
+/// Rejects kernels the CPU backend does not have for these dtypes, at compile time.
+fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
+    let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
+    let ok = match op {
+        Op::Binary(_) | Op::BroadcastTo { .. } | Op::Transpose { .. } | Op::Cast { .. } => true,
+        Op::Where => ins[1].dtype == out.dtype,
+        Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
+        _ => all_f32,
+    };
+    if ok {
+        Ok(())
+    } else {
+        let dts: Vec<&str> = ins.iter().map(|t| t.dtype.name()).collect();
+        Err(Error::unsupported(op.name(), format!("the cpu backend has no kernel for dtypes {dts:?}")))
+    }
+}
+
+impl Compiled for CpuProgram {
+    fn run(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&OptimHyper>) -> Result<()> {
+        let b = Bases::new(buffers, &self.lens)?;
+        for instr in &self.instrs {
+            // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each output is
+            // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
+            match instr {
+                Instr::Op { op, ins, out } => unsafe { run_op(&b, op, ins, out)? },
+                Instr::CountStep { counter } => unsafe { b.get_mut::<i32>(counter)[0] += 1 },
+                Instr::Optim { rule, param, grad, state, counter } => {
+                    let hyper = hyper.ok_or_else(|| Error::Graph("optimizer step without hyper-parameters".into()))?;
+                    unsafe {
+                        let step = b.get::<i32>(counter)[0];
+                        let g = b.get::<f32>(grad);
+                        let mut st: Vec<&mut [f32]> = state.iter().map(|s| b.get_mut::<f32>(s)).collect();
+                        kernels::optim::update(*rule, hyper, step, b.get_mut::<f32>(param), g, &mut st);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// # Safety
+/// `out` must not overlap any of `ins` (checked by `CpuProgram::new`).
+unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
+    use kernels::*;
+    let f = |i: usize| unsafe { b.get::<f32>(&ins[i]) };
+    let sh = |i: usize| ins[i].shape.dims();
+    let od = out.shape.dims();
+    match op {
+        Op::Unary(u) => elementwise::unary(*u, f(0), unsafe { b.get_mut(out) }),
+        Op::Binary(bop) => unsafe {
+            let (a, c) = (&ins[0], &ins[1]);
+            match (a.dtype, bop.is_comparison()) {
+                (DType::F32, _) => elementwise::binary(*bop, f(0), sh(0), f(1), sh(1), od, b.get_mut(out)),
+                (DType::I32, false) => {
+                    elementwise::binary(*bop, b.get::<i32>(a), sh(0), b.get::<i32>(c), sh(1), od, b.get_mut(out))
+                }
+                (DType::I32, true) => {
+                    elementwise::compare_into(*bop, b.get::<i32>(a), sh(0), b.get::<i32>(c), sh(1), od, b.get_mut(out))
+                }
+            }
+        },
+        Op::MatMul { trans_a, trans_b } => {
+            matmul::matmul(f(0), sh(0), *trans_a, f(1), sh(1), *trans_b, unsafe { b.get_mut(out) }, od)
+        }
+        Op::Reduce { op: r, axes, .. } => reduce::reduce(*r, f(0), sh(0), axes, unsafe { b.get_mut(out) }),
+        Op::SumTo { .. } => reduce::sum_to(f(0), sh(0), unsafe { b.get_mut(out) }, od),
+        Op::BroadcastTo { .. } | Op::Transpose { .. } => {
+            let src = match op {
+                Op::Transpose { perm } => Strided::permuted(sh(0), perm),
+                _ => Strided::broadcast(sh(0), od),
+            };
+            match out.dtype {
+                DType::F32 => layout::gather(f(0), &src, od, unsafe { b.get_mut(out) }),
+                DType::I32 => unsafe { layout::gather(b.get::<i32>(&ins[0]), &src, od, b.get_mut::<i32>(out)) },
+            }
+        }
+        Op::Softmax { axis } => nn::softmax(f(0), sh(0), *axis, false, unsafe { b.get_mut(out) }),
+        Op::LogSoftmax { axis } => nn::softmax(f(0), sh(0), *axis, true, unsafe { b.get_mut(out) }),
+        Op::SoftmaxCrossEntropy => {
+            let loss = nn::cross_entropy(f(0), sh(0), unsafe { b.get::<i32>(&ins[1]) })?;
+            unsafe { b.get_mut::<f32>(out)[0] = loss };
+        }
+        Op::SoftmaxCrossEntropyGrad => {
+            let g = f(2)[0];
+            nn::cross_entropy_grad(f(0), sh(0), unsafe { b.get::<i32>(&ins[1]) }, g, unsafe { b.get_mut(out) })?
+        }
+        Op::Mse => unsafe { b.get_mut::<f32>(out)[0] = nn::mse(f(0), f(1)) },
+        Op::Where => {
+            let cond: Vec<f32>;
+            let c = match ins[0].dtype {
+                DType::F32 => f(0),
+                DType::I32 => {
+                    cond = unsafe { b.get::<i32>(&ins[0]) }.iter().map(|&v| (v != 0) as i32 as f32).collect();
+                    &cond
+                }
+            };
+            match out.dtype {
+                DType::F32 => elementwise::select(c, sh(0), f(1), sh(1), f(2), sh(2), od, unsafe { b.get_mut(out) }),
+                DType::I32 => unsafe {
+                    elementwise::select(
+                        c,
+                        sh(0),
+                        b.get::<i32>(&ins[1]),
+                        sh(1),
+                        b.get::<i32>(&ins[2]),
+                        sh(2),
+                        od,
+                        b.get_mut(out),
+                    )
+                },
+            }
+        }
+        Op::Cast { to } => unsafe {
+            match (ins[0].dtype, to) {
+                (DType::F32, DType::F32) => b.get_mut::<f32>(out).copy_from_slice(f(0)),
+                (DType::I32, DType::I32) => b.get_mut::<i32>(out).copy_from_slice(b.get::<i32>(&ins[0])),
+                (DType::F32, DType::I32) => {
+                    b.get_mut::<i32>(out).iter_mut().zip(f(0)).for_each(|(o, &x)| *o = x as i32)
+                }
+                (DType::I32, DType::F32) => {
+                    b.get_mut::<f32>(out).iter_mut().zip(b.get::<i32>(&ins[0])).for_each(|(o, &x)| *o = x as f32)
+                }
+            }
+        },
+        Op::Input { .. } | Op::Param { .. } | Op::Const { .. } | Op::Reshape { .. } => {
+            return Err(Error::Graph(format!("internal: [{}] is not a kernel", op.name())))
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,147 @@
+//! Matrix multiplication through the `gemm` crate (runtime-dispatched AVX-512/AVX2/FMA kernels),
+//! strided so transposed operands are never copied; batches broadcast like numpy.
+use super::Strided;
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// Below this many multiply-adds one GEMM runs on one thread.
+const PAR_FLOPS: usize = 64 * 64 * 64;
+
+/// A row-major matrix view: element (i, j) is at `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+/// `out = op(a) @ op(b)` where `op` transposes the last two dims when asked.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(a: &[f32], ad: &[usize], ta: bool, b: &[f32], bd: &[usize], tb: bool, out: &mut [f32], od: &[usize]) {
+    let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+    let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+    let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
+    let n = if tb { rb } else { cb };
+    let (a_rs, a_cs) = if ta { (1, ca) } else { (ca, 1) };
+    let (b_rs, b_cs) = if tb { (1, cb) } else { (cb, 1) };
+    if out.is_empty() {
+        return;
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let ob = &od[..od.len() - 2];
+    let batch: usize = ob.iter().product();
+    let a_batch: usize = ad[..ad.len() - 2].iter().product();
+    let b_batch: usize = bd[..bd.len() - 2].iter().product();
+    // A stack of row-major matrices times one shared matrix is one tall GEMM.
+    if b_batch == 1 && !ta && a_batch == batch {
+        let am = Mat { data: a, rs: a_rs, cs: a_cs };
+        let bm = Mat { data: b, rs: b_rs, cs: b_cs };
+        return gemm_into(out, batch * m, n, k, am, bm, batch * m * n * k >= PAR_FLOPS);
+    }
+    let sa = Strided::broadcast(&ad[..ad.len() - 2], ob);
+    let sb = Strided::broadcast(&bd[..bd.len() - 2], ob);
+    let offset = |s: &Strided, mut i: usize, size: usize| {
+        let mut off = 0;
+        for d in (0..ob.len()).rev() {
+            off += (i % ob[d]) * s.strides[d];
+            i /= ob[d];
+        }
+        off * size
+    };
+    let one = |(bi, o): (usize, &mut [f32]), par: bool| {
+        let am = Mat { data: &a[offset(&sa, bi, ra * ca)..], rs: a_rs, cs: a_cs };
+        let bm = Mat { data: &b[offset(&sb, bi, rb * cb)..], rs: b_rs, cs: b_cs };
+        gemm_into(o, m, n, k, am, bm, par);
+    };
+    if m * n * k >= PAR_FLOPS || batch == 1 {
+        out.chunks_mut(m * n).enumerate().for_each(|c| one(c, m * n * k >= PAR_FLOPS));
+    } else {
+        out.par_chunks_mut(m * n).enumerate().for_each(|c| one(c, false));
+    }
+}
+
+/// `out (m x n, row-major) = a (m x k) @ b (k x n)`.
+fn gemm_into(out: &mut [f32], m: usize, n: usize, k: usize, a: Mat, b: Mat, parallel: bool) {
+    // Every element the GEMM reads must be inside the slices it was given.
+    let last = |x: Mat, r: usize, c: usize| (r - 1) * x.rs + (c - 1) * x.cs;
+    assert!(out.len() >= m * n && last(a, m, k) < a.data.len() && last(b, k, n) < b.data.len());
+    let par = if parallel { Parallelism::Rayon(0) } else { Parallelism::None };
+    // SAFETY: the assert above proves every index the GEMM touches (row/col strides as given)
+    // lies inside `out`, `a.data` and `b.data`; `out` is a unique borrow, so it aliases neither
+    // input; `read_dst = false` means `out` is never read before it is written.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            0.0,
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|p| a[i * k + p] * b[p * n + j]).sum();
+            }
+        }
+        c
+    }
+
+    fn transpose(x: &[f32], r: usize, c: usize) -> Vec<f32> {
+        (0..c).flat_map(|j| (0..r).map(move |i| x[i * c + j])).collect()
+    }
+
+    #[test]
+    fn all_transpose_flags_and_batches_match_naive() {
+        let (m, k, n) = (5, 7, 3);
+        let a: Vec<f32> = (0..m * k).map(|v| (v as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..k * n).map(|v| (v as f32 * 0.11).cos()).collect();
+        let want = naive(&a, &b, m, k, n);
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let aa = if ta { transpose(&a, m, k) } else { a.clone() };
+            let bb = if tb { transpose(&b, k, n) } else { b.clone() };
+            let ad = if ta { [k, m] } else { [m, k] };
+            let bd = if tb { [n, k] } else { [k, n] };
+            let mut out = vec![0.0; m * n];
+            matmul(&aa, &ad, ta, &bb, &bd, tb, &mut out, &[m, n]);
+            for (x, y) in out.iter().zip(&want) {
+                assert!((x - y).abs() < 1e-5, "{ta} {tb}");
+            }
+        }
+        // Batched with a broadcast right operand, and with both batched.
+        let a2: Vec<f32> = a.iter().chain(&a).map(|v| v * 2.0).collect();
+        let mut out = vec![0.0; 2 * m * n];
+        matmul(&a2, &[2, m, k], false, &b, &[k, n], false, &mut out, &[2, m, n]);
+        let mut out2 = vec![0.0; 2 * m * n];
+        let b2: Vec<f32> = b.iter().chain(&b).copied().collect();
+        matmul(&a2, &[2, m, k], false, &b2, &[2, k, n], false, &mut out2, &[2, m, n]);
+        for i in 0..2 * m * n {
+            assert!((out[i] - 2.0 * want[i % (m * n)]).abs() < 1e-5);
+            assert!((out2[i] - out[i]).abs() < 1e-5);
+        }
+    }
+}

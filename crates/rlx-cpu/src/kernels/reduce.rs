@@ -1,0 +1,111 @@
+//! Reductions (sum, mean, max over any axes) and `sum_to`, the VJP of broadcasting.
+use super::PAR_MIN;
+use rayon::prelude::*;
+use rlx_ir::ReduceOp;
+
+/// Reduces `x` (shape `xd`) over the sorted `axes`; `out` holds the kept dims in order.
+pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32]) {
+    let count: usize = axes.iter().map(|&a| xd[a]).product();
+    let (init, combine): (f32, fn(f32, f32) -> f32) = match op {
+        ReduceOp::Max => (f32::NEG_INFINITY, f32::max),
+        _ => (0.0, |a, b| a + b),
+    };
+    let rank = xd.len();
+    let is_suffix = axes.iter().enumerate().all(|(i, &a)| a == rank - axes.len() + i);
+    let is_prefix = axes.iter().enumerate().all(|(i, &a)| a == i);
+    if out.is_empty() {
+        return;
+    }
+    if count == 0 {
+        out.fill(init);
+    } else if is_suffix {
+        let row = |(o, r): (&mut f32, &[f32])| *o = r.iter().fold(init, |acc, &v| combine(acc, v));
+        if x.len() >= PAR_MIN && out.len() > 1 {
+            out.par_iter_mut().zip(x.par_chunks(count)).for_each(row);
+        } else {
+            out.iter_mut().zip(x.chunks(count)).for_each(row);
+        }
+    } else if is_prefix {
+        out.fill(init);
+        let inner = out.len();
+        let accumulate = |o: &mut [f32], j0: usize| {
+            for i in 0..count {
+                let src = &x[i * inner + j0..i * inner + j0 + o.len()];
+                o.iter_mut().zip(src).for_each(|(a, &v)| *a = combine(*a, v));
+            }
+        };
+        if x.len() >= PAR_MIN && inner >= 64 {
+            let per = inner.div_ceil(rayon::current_num_threads() * 2).max(16);
+            out.par_chunks_mut(per).enumerate().for_each(|(c, o)| accumulate(o, c * per));
+        } else {
+            accumulate(out, 0);
+        }
+    } else {
+        general(x, xd, axes, out, init, combine);
+    }
+    if op == ReduceOp::Mean {
+        let scale = 1.0 / count.max(1) as f32;
+        out.iter_mut().for_each(|v| *v *= scale);
+    }
+}
+
+/// Any axes: each output element walks its reduced sub-space with an odometer.
+fn general(x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32], init: f32, combine: fn(f32, f32) -> f32) {
+    let strides = rlx_ir::Shape::from(xd).strides();
+    let kept: Vec<usize> = (0..xd.len()).filter(|d| !axes.contains(d)).collect();
+    let rd: Vec<usize> = axes.iter().map(|&a| xd[a]).collect();
+    let rs: Vec<usize> = axes.iter().map(|&a| strides[a]).collect();
+    for (o, v) in out.iter_mut().enumerate() {
+        let mut rem = o;
+        let mut base = 0;
+        for &d in kept.iter().rev() {
+            base += (rem % xd[d]) * strides[d];
+            rem /= xd[d];
+        }
+        let mut idx = vec![0; rd.len()];
+        let mut acc = init;
+        'walk: loop {
+            let off: usize = base + idx.iter().zip(&rs).map(|(i, s)| i * s).sum::<usize>();
+            acc = combine(acc, x[off]);
+            for d in (0..rd.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < rd[d] {
+                    continue 'walk;
+                }
+                idx[d] = 0;
+            }
+            break;
+        }
+        *v = acc;
+    }
+}
+
+/// Sums `x` (shape `xd`) down to the broadcast-compatible shape `od`.
+pub fn sum_to(x: &[f32], xd: &[usize], out: &mut [f32], od: &[usize]) {
+    let lead = xd.len() - od.len();
+    let axes: Vec<usize> =
+        (0..xd.len()).filter(|&d| d < lead || (od[d - lead] == 1 && xd[d] != 1)).collect();
+    reduce(ReduceOp::Sum, x, xd, &axes, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reductions_over_any_axes() {
+        let x: Vec<f32> = (0..24).map(|v| v as f32).collect();
+        let mut out = vec![0.0; 4];
+        reduce(ReduceOp::Sum, &x, &[2, 3, 4], &[0, 1], &mut out);
+        assert_eq!(out, vec![60.0, 66.0, 72.0, 78.0]);
+        let mut out = vec![0.0; 3];
+        reduce(ReduceOp::Max, &x, &[2, 3, 4], &[0, 2], &mut out);
+        assert_eq!(out, vec![15.0, 19.0, 23.0]);
+        let mut out = vec![0.0; 2];
+        reduce(ReduceOp::Mean, &x, &[2, 3, 4], &[1, 2], &mut out);
+        assert_eq!(out, vec![5.5, 17.5]);
+        let mut out = vec![0.0; 3];
+        sum_to(&x, &[2, 3, 4], &mut out, &[3, 1]);
+        assert_eq!(out, vec![60.0 + 0.0, 92.0, 124.0].iter().map(|v| v + 0.0).collect::<Vec<_>>());
+    }
+}

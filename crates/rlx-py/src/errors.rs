@@ -1,0 +1,36 @@
+//! Turns `rlx_ir::Error` into the Python exception classes defined in `rlx/errors.py`.
+use pyo3::prelude::*;
+use rlx_ir::Error;
+
+/// The exception class name for each error kind.
+fn class_name(e: &Error) -> &'static str {
+    match e {
+        Error::Shape { .. } => "ShapeError",
+        Error::DType { .. } => "DTypeError",
+        Error::Input { .. } => "InputError",
+        Error::Device(_) => "DeviceError",
+        Error::Unsupported { .. } => "UnsupportedError",
+        Error::Checkpoint(_) => "CheckpointError",
+        Error::Graph(_) => "RlxError",
+    }
+}
+
+/// Converts an rlx error into an instance of the matching `rlx.errors` class.
+pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    let msg = e.to_string();
+    match py.import("rlx.errors").and_then(|m| m.getattr(class_name(&e))) {
+        Ok(cls) => PyErr::from_type(cls.cast_into().expect("rlx.errors holds exception classes"), msg),
+        Err(import_err) => import_err,
+    }
+}
+
+/// `?`-friendly conversion inside `#[pymethods]`.
+pub trait IntoPy<T> {
+    fn py_err(self, py: Python<'_>) -> PyResult<T>;
+}
+
+impl<T> IntoPy<T> for Result<T, Error> {
+    fn py_err(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| to_py(py, e))
+    }
+}

@@ -1,0 +1,118 @@
+//! `rlx._rlx.Executable`: a compiled graph; runs release the GIL.
+use crate::buffer::{ArenaView, Bytes};
+use crate::devices::backend;
+use crate::errors::{to_py, IntoPy};
+use crate::graph::PyGraph;
+use crate::store::{parse_rule, PyStore};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use rlx_ir::Error;
+use rlx_runtime::{Executable, OptimHyper, OptimizerSetup};
+
+#[pyclass(name = "Executable", module = "rlx._rlx", frozen)]
+pub struct PyExecutable {
+    exe: Executable,
+}
+
+#[pymethods]
+impl PyExecutable {
+    /// Compiles `graph` on `device` against the weight store `params`; with `optimizer =
+    /// (rule, state_store)` the graph's outputs are `[loss, grads...]` and each run updates.
+    #[new]
+    #[pyo3(signature = (graph, params, device, optimizer=None))]
+    fn new(
+        py: Python<'_>,
+        graph: &PyGraph,
+        params: &PyStore,
+        device: &str,
+        optimizer: Option<(String, PyRef<'_, PyStore>)>,
+    ) -> PyResult<PyExecutable> {
+        let b = backend(device).py_err(py)?;
+        let optimizer = match optimizer {
+            Some((rule, state)) => Some(OptimizerSetup { rule: parse_rule(&rule).py_err(py)?, state: state.store.clone() }),
+            None => None,
+        };
+        let g = graph.graph.clone();
+        let store = params.store.clone();
+        let exe = py.detach(|| Executable::new(b.as_ref(), &g, store, optimizer)).py_err(py)?;
+        Ok(PyExecutable { exe })
+    }
+
+    /// Runs once. `feeds` maps input names to C-contiguous arrays of the exact dtype and size;
+    /// `hyper = (lr, momentum, weight_decay, beta1, beta2, eps)` for training; returns the bytes
+    /// of the outputs listed in `read`.
+    #[pyo3(signature = (feeds, hyper=None, read=Vec::new()))]
+    fn run<'py>(
+        &self,
+        py: Python<'py>,
+        feeds: &Bound<'py, PyDict>,
+        hyper: Option<(f32, f32, f32, f32, f32, f32)>,
+        read: Vec<usize>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let mut held = Vec::with_capacity(feeds.len());
+        for (k, v) in feeds.iter() {
+            let name: String = k.extract()?;
+            let bytes = Bytes::get(&v, &name)?;
+            held.push((name, bytes));
+        }
+        let views: Vec<(&str, &[u8])> = held.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
+        let hyper = hyper.map(|(lr, momentum, weight_decay, beta1, beta2, eps)| OptimHyper {
+            lr,
+            momentum,
+            weight_decay,
+            beta1,
+            beta2,
+            eps,
+        });
+        let outs = py.detach(|| self.exe.run(&views, hyper.as_ref(), &read)).py_err(py)?;
+        Ok(outs.iter().map(|o| PyBytes::new(py, o)).collect())
+    }
+
+    /// Places a resident input once; later runs may omit it.
+    fn bind(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let bytes = Bytes::get(data, name)?;
+        let slice = bytes.as_slice();
+        py.detach(|| self.exe.bind(name, slice)).py_err(py)
+    }
+
+    /// Writes whole rows along `axis` of input `name` from row `start`, in place.
+    fn write_rows(&self, py: Python<'_>, name: &str, axis: usize, start: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let bytes = Bytes::get(data, name)?;
+        self.exe.write_rows(name, axis, start, bytes.as_slice()).py_err(py)
+    }
+
+    /// Planned sizes in bytes.
+    fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let m = self.exe.memory();
+        let d = PyDict::new(py);
+        d.set_item("arena_bytes", m.arena_bytes)?;
+        d.set_item("naive_bytes", m.naive_bytes)?;
+        d.set_item("param_bytes", m.param_bytes)?;
+        d.set_item("optimizer_state_bytes", m.state_bytes)?;
+        Ok(d)
+    }
+
+    /// `[(name, shape, dtype, bound)]` of the inputs the program reads.
+    fn input_slots(&self) -> Vec<(String, Vec<usize>, &'static str, bool)> {
+        self.exe.inputs().into_iter().map(|s| (s.name, s.at.shape.0, s.at.dtype.name(), s.bound)).collect()
+    }
+
+    /// `[(shape, dtype)]` of the outputs.
+    fn outputs(&self) -> Vec<(Vec<usize>, &'static str)> {
+        self.exe.outputs().iter().map(|t| (t.shape.0.clone(), t.dtype.name())).collect()
+    }
+
+    /// A zero-copy view of input `name`'s slot (None when not host-visible).
+    fn input_view(&self, py: Python<'_>, name: &str) -> PyResult<Option<ArenaView>> {
+        let slot = self.exe.inputs().into_iter().find(|s| s.name == name);
+        let slot = slot.ok_or_else(|| to_py(py, Error::input(name, "unknown input")))?;
+        Ok(ArenaView::new(self.exe.arena().clone(), slot.at.offset, slot.at.bytes()))
+    }
+
+    /// A zero-copy view of output `i` (None when not host-visible).
+    fn output_view(&self, py: Python<'_>, i: usize) -> PyResult<Option<ArenaView>> {
+        let t = self.exe.outputs().get(i).ok_or_else(|| to_py(py, Error::Graph(format!("no output {i}"))))?;
+        let buf = self.exe.buffer(t.buf).ok_or_else(|| to_py(py, Error::Graph("output buffer missing".into())))?;
+        Ok(ArenaView::new(buf.clone(), t.offset, t.bytes()))
+    }
+}

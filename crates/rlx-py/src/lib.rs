@@ -1,0 +1,22 @@
+//! The `rlx._rlx` extension module: registers the classes and functions, nothing else.
+mod buffer;
+mod devices;
+mod errors;
+mod exec;
+mod graph;
+mod store;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<graph::PyGraph>()?;
+    m.add_class::<store::PyStore>()?;
+    m.add_class::<exec::PyExecutable>()?;
+    m.add_class::<buffer::ArenaView>()?;
+    m.add_function(wrap_pyfunction!(devices::devices, m)?)?;
+    m.add_function(wrap_pyfunction!(devices::check_device, m)?)?;
+    m.add_function(wrap_pyfunction!(store::save_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(store::load_checkpoint, m)?)?;
+    Ok(())
+}

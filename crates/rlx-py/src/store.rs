@@ -1,0 +1,103 @@
+//! `rlx._rlx.Store` (a model's weights or an optimizer's state on one device) and checkpoints.
+use crate::buffer::{ArenaView, Bytes};
+use crate::devices::backend;
+use crate::errors::{to_py, IntoPy};
+use crate::graph::parse_dtype;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use rlx_ir::{Error, Shape};
+use rlx_runtime::{checkpoint, OptimRule, Store};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[pyclass(name = "Store", module = "rlx._rlx", frozen)]
+pub struct PyStore {
+    pub store: Arc<Store>,
+}
+
+pub fn parse_rule(rule: &str) -> Result<OptimRule, Error> {
+    match rule {
+        "sgd" => Ok(OptimRule::Sgd { momentum: false }),
+        "sgd_momentum" => Ok(OptimRule::Sgd { momentum: true }),
+        "adam" => Ok(OptimRule::Adam),
+        "adamw" => Ok(OptimRule::AdamW),
+        r => Err(Error::unsupported("optimizer", format!("unknown update rule '{r}'"))),
+    }
+}
+
+#[pymethods]
+impl PyStore {
+    /// A zeroed store on `device` holding `[(name, shape, dtype)]`.
+    #[new]
+    fn new(py: Python<'_>, device: &str, specs: Vec<(String, Vec<usize>, String)>) -> PyResult<PyStore> {
+        let b = backend(device).py_err(py)?;
+        let specs = specs
+            .into_iter()
+            .map(|(n, s, d)| parse_dtype(&d).map(|d| (n, Shape(s), d)))
+            .collect::<Result<Vec<_>, _>>()
+            .py_err(py)?;
+        Ok(PyStore { store: Arc::new(Store::new(b.as_ref(), &specs).py_err(py)?) })
+    }
+
+    /// The state store of optimizer `rule` for the weights in `params`.
+    #[staticmethod]
+    fn for_optimizer(py: Python<'_>, rule: &str, params: &PyStore) -> PyResult<PyStore> {
+        let b = backend(params.store.device()).py_err(py)?;
+        let rule = parse_rule(rule).py_err(py)?;
+        Ok(PyStore { store: Arc::new(Store::for_optimizer(b.as_ref(), rule, &params.store).py_err(py)?) })
+    }
+
+    #[getter]
+    fn device(&self) -> String {
+        self.store.device().to_string()
+    }
+
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.store.bytes()
+    }
+
+    /// `[(name, shape, dtype)]` in layout order.
+    fn entries(&self) -> Vec<(String, Vec<usize>, &'static str)> {
+        self.store.entries().iter().map(|e| (e.name.clone(), e.shape.0.clone(), e.dtype.name())).collect()
+    }
+
+    /// Overwrites tensor `name` with the bytes of a C-contiguous array.
+    fn write(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let bytes = Bytes::get(data, name)?;
+        self.store.write(name, bytes.as_slice()).py_err(py)
+    }
+
+    /// A copy of tensor `name`'s bytes.
+    fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let v = self.store.read(name).py_err(py)?;
+        Ok(PyBytes::new(py, &v))
+    }
+
+    /// A zero-copy view of tensor `name`, or None when the device memory is not host-visible.
+    fn view(&self, py: Python<'_>, name: &str) -> PyResult<Option<ArenaView>> {
+        let e = self.store.entry(name).ok_or_else(|| to_py(py, Error::input(name, "no such tensor")))?;
+        Ok(ArenaView::new(self.store.buffer().clone(), e.offset, e.bytes()))
+    }
+}
+
+/// Writes `[(name, dtype, shape, array)]` to `path` atomically in the safetensors format.
+#[pyfunction]
+pub fn save_checkpoint(py: Python<'_>, path: PathBuf, tensors: Vec<(String, String, Vec<usize>, Bound<'_, PyAny>)>) -> PyResult<()> {
+    let mut owned = Vec::with_capacity(tensors.len());
+    for (name, dtype, shape, data) in &tensors {
+        owned.push((name.as_str(), parse_dtype(dtype).py_err(py)?, shape.as_slice(), Bytes::get(data, name)?));
+    }
+    let views: Vec<_> = owned.iter().map(|(n, d, s, b)| (*n, *d, *s, b.as_slice())).collect();
+    py.detach(|| checkpoint::save(&path, &views)).py_err(py)
+}
+
+/// Reads and validates a safetensors file: `[(name, dtype, shape, bytes)]` sorted by name.
+#[pyfunction]
+pub fn load_checkpoint<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+) -> PyResult<Vec<(String, &'static str, Vec<usize>, Bound<'py, PyBytes>)>> {
+    let tensors = py.detach(|| checkpoint::load(&path)).py_err(py)?;
+    Ok(tensors.into_iter().map(|t| (t.name, t.dtype.name(), t.shape, PyBytes::new(py, &t.data))).collect())
+}

@@ -1,0 +1,51 @@
+//! The seam every backend implements: buffers, compiling a program, running it.
+//!
+//! Everything above this file (lowering, executables, Python) is device-neutral. A backend owns
+//! allocation, kernels and their choice, launch geometry, batching and synchronisation.
+use crate::{Program, Result};
+use std::any::Any;
+use std::sync::Arc;
+
+/// A device backend (CPU, CUDA, Metal).
+pub trait Backend: Send + Sync {
+    /// The device name as users write it (`"cpu"`, `"cuda:0"`).
+    fn name(&self) -> String;
+    /// Byte alignment of every planned tensor (at least 64).
+    fn alignment(&self) -> usize;
+    /// One zero-filled device allocation of `bytes`.
+    fn alloc(&self, bytes: usize) -> Result<Arc<dyn DeviceBuffer>>;
+    /// Prepares `program` to run over buffers of the given lengths (indexed by [`crate::Buf`]).
+    fn compile(&self, program: &Program, buffer_lens: &[usize]) -> Result<Box<dyn Compiled>>;
+}
+
+/// One device allocation. Interior mutability: writes go through `&self`; callers serialise runs.
+pub trait DeviceBuffer: Send + Sync + Any {
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The host address of byte 0 where the host can see this memory (CPU, Metal shared storage).
+    fn host_ptr(&self) -> Option<std::ptr::NonNull<u8>>;
+    /// Copies `data` into the buffer at `offset` (bounds-checked).
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()>;
+    /// Copies bytes at `offset` into `out` (bounds-checked).
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A program prepared for one backend.
+pub trait Compiled: Send {
+    /// Runs every instruction in order over `buffers` (indexed by [`crate::Buf`]).
+    fn run(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&crate::OptimHyper>) -> Result<()>;
+}
+
+/// Checks that `offset..offset+len` lies inside a buffer of `size` bytes.
+pub fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Result<()> {
+    match offset.checked_add(len) {
+        Some(end) if end <= size => Ok(()),
+        _ => Err(crate::Error::Graph(format!(
+            "[{what}] bytes {offset}..{} are outside a buffer of {size} bytes",
+            offset.saturating_add(len)
+        ))),
+    }
+}

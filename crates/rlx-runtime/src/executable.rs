@@ -1,0 +1,323 @@
+//! A compiled executable: one arena, resident weights and inputs, the whole step as one call.
+use crate::backend::check_range;
+use crate::lower::lower;
+use crate::{Backend, Buf, Compiled, DeviceBuffer, Error, Instr, OptimHyper, OptimRule, Result, Store, TRef};
+use rlx_ir::{DType, Graph, Op};
+use std::sync::{Arc, Mutex};
+
+/// The optimizer of a training executable: its rule and its state store.
+pub struct OptimizerSetup {
+    pub rule: OptimRule,
+    pub state: Arc<Store>,
+}
+
+/// A named input's pinned slot in the arena.
+#[derive(Clone, Debug)]
+pub struct InputSlot {
+    pub name: String,
+    pub at: TRef,
+    /// Bound once as a resident input: later runs need not supply it.
+    pub bound: bool,
+    /// For integer class ids / token ids: every value must be in `0..limit`.
+    pub limit: Option<(i64, &'static str)>,
+}
+
+/// What `step.memory()` reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryReport {
+    pub arena_bytes: usize,
+    pub naive_bytes: usize,
+    pub param_bytes: usize,
+    pub state_bytes: usize,
+}
+
+struct Inner {
+    compiled: Box<dyn Compiled>,
+    inputs: Vec<InputSlot>,
+}
+
+/// A graph compiled for one device. All methods take `&self`; runs are serialised internally.
+pub struct Executable {
+    arena: Arc<dyn DeviceBuffer>,
+    params: Arc<Store>,
+    state: Option<Arc<Store>>,
+    inner: Mutex<Inner>,
+    input_names: Vec<String>,
+    outputs: Vec<TRef>,
+    memory: MemoryReport,
+}
+
+impl Executable {
+    /// Compiles `graph` against the weight store `params`. With an optimizer, the graph's outputs
+    /// must be `[loss, grad of each param node in graph order]`, and each run ends with the update.
+    pub fn new(
+        backend: &dyn Backend,
+        graph: &Graph,
+        params: Arc<Store>,
+        optimizer: Option<OptimizerSetup>,
+    ) -> Result<Executable> {
+        if params.device() != backend.name() {
+            return Err(Error::Device(format!(
+                "the weights live on {} but the executable is for {}",
+                params.device(),
+                backend.name()
+            )));
+        }
+        let low = lower(graph, &params, backend.alignment())?;
+        let mut program = low.program;
+        let outputs: Vec<TRef> = graph.outputs().iter().map(|&o| low.loc[o].clone().expect("outputs are live")).collect();
+        if let Some(opt) = &optimizer {
+            let counter = state_ref(&opt.state, "step")?;
+            program.instrs.push(Instr::CountStep { counter: counter.clone() });
+            let graph_params = graph.params();
+            if outputs.len() != graph_params.len() + 1 {
+                return Err(Error::Graph(format!(
+                    "a training graph needs outputs [loss, one gradient per parameter]: {} outputs for {} parameters",
+                    outputs.len(),
+                    graph_params.len()
+                )));
+            }
+            for ((id, name), grad) in graph_params.iter().zip(&outputs[1..]) {
+                let param = low.loc[*id].clone().unwrap_or_else(|| {
+                    let e = params.entry(name).expect("checked by lower");
+                    TRef { buf: Buf::Params, offset: e.offset, shape: e.shape.clone(), dtype: e.dtype }
+                });
+                let slots: &[&str] = match opt.rule {
+                    OptimRule::Sgd { momentum: false } => &[],
+                    OptimRule::Sgd { momentum: true } => &["momentum_buffer"],
+                    OptimRule::Adam | OptimRule::AdamW => &["exp_avg", "exp_avg_sq"],
+                };
+                let state = slots.iter().map(|s| state_ref(&opt.state, &format!("{name}.{s}"))).collect::<Result<_>>()?;
+                program.instrs.push(Instr::Optim {
+                    rule: opt.rule,
+                    param,
+                    grad: grad.clone(),
+                    state,
+                    counter: counter.clone(),
+                });
+            }
+        }
+        let arena = backend.alloc(low.arena_bytes)?;
+        for (offset, bytes) in &low.consts {
+            arena.write(*offset, bytes)?;
+        }
+        let state_len = optimizer.as_ref().map_or(0, |o| o.state.bytes());
+        let compiled = backend.compile(&program, &[arena.len(), params.bytes(), state_len])?;
+        let mut inputs = Vec::new();
+        for (id, name) in graph.inputs() {
+            if let Some(at) = low.loc[id].clone() {
+                inputs.push(InputSlot { name: name.to_string(), at, bound: false, limit: index_limit(graph, id) });
+            }
+        }
+        let memory = MemoryReport {
+            arena_bytes: low.arena_bytes,
+            naive_bytes: low.naive_bytes,
+            param_bytes: params.bytes(),
+            state_bytes: state_len,
+        };
+        Ok(Executable {
+            arena,
+            params,
+            state: optimizer.map(|o| o.state),
+            input_names: inputs.iter().map(|s| s.name.clone()).collect(),
+            inner: Mutex::new(Inner { compiled, inputs }),
+            outputs,
+            memory,
+        })
+    }
+
+    pub fn memory(&self) -> MemoryReport {
+        self.memory
+    }
+
+    pub fn arena(&self) -> &Arc<dyn DeviceBuffer> {
+        &self.arena
+    }
+
+    pub fn params(&self) -> &Arc<Store> {
+        &self.params
+    }
+
+    pub fn state(&self) -> Option<&Arc<Store>> {
+        self.state.as_ref()
+    }
+
+    pub fn outputs(&self) -> &[TRef] {
+        &self.outputs
+    }
+
+    /// The buffer a tensor reference points into.
+    pub fn buffer(&self, buf: Buf) -> Option<&Arc<dyn DeviceBuffer>> {
+        match buf {
+            Buf::Arena => Some(&self.arena),
+            Buf::Params => Some(self.params.buffer()),
+            Buf::State => self.state.as_ref().map(|s| s.buffer()),
+        }
+    }
+
+    /// Names of the inputs the graph reads (dead inputs are left out), in declaration order.
+    pub fn input_names(&self) -> &[String] {
+        &self.input_names
+    }
+
+    /// A copy of the input slots (names, places, whether bound).
+    pub fn inputs(&self) -> Vec<InputSlot> {
+        self.lock().inputs.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Places `data` in the input slot `name` once; later runs may omit it.
+    pub fn bind(&self, name: &str, data: &[u8]) -> Result<()> {
+        let mut inner = self.lock();
+        let slot = find_slot(&inner.inputs, name)?;
+        check_feed(slot, data)?;
+        let _params = self.params.lock();
+        self.arena.write(slot.at.offset, data)?;
+        let slot = inner.inputs.iter_mut().find(|s| s.name == name).expect("found above");
+        slot.bound = true;
+        Ok(())
+    }
+
+    /// Writes `count` rows along `axis` of the input `name`, starting at row `start`, in place.
+    pub fn write_rows(&self, name: &str, axis: usize, start: usize, data: &[u8]) -> Result<()> {
+        let inner = self.lock();
+        let slot = find_slot(&inner.inputs, name)?;
+        let dims = slot.at.shape.dims();
+        if axis >= dims.len() {
+            return Err(Error::shape(name, format!("axis {axis} is out of range for shape {}", slot.at.shape)));
+        }
+        let outer: usize = dims[..axis].iter().product();
+        let inner_len: usize = dims[axis + 1..].iter().product::<usize>() * slot.at.dtype.size();
+        let row_block = inner_len * outer;
+        if row_block == 0 || data.len() % row_block != 0 {
+            return Err(Error::shape(
+                name,
+                format!("rows of {} bytes do not fit whole rows of shape {} along axis {axis}", data.len(), slot.at.shape),
+            ));
+        }
+        let count = data.len() / row_block;
+        if start.checked_add(count).is_none_or(|end| end > dims[axis]) {
+            return Err(Error::input(
+                name,
+                format!(
+                    "writing {count} rows at {start} overflows axis {axis} of size {} (shape {})",
+                    dims[axis], slot.at.shape
+                ),
+            ));
+        }
+        check_limit(slot, data)?;
+        let _params = self.params.lock();
+        let chunk = count * inner_len;
+        for o in 0..outer {
+            let dst = slot.at.offset + (o * dims[axis] + start) * inner_len;
+            check_range(name, dst, chunk, self.arena.len())?;
+            self.arena.write(dst, &data[o * chunk..(o + 1) * chunk])?;
+        }
+        Ok(())
+    }
+
+    /// Copies the feeds into their slots, runs the program (and the optimizer update when there
+    /// is one) and reads back the outputs listed in `read`. Every feed is checked before anything
+    /// is written, so a bad call changes nothing.
+    pub fn run(&self, feeds: &[(&str, &[u8])], hyper: Option<&OptimHyper>, read: &[usize]) -> Result<Vec<Vec<u8>>> {
+        let mut inner = self.lock();
+        for (i, (name, data)) in feeds.iter().enumerate() {
+            if feeds[..i].iter().any(|(n, _)| n == name) {
+                return Err(Error::input(*name, "given twice"));
+            }
+            check_feed(find_slot(&inner.inputs, name)?, data)?;
+        }
+        if let Some(missing) = inner.inputs.iter().find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name)) {
+            return Err(Error::input(&missing.name, "missing input (neither given nor bound)"));
+        }
+        if self.state.is_some() && hyper.is_none() {
+            return Err(Error::Graph("a training executable needs optimizer hyper-parameters".into()));
+        }
+        if let Some(&bad) = read.iter().find(|&&i| i >= self.outputs.len()) {
+            return Err(Error::Graph(format!("output {bad} does not exist ({} outputs)", self.outputs.len())));
+        }
+        let _params = self.params.lock();
+        let _state = self.state.as_ref().map(|s| s.lock());
+        for (name, data) in feeds {
+            let slot = find_slot(&inner.inputs, name)?;
+            self.arena.write(slot.at.offset, data)?;
+        }
+        let state_buf = self.state.as_ref().map(|s| s.buffer().clone());
+        let mut bufs: Vec<&dyn DeviceBuffer> = vec![self.arena.as_ref(), self.params.buffer().as_ref()];
+        if let Some(s) = &state_buf {
+            bufs.push(s.as_ref());
+        }
+        inner.compiled.run(&bufs, hyper)?;
+        read.iter()
+            .map(|&i| {
+                let o = &self.outputs[i];
+                let mut out = vec![0; o.bytes()];
+                bufs[o.buf as usize].read(o.offset, &mut out)?;
+                Ok(out)
+            })
+            .collect()
+    }
+}
+
+fn state_ref(state: &Store, name: &str) -> Result<TRef> {
+    let e = state.entry(name).ok_or_else(|| Error::Graph(format!("optimizer state has no '{name}'")))?;
+    Ok(TRef { buf: Buf::State, offset: e.offset, shape: e.shape.clone(), dtype: e.dtype })
+}
+
+fn find_slot<'a>(slots: &'a [InputSlot], name: &str) -> Result<&'a InputSlot> {
+    slots.iter().find(|s| s.name == name).ok_or_else(|| {
+        let known: Vec<&str> = slots.iter().map(|s| s.name.as_str()).collect();
+        Error::input(name, format!("unknown input; this function takes {known:?}"))
+    })
+}
+
+fn check_feed(slot: &InputSlot, data: &[u8]) -> Result<()> {
+    if data.len() != slot.at.bytes() {
+        return Err(Error::shape(
+            &slot.name,
+            format!(
+                "expected {} {} ({} bytes), got {} bytes",
+                slot.at.shape,
+                slot.at.dtype,
+                slot.at.bytes(),
+                data.len()
+            ),
+        ));
+    }
+    check_limit(slot, data)
+}
+
+fn check_limit(slot: &InputSlot, data: &[u8]) -> Result<()> {
+    let Some((limit, what)) = slot.limit else { return Ok(()) };
+    let bad = data
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+        .find(|&v| v < 0 || v >= limit);
+    match bad {
+        Some(v) => Err(Error::input(&slot.name, format!("{what} {v} is out of range [0, {limit})"))),
+        None => Ok(()),
+    }
+}
+
+/// If input `id` is used (directly or through reshapes) as class ids, the exclusive upper bound.
+fn index_limit(graph: &Graph, id: usize) -> Option<(i64, &'static str)> {
+    if graph.node(id).dtype != DType::I32 {
+        return None;
+    }
+    let mut sources = vec![id];
+    let mut limit: Option<i64> = None;
+    for (n, node) in graph.nodes().iter().enumerate().skip(id + 1) {
+        match &node.op {
+            Op::Reshape { .. } if sources.contains(&node.inputs[0]) => sources.push(n),
+            Op::SoftmaxCrossEntropy if sources.contains(&node.inputs[1]) => {
+                let classes = graph.node(node.inputs[0]).shape.dims()[1] as i64;
+                limit = Some(limit.map_or(classes, |l| l.min(classes)));
+            }
+            _ => {}
+        }
+    }
+    limit.map(|l| (l, "label"))
+}

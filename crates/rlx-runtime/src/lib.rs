@@ -1,0 +1,16 @@
+//! rlx-runtime: everything between the IR and a device — the backend seam, lowering a graph to a
+//! program over one arena, executables with resident weights and inputs, optimizers, checkpoints.
+#![forbid(unsafe_code)]
+
+pub mod backend;
+pub mod checkpoint;
+pub mod executable;
+pub mod lower;
+pub mod program;
+pub mod store;
+
+pub use backend::{Backend, Compiled, DeviceBuffer};
+pub use executable::{Executable, InputSlot, MemoryReport, OptimizerSetup};
+pub use program::{Buf, Instr, OptimHyper, OptimRule, Program, TRef};
+pub use rlx_ir::{Error, Result};
+pub use store::{Store, StoreEntry};

@@ -1,0 +1,115 @@
+//! Resident stores: a model's weights, or an optimizer's state, in one device buffer by name.
+use crate::{backend::check_range, Backend, DeviceBuffer, Error, OptimRule, Result};
+use rlx_ir::{planner::align_up, DType, Shape};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// One named tensor in a store.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoreEntry {
+    pub name: String,
+    pub offset: usize,
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+impl StoreEntry {
+    pub fn bytes(&self) -> usize {
+        self.shape.numel() * self.dtype.size()
+    }
+}
+
+/// Named tensors packed into one device buffer. Executables share a store through an `Arc`;
+/// its run lock serialises every executable that updates or reads it.
+pub struct Store {
+    buffer: Arc<dyn DeviceBuffer>,
+    entries: Vec<StoreEntry>,
+    device: String,
+    run_lock: Mutex<()>,
+}
+
+impl Store {
+    /// Lays out `specs` (aligned for the backend) in one fresh zeroed allocation.
+    pub fn new(backend: &dyn Backend, specs: &[(String, Shape, DType)]) -> Result<Store> {
+        let align = backend.alignment();
+        let mut entries = Vec::with_capacity(specs.len());
+        let mut offset = 0;
+        for (name, shape, dtype) in specs {
+            if entries.iter().any(|e: &StoreEntry| &e.name == name) {
+                return Err(Error::Graph(format!("the name '{name}' appears twice")));
+            }
+            let e = StoreEntry { name: name.clone(), offset, shape: shape.clone(), dtype: *dtype };
+            offset = align_up(offset + e.bytes(), align);
+            entries.push(e);
+        }
+        let buffer = backend.alloc(offset)?;
+        Ok(Store { buffer, entries, device: backend.name(), run_lock: Mutex::new(()) })
+    }
+
+    /// The state an optimizer with `rule` keeps for the parameters of `params`.
+    pub fn for_optimizer(backend: &dyn Backend, rule: OptimRule, params: &Store) -> Result<Store> {
+        let slots: &[&str] = match rule {
+            OptimRule::Sgd { momentum: false } => &[],
+            OptimRule::Sgd { momentum: true } => &["momentum_buffer"],
+            OptimRule::Adam | OptimRule::AdamW => &["exp_avg", "exp_avg_sq"],
+        };
+        let mut specs = vec![("step".to_string(), Shape::scalar(), DType::I32)];
+        for p in params.entries() {
+            for s in slots {
+                specs.push((format!("{}.{s}", p.name), p.shape.clone(), p.dtype));
+            }
+        }
+        Store::new(backend, &specs)
+    }
+
+    pub fn entries(&self) -> &[StoreEntry] {
+        &self.entries
+    }
+
+    pub fn entry(&self, name: &str) -> Option<&StoreEntry> {
+        self.entries.iter().find(|e| e.name == name)
+    }
+
+    pub fn buffer(&self) -> &Arc<dyn DeviceBuffer> {
+        &self.buffer
+    }
+
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.buffer.len()
+    }
+
+    /// Held for the whole of every run that touches this store.
+    pub fn lock(&self) -> MutexGuard<'_, ()> {
+        self.run_lock.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn named(&self, name: &str) -> Result<&StoreEntry> {
+        self.entry(name).ok_or_else(|| Error::input(name, "no such tensor in this store"))
+    }
+
+    /// Overwrites the tensor `name` with `data` (its exact byte size).
+    pub fn write(&self, name: &str, data: &[u8]) -> Result<()> {
+        let e = self.named(name)?;
+        if data.len() != e.bytes() {
+            return Err(Error::shape(
+                name,
+                format!("expected {} bytes for shape {} {}, got {}", e.bytes(), e.shape, e.dtype, data.len()),
+            ));
+        }
+        check_range(name, e.offset, data.len(), self.buffer.len())?;
+        let _guard = self.lock();
+        self.buffer.write(e.offset, data)
+    }
+
+    /// Copies out the tensor `name`.
+    pub fn read(&self, name: &str) -> Result<Vec<u8>> {
+        let e = self.named(name)?;
+        let mut out = vec![0; e.bytes()];
+        let _guard = self.lock();
+        self.buffer.read(e.offset, &mut out)?;
+        Ok(out)
+    }
+}

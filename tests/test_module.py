@@ -1,0 +1,182 @@
+"""Modules: parameter naming and order, initialisation, seeding, layers' forward results."""
+
+import math
+
+import numpy as np
+import pytest
+
+import rlx
+from conftest import assert_close, specs
+
+
+def params_np(model):
+    return {k: np.array(p.numpy(), copy=True) for k, p in model.parameters().items()}
+
+
+def test_linear_parameters_shapes_and_init_bounds():
+    rlx.seed(0)
+    lin = rlx.nn.Linear(64, 32)
+    ps = lin.parameters()
+    assert list(ps) == ["weight", "bias"]
+    w, b = ps["weight"], ps["bias"]
+    assert tuple(w.shape) == (64, 32) and tuple(b.shape) == (32,)
+    assert np.dtype(w.dtype) == np.float32 and np.dtype(b.dtype) == np.float32
+    wn, bn = w.numpy(), b.numpy()
+    assert wn.shape == (64, 32) and wn.dtype == np.float32
+    bound = 1.0 / math.sqrt(64)
+    assert np.all(np.abs(wn) <= bound) and np.all(np.abs(bn) <= bound)
+    # U(-bound, bound): std = bound / sqrt(3), mean ~ 0, and it really spreads over the interval
+    assert abs(wn.std() - bound / math.sqrt(3)) < 0.1 * bound
+    assert abs(wn.mean()) < 0.05 * bound
+    assert wn.max() > 0.9 * bound and wn.min() < -0.9 * bound
+    assert len(np.unique(bn)) > 16
+
+
+def test_linear_without_bias():
+    lin = rlx.nn.Linear(3, 2, bias=False)
+    assert list(lin.parameters()) == ["weight"]
+    assert tuple(lin.weight.shape) == (3, 2)
+
+
+def test_seed_makes_init_deterministic():
+    rlx.seed(123)
+    a = params_np(rlx.nn.Linear(8, 4))
+    rlx.seed(123)
+    b = params_np(rlx.nn.Linear(8, 4))
+    rlx.seed(124)
+    c = params_np(rlx.nn.Linear(8, 4))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert not np.array_equal(a["weight"], c["weight"])
+
+
+def test_two_layers_after_one_seed_differ():
+    rlx.seed(0)
+    a, b = rlx.nn.Linear(8, 8), rlx.nn.Linear(8, 8)
+    assert not np.array_equal(a.weight.numpy(), b.weight.numpy())
+
+
+class Nested(rlx.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.zeta = rlx.nn.Linear(4, 5)          # assigned first, sorts last alphabetically
+        self.scale = rlx.nn.Parameter(np.full((5,), 2.0, dtype=np.float64))
+        self.alpha = rlx.nn.Linear(5, 3, bias=False)
+
+    def __call__(self, x):
+        return self.alpha(self.zeta(x) * self.scale)
+
+
+def test_nested_names_follow_assignment_order():
+    m = Nested()
+    assert list(m.parameters()) == ["zeta.weight", "zeta.bias", "scale", "alpha.weight"]
+    assert isinstance(m.parameters()["scale"], rlx.nn.Parameter)
+
+
+def test_parameter_wraps_array_as_float32():
+    a = np.arange(6, dtype=np.float64).reshape(2, 3)
+    p = rlx.nn.Parameter(a)
+    assert tuple(p.shape) == (2, 3)
+    assert np.dtype(p.dtype) == np.float32
+    out = p.numpy()
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, a.astype(np.float32))
+
+
+def test_nested_module_forward():
+    m = Nested()
+    x = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    p = params_np(m)
+    fn = rlx.compile(lambda m, x: m(x), m, specs({"x": x}))
+    expected = ((x @ p["zeta.weight"] + p["zeta.bias"]) * 2.0) @ p["alpha.weight"]
+    assert_close(fn(x=x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sequential_names_and_forward():
+    rlx.seed(1)
+    seq = rlx.nn.Sequential(rlx.nn.Linear(4, 8), rlx.nn.ReLU(), rlx.nn.Linear(8, 3))
+    assert list(seq.parameters()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    p = params_np(seq)
+    x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    fn = rlx.compile(lambda m, x: m(x), seq, specs({"x": x}))
+    h = np.maximum(x.astype(np.float64) @ p["0.weight"] + p["0.bias"], 0)
+    assert_close(fn(x=x), h @ p["2.weight"] + p["2.bias"], rtol=1e-5, atol=1e-5)
+
+
+def test_sequential_nested_in_module_names():
+    class M(rlx.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = rlx.nn.Sequential(rlx.nn.Linear(2, 2), rlx.nn.GELU(), rlx.nn.Linear(2, 1))
+
+    assert list(M().parameters()) == ["body.0.weight", "body.0.bias", "body.2.weight",
+                                      "body.2.bias"]
+
+
+def test_linear_on_3d_input():
+    rlx.seed(2)
+    lin = rlx.nn.Linear(4, 3)
+    p = params_np(lin)
+    x = np.random.default_rng(2).standard_normal((2, 5, 4)).astype(np.float32)
+    fn = rlx.compile(lambda m, x: m(x), lin, specs({"x": x}))
+    assert_close(fn(x=x), x.astype(np.float64) @ p["weight"] + p["bias"], rtol=1e-5, atol=1e-5)
+
+
+def test_gelu_module_matches_function():
+    x = np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4)
+    from conftest import Empty
+
+    g = rlx.nn.GELU()
+    fn = rlx.compile(lambda m, x: (g(x), rlx.gelu(x)), Empty(), specs({"x": x}))
+    a, b = fn(x=x)
+    assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_layernorm_module_init():
+    ln = rlx.nn.LayerNorm(6)
+    vals = [p.numpy() for p in ln.parameters().values()]
+    assert len(vals) == 2
+    assert all(v.shape == (6,) for v in vals)
+    assert np.array_equal(vals[0], np.ones(6, np.float32))   # gamma = 1
+    assert np.array_equal(vals[1], np.zeros(6, np.float32))  # beta = 0
+
+
+def test_embedding_module_init():
+    rlx.seed(3)
+    emb = rlx.nn.Embedding(1000, 16)
+    (w,) = [p.numpy() for p in emb.parameters().values()]
+    assert w.shape == (1000, 16)
+    assert abs(w.std() - 1.0) < 0.05 and abs(w.mean()) < 0.05  # N(0, 1) as PyTorch
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_multi_head_attention_causality(causal):
+    rlx.seed(4)
+    mha = rlx.nn.MultiHeadAttention(8, 2, causal=causal)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 5, 8)).astype(np.float32)
+    x2 = x.copy()
+    x2[:, -1, :] += 1.0  # change only the last position
+    fn = rlx.compile(lambda m, x: m(x), mha, specs({"x": x}))
+    y, y2 = fn(x=x), fn(x=x2)
+    assert y.shape == (2, 5, 8) and np.all(np.isfinite(y))
+    if causal:
+        np.testing.assert_allclose(y[:, :-1], y2[:, :-1], rtol=1e-5, atol=1e-6)
+    else:
+        assert np.max(np.abs(y[:, :-1] - y2[:, :-1])) > 1e-4
+    assert np.max(np.abs(y[:, -1] - y2[:, -1])) > 1e-4
+
+
+def test_transformer_block_trains():
+    rlx.seed(5)
+    blk = rlx.nn.TransformerBlock(8, 2)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    t = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    step = rlx.compile_train_step(lambda m, x, t: rlx.mse_loss(m(x), t), blk,
+                                  rlx.optim.Adam(lr=1e-2), specs({"x": x, "t": t}))
+    losses = [step(x=x, t=t) for _ in range(30)]
+    assert all(np.isfinite(losses))
+    assert losses[-1] < losses[0]
+    for k, p in blk.parameters().items():
+        assert step.grads[k].shape == tuple(p.shape)

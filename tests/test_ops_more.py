@@ -1,0 +1,96 @@
+"""The remaining contract ops (API.md): gelu (exact and tanh form), layer_norm, embedding."""
+
+import math
+
+import numpy as np
+import pytest
+
+import rlx
+from conftest import assert_close, check_op_grads, run_forward
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def np_gelu(a, approximate=False):
+    a = np.asarray(a, dtype=np.float64)
+    if approximate:
+        return 0.5 * a * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (a + 0.044715 * a**3)))
+    return 0.5 * a * (1.0 + _erf(a / math.sqrt(2.0)))
+
+
+def np_layer_norm(x, w, b, eps=1e-5):
+    mu = x.mean(axis=-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+
+def test_gelu_reference_value():
+    # the numpy reference itself: gelu(1) = Phi(1) = 0.8413447...
+    assert math.isclose(float(np_gelu(np.array(1.0))), 0.8413447460685429, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("approximate", [False, True])
+def test_gelu(approximate):
+    rng = np.random.default_rng(1)
+    x = rng.uniform(-4.0, 4.0, (3, 7)).astype(np.float32)
+    if approximate:
+        out = run_forward(lambda x: rlx.gelu(x, approximate=True), {"x": x})
+    else:
+        out = run_forward(lambda x: rlx.gelu(x), {"x": x})
+    assert_close(out, np_gelu(x, approximate), rtol=1e-5, atol=1e-6)
+    check_op_grads(lambda t: rlx.gelu(t, approximate=approximate),
+                   lambda a: np_gelu(a, approximate), {"x": x})
+
+
+def test_gelu_default_is_exact_erf_form():
+    # the erf and tanh forms differ by ~1e-3 near |x| = 2; the default must be the erf one
+    x = np.array([-2.0, -1.5, 1.5, 2.0, 3.0], dtype=np.float32)
+    out = run_forward(lambda x: rlx.gelu(x), {"x": x})
+    assert_close(out, np_gelu(x, False), rtol=1e-6, atol=1e-7)
+    assert np.max(np.abs(np_gelu(x, False) - np_gelu(x, True))) > 1e-4
+
+
+@pytest.mark.parametrize("shape", [(4, 8), (2, 3, 5)], ids=str)
+def test_layer_norm(shape):
+    rng = np.random.default_rng(2)
+    d = shape[-1]
+    x = rng.standard_normal(shape).astype(np.float32) * 2 + 1
+    w = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    b = rng.uniform(-0.5, 0.5, d).astype(np.float32)
+    out = run_forward(lambda x, w, b: rlx.layer_norm(x, w, b), {"x": x, "w": w, "b": b})
+    assert_close(out, np_layer_norm(x.astype(np.float64), w, b), rtol=1e-4, atol=1e-5)
+    check_op_grads(lambda x, w, b: rlx.layer_norm(x, w, b), np_layer_norm,
+                   {"x": x, "w": w, "b": b})
+
+
+def test_layer_norm_eps():
+    # with tiny variance eps dominates: a different eps gives a visibly different result
+    x = np.array([[1.0, 1.001, 0.999, 1.0]], dtype=np.float32)
+    w, b = np.ones(4, np.float32), np.zeros(4, np.float32)
+    out = run_forward(lambda x, w, b: rlx.layer_norm(x, w, b, eps=1e-3), {"x": x, "w": w, "b": b})
+    assert_close(out, np_layer_norm(x.astype(np.float64), w, b, eps=1e-3), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("ids_shape", [(6,), (2, 5)], ids=str)
+def test_embedding(ids_shape):
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((7, 4)).astype(np.float32)
+    ids = rng.integers(0, 7, ids_shape).astype(np.int32)
+    ids.reshape(-1)[:2] = 3  # repeated ids: their gradients must accumulate
+    out = run_forward(lambda t, i: rlx.embedding(t, i), {"t": table, "i": ids})
+    np.testing.assert_array_equal(out, table[ids])
+    grads = check_op_grads(lambda t, i: rlx.embedding(t, i), lambda t, i: t[i],
+                           {"table": table}, arrays={"i": ids})
+    unused = np.setdiff1d(np.arange(7), ids)
+    np.testing.assert_array_equal(grads["table"][unused], 0.0)
+
+
+def test_embedding_out_of_range_id_raises():
+    from conftest import Empty
+
+    table = np.zeros((5, 2), np.float32)
+    fn = rlx.compile(lambda m, t, i: rlx.embedding(t, i), Empty(),
+                     {"t": rlx.InputSpec((5, 2)), "i": rlx.InputSpec((3,), dtype="int32")})
+    # must be refused (an rlx error, InputError expected), never read out of bounds
+    with pytest.raises(rlx.RlxError):
+        fn(t=table, i=np.array([0, 5, 1], np.int32))
