@@ -151,7 +151,8 @@ SCALAR_CASES = {
     "s/x": (lambda t: 2.0 / t, lambda a: 2.0 / a, "nonzero"),
     "x+int": (lambda t: t + 2, lambda a: a + 2, "any"),
     "int*x": (lambda t: 3 * t, lambda a: 3 * a, "any"),
-    "chain": (lambda t: (t * 2.0 - 1.0) / 3.0 + 0.25, lambda a: (a * 2.0 - 1.0) / 3.0 + 0.25, "any"),
+    "chain": (lambda t: (t * 2.0 - 1.0) / 3.0 + 0.25,
+              lambda a: (a * 2.0 - 1.0) / 3.0 + 0.25, "any"),
 }
 
 
@@ -169,7 +170,8 @@ NUMPY_CONST = np.array([0.5, -1.0, 2.0, 3.0], dtype=np.float32)
 NUMPY_CASES = {
     "x+C": (lambda t: t + NUMPY_CONST, lambda a: a + NUMPY_CONST),
     "x*C": (lambda t: t * NUMPY_CONST, lambda a: a * NUMPY_CONST),
-    "x-C2d": (lambda t: t - NUMPY_CONST.reshape(1, 4) * 2, lambda a: a - NUMPY_CONST.reshape(1, 4) * 2),
+    "x-C2d": (lambda t: t - NUMPY_CONST.reshape(1, 4) * 2,
+              lambda a: a - NUMPY_CONST.reshape(1, 4) * 2),
     "x/C": (lambda t: t / NUMPY_CONST, lambda a: a / NUMPY_CONST),
 }
 

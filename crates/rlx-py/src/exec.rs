@@ -5,7 +5,7 @@ use crate::errors::{to_py, IntoPy};
 use crate::graph::PyGraph;
 use crate::store::{parse_rule, PyStore};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyByteArray, PyDict};
 use rlx_ir::Error;
 use rlx_runtime::{Executable, OptimHyper, OptimizerSetup};
 
@@ -48,7 +48,7 @@ impl PyExecutable {
         feeds: &Bound<'py, PyDict>,
         hyper: Option<(f32, f32, f32, f32, f32, f32)>,
         read: Vec<usize>,
-    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    ) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
         let mut held = Vec::with_capacity(feeds.len());
         for (k, v) in feeds.iter() {
             let name: String = k.extract()?;
@@ -65,7 +65,7 @@ impl PyExecutable {
             eps,
         });
         let outs = py.detach(|| self.exe.run(&views, hyper.as_ref(), &read)).py_err(py)?;
-        Ok(outs.iter().map(|o| PyBytes::new(py, o)).collect())
+        Ok(outs.iter().map(|o| PyByteArray::new(py, o)).collect())
     }
 
     /// Places a resident input once; later runs may omit it.

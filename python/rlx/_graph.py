@@ -1,0 +1,105 @@
+"""The low-level API: build a graph by hand, differentiate it, compile and run it."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _rlx
+from ._compile import _NP, convert
+from ._tensor import Tensor, Trace
+from .errors import InputError, RlxError
+
+
+class Graph:
+    """A graph built op by op: ``input``/``param`` give Tensors, rlx ops on them add nodes,
+    ``output`` marks results, ``compile(device)`` gives an ``Executable``."""
+
+    def __init__(self, _native: Any | None = None) -> None:
+        self._trace = Trace(_native)
+
+    def input(self, name: str, shape: Sequence[int], dtype: str = "float32") -> Tensor:
+        return Tensor(self._trace, self._trace.graph.input(name, [int(d) for d in shape], dtype))
+
+    def param(self, name: str, shape: Sequence[int], dtype: str = "float32") -> Tensor:
+        return Tensor(self._trace, self._trace.graph.param(name, [int(d) for d in shape], dtype))
+
+    def constant(self, value: Any) -> Tensor:
+        return self._trace.constant(value)
+
+    def output(self, *tensors: Tensor) -> None:
+        for t in tensors:
+            if not isinstance(t, Tensor) or t._trace is not self._trace:
+                raise RlxError("outputs must be tensors of this graph")
+        self._trace.graph.set_outputs([t._id for t in tensors])
+
+    @property
+    def outputs(self) -> list[Tensor]:
+        return [Tensor(self._trace, i) for i in self._trace.graph.outputs()]
+
+    def __len__(self) -> int:
+        return len(self._trace.graph)
+
+    def compile(self, device: str = "cpu") -> "Executable":
+        if not self._trace.graph.outputs():
+            raise RlxError("the graph has no outputs; call graph.output(...) first")
+        device = _rlx.check_device(device)
+        params = self._trace.graph.params()
+        store = _rlx.Store(device, [list(p) for p in params])
+        return Executable(_rlx.Executable(self._trace.graph, store, device, None), store, params)
+
+
+def grad(graph: Graph, wrt: Sequence[str | Tensor]) -> Graph:
+    """The backward graph of ``graph``'s single scalar output: outputs ``[loss, *grads]``."""
+    outs = graph._trace.graph.outputs()
+    if len(outs) != 1:
+        raise RlxError(f"grad needs a graph with exactly one (scalar loss) output, got {len(outs)}")
+    ids = []
+    for w in wrt:
+        if isinstance(w, Tensor):
+            ids.append(w._id)
+        else:
+            node = graph._trace.graph.find(w)
+            if node is None:
+                raise InputError(f"[{w}] no input or param of that name")
+            ids.append(node)
+    return Graph(graph._trace.graph.grad(outs[0], ids))
+
+
+class Executable:
+    """A hand-built graph compiled for a device. Params start at zero; set them with ``set_param``."""
+
+    def __init__(self, exe: Any, store: Any, params: list[tuple[str, list[int], str]]) -> None:
+        self._exe, self._store = exe, store
+        self._params = {n: (s, d) for n, s, d in params}
+        self._inputs = {n: (s, d) for n, s, d, _ in exe.input_slots()}
+        self._bound: set[str] = set()
+
+    def set_param(self, name: str, array: Any) -> None:
+        if name not in self._params:
+            raise InputError(f"[{name}] unknown param; expected {sorted(self._params)}")
+        shape, dtype = self._params[name]
+        self._store.write(name, convert(name, shape, dtype, array))
+
+    def bind(self, name: str, array: Any) -> None:
+        if name not in self._inputs:
+            raise InputError(f"[{name}] unknown input; expected {sorted(self._inputs)}")
+        shape, dtype = self._inputs[name]
+        self._exe.bind(name, convert(name, shape, dtype, array))
+        self._bound.add(name)
+
+    def run(self, **arrays: Any) -> list[np.ndarray]:
+        unknown = sorted(set(arrays) - set(self._inputs))
+        if unknown:
+            raise InputError(f"[{unknown[0]}] unknown input; expected {sorted(self._inputs)}")
+        missing = [n for n in self._inputs if n not in arrays and n not in self._bound]
+        if missing:
+            raise InputError(f"[{missing[0]}] missing input")
+        feeds = {n: convert(n, *self._inputs[n], v) for n, v in arrays.items()}
+        outs = self._exe.outputs()
+        raw = self._exe.run(feeds, None, list(range(len(outs))))
+        return [np.frombuffer(b, dtype=_NP[d]).reshape(s) for b, (s, d) in zip(raw, outs)]
+
+    def memory(self) -> dict[str, int]:
+        return dict(self._exe.memory())

@@ -1,0 +1,17 @@
+"""rlx's random number source: ``rlx.seed(n)`` makes initialisation deterministic."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_rng = np.random.default_rng()
+
+
+def seed(n: int) -> None:
+    """Seeds every random choice rlx makes (parameter initialisation)."""
+    global _rng
+    _rng = np.random.default_rng(int(n))
+
+
+def rng() -> np.random.Generator:
+    return _rng

@@ -1,0 +1,289 @@
+"""Symbolic tensors and the op functions: every op call appends a node to the graph being traced."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import _rlx
+from .errors import DTypeError, RlxError
+
+_local = threading.local()
+
+
+def _current() -> "Trace | None":
+    return getattr(_local, "trace", None)
+
+
+class Trace:
+    """A graph being built, plus the mapping from Parameters to their graph nodes."""
+
+    def __init__(self, graph: Any | None = None) -> None:
+        self.graph = graph if graph is not None else _rlx.Graph()
+        self.param_nodes: dict[int, int] = {}
+        self._consts: dict[tuple, int] = {}
+
+    def __enter__(self) -> "Trace":
+        self._prev = _current()
+        _local.trace = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.trace = self._prev
+
+    def constant(self, value: Any, like: "Tensor | None" = None) -> "Tensor":
+        """A constant node from a Python scalar or numpy array (dtype follows ``like`` for scalars)."""
+        if isinstance(value, (bool, int, float, np.number)) and not isinstance(value, np.ndarray):
+            dtype = "int32" if (like is not None and like.dtype == "int32" and isinstance(value, (int, np.integer))) else "float32"
+            key = (dtype, float(value))
+            if key not in self._consts:
+                arr = np.asarray(value, dtype=np.float32 if dtype == "float32" else np.int32)
+                self._consts[key] = self.graph.constant(arr.reshape(-1), [], dtype)
+            return Tensor(self, self._consts[key])
+        arr = np.asarray(value)
+        if arr.dtype.kind == "f":
+            arr = arr.astype(np.float32)
+            dtype = "float32"
+        elif arr.dtype.kind in "iub":
+            if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
+                raise DTypeError(f"[constant] integer values do not fit in int32 (range {arr.min()}..{arr.max()})")
+            arr = arr.astype(np.int32)
+            dtype = "int32"
+        else:
+            raise DTypeError(f"[constant] cannot use an array of dtype {arr.dtype} in rlx (float32 or int32)")
+        arr = np.ascontiguousarray(arr)
+        return Tensor(self, self.graph.constant(arr.reshape(-1), list(arr.shape), dtype))
+
+
+def _trace_of(*xs: Any) -> Trace:
+    for x in xs:
+        if isinstance(x, Tensor):
+            return x._trace
+    t = _current()
+    if t is None:
+        raise RlxError("rlx ops need a traced function (rlx.compile / rlx.compile_train_step) or an rlx.Graph")
+    return t
+
+
+def _as_tensor(x: Any, trace: Trace, like: "Tensor | None" = None) -> "Tensor":
+    if isinstance(x, Tensor):
+        if x._trace is not trace:
+            raise RlxError("cannot mix tensors from two different graphs")
+        return x
+    from .nn import Parameter
+
+    if isinstance(x, Parameter):
+        node = trace.param_nodes.get(id(x))
+        if node is None:
+            raise RlxError(
+                f"a Parameter of shape {x.shape} was used in a traced function but does not belong to the "
+                "model being compiled"
+            )
+        return Tensor(trace, node)
+    return trace.constant(x, like)
+
+
+def _binary(kind: str, a: Any, b: Any) -> "Tensor":
+    t = _trace_of(a, b)
+    ta = a if isinstance(a, Tensor) else None
+    tb = b if isinstance(b, Tensor) else None
+    a = _as_tensor(a, t, tb)
+    b = _as_tensor(b, t, ta)
+    return Tensor(t, t.graph.binary(kind, a._id, b._id))
+
+
+def _unary(kind: str, x: Any) -> "Tensor":
+    t = _trace_of(x)
+    x = _as_tensor(x, t)
+    return Tensor(t, t.graph.unary(kind, x._id))
+
+
+def _axes(axis: int | Sequence[int] | None) -> list[int] | None:
+    if axis is None:
+        return None
+    if isinstance(axis, (int, np.integer)):
+        return [int(axis)]
+    return [int(a) for a in axis]
+
+
+class Tensor:
+    """A symbolic value in a traced function. Operators and methods add ops to the graph."""
+
+    __array_priority__ = 1000  # numpy operands defer to Tensor's reflected operators
+
+    def __init__(self, trace: Trace, node: int) -> None:
+        self._trace = trace
+        self._id = node
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._trace.graph.shape(self._id))
+
+    @property
+    def dtype(self) -> str:
+        return self._trace.graph.dtype(self._id)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __repr__(self) -> str:
+        return f"rlx.Tensor(shape={self.shape}, dtype={self.dtype})"
+
+    def __add__(self, o: Any) -> "Tensor":
+        return _binary("add", self, o)
+
+    def __radd__(self, o: Any) -> "Tensor":
+        return _binary("add", o, self)
+
+    def __sub__(self, o: Any) -> "Tensor":
+        return _binary("sub", self, o)
+
+    def __rsub__(self, o: Any) -> "Tensor":
+        return _binary("sub", o, self)
+
+    def __mul__(self, o: Any) -> "Tensor":
+        return _binary("mul", self, o)
+
+    def __rmul__(self, o: Any) -> "Tensor":
+        return _binary("mul", o, self)
+
+    def __truediv__(self, o: Any) -> "Tensor":
+        return _binary("div", self, o)
+
+    def __rtruediv__(self, o: Any) -> "Tensor":
+        return _binary("div", o, self)
+
+    def __matmul__(self, o: Any) -> "Tensor":
+        return matmul(self, o)
+
+    def __rmatmul__(self, o: Any) -> "Tensor":
+        return matmul(o, self)
+
+    def __neg__(self) -> "Tensor":
+        return _unary("neg", self)
+
+    def __pow__(self, p: float) -> "Tensor":
+        if not isinstance(p, (int, float, np.number)):
+            raise DTypeError(f"[pow] the exponent must be a Python scalar, got {type(p).__name__}")
+        return Tensor(self._trace, self._trace.graph.pow(self._id, float(p)))
+
+    def __lt__(self, o: Any) -> "Tensor":
+        return _binary("lt", self, o)
+
+    def __le__(self, o: Any) -> "Tensor":
+        return _binary("le", self, o)
+
+    def __gt__(self, o: Any) -> "Tensor":
+        return _binary("gt", self, o)
+
+    def __ge__(self, o: Any) -> "Tensor":
+        return _binary("ge", self, o)
+
+    def __eq__(self, o: Any) -> "Tensor":  # type: ignore[override]
+        return _binary("eq", self, o)
+
+    def __ne__(self, o: Any) -> "Tensor":  # type: ignore[override]
+        return _binary("ne", self, o)
+
+    __hash__ = object.__hash__
+
+    def __bool__(self) -> bool:
+        raise RlxError("a symbolic rlx.Tensor has no truth value while tracing; use rlx.where for choices")
+
+    def reshape(self, *shape: int | Sequence[int]) -> "Tensor":
+        if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+            shape = tuple(shape[0])  # type: ignore[assignment]
+        return Tensor(self._trace, self._trace.graph.reshape(self._id, [int(s) for s in shape]))  # type: ignore[arg-type]
+
+    def transpose(self, *axes: int | Sequence[int]) -> "Tensor":
+        if len(axes) == 1 and not isinstance(axes[0], (int, np.integer)):
+            axes = tuple(axes[0])  # type: ignore[assignment]
+        perm = [int(a) for a in axes] if axes else None  # type: ignore[arg-type]
+        return Tensor(self._trace, self._trace.graph.transpose(self._id, perm))
+
+    @property
+    def T(self) -> "Tensor":
+        return self.transpose()
+
+    def _reduce(self, kind: str, axis: Any, keepdims: bool) -> "Tensor":
+        return Tensor(self._trace, self._trace.graph.reduce(kind, self._id, _axes(axis), keepdims))
+
+    def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
+        return self._reduce("sum", axis, keepdims)
+
+    def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
+        return self._reduce("mean", axis, keepdims)
+
+    def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
+        return self._reduce("max", axis, keepdims)
+
+    def astype(self, dtype: str) -> "Tensor":
+        return Tensor(self._trace, self._trace.graph.cast(self._id, str(dtype)))
+
+
+def matmul(a: Any, b: Any) -> Tensor:
+    """Matrix product over the last two dims; leading (batch) dims broadcast like numpy."""
+    t = _trace_of(a, b)
+    a, b = _as_tensor(a, t), _as_tensor(b, t)
+    return Tensor(t, t.graph.matmul(a._id, b._id))
+
+
+def relu(x: Any) -> Tensor:
+    return _unary("relu", x)
+
+
+def tanh(x: Any) -> Tensor:
+    return _unary("tanh", x)
+
+
+def sigmoid(x: Any) -> Tensor:
+    return _unary("sigmoid", x)
+
+
+def exp(x: Any) -> Tensor:
+    return _unary("exp", x)
+
+
+def log(x: Any) -> Tensor:
+    return _unary("log", x)
+
+
+def sqrt(x: Any) -> Tensor:
+    return _unary("sqrt", x)
+
+
+def softmax(x: Any, axis: int = -1) -> Tensor:
+    t = _trace_of(x)
+    x = _as_tensor(x, t)
+    return Tensor(t, t.graph.softmax(x._id, int(axis), False))
+
+
+def log_softmax(x: Any, axis: int = -1) -> Tensor:
+    t = _trace_of(x)
+    x = _as_tensor(x, t)
+    return Tensor(t, t.graph.softmax(x._id, int(axis), True))
+
+
+def where(cond: Any, a: Any, b: Any) -> Tensor:
+    """``a`` where ``cond`` is non-zero, else ``b`` (all broadcast)."""
+    t = _trace_of(cond, a, b)
+    ta = a if isinstance(a, Tensor) else (b if isinstance(b, Tensor) else None)
+    c, a, b = _as_tensor(cond, t), _as_tensor(a, t, ta), _as_tensor(b, t, ta)
+    return Tensor(t, t.graph.where_(c._id, a._id, b._id))
+
+
+def cross_entropy(logits: Any, labels: Any) -> Tensor:
+    """Mean softmax cross-entropy of ``logits`` (N, C) against int32 class ids ``labels`` (N,)."""
+    t = _trace_of(logits, labels)
+    lg, lb = _as_tensor(logits, t), _as_tensor(labels, t)
+    return Tensor(t, t.graph.cross_entropy(lg._id, lb._id))
+
+
+def mse_loss(pred: Any, target: Any) -> Tensor:
+    """Mean squared error of two tensors of the same shape."""
+    t = _trace_of(pred, target)
+    p, q = _as_tensor(pred, t), _as_tensor(target, t)
+    return Tensor(t, t.graph.mse(p._id, q._id))

@@ -1,0 +1,227 @@
+"""Modules and parameters. Weights live in host arrays until a model is compiled; from then on in
+the device's weight store, which every executable compiled from the model shares."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import numpy as np
+
+from . import _rlx
+from ._random import rng
+from ._tensor import Tensor, relu
+from .errors import CheckpointError, DTypeError, RlxError, ShapeError
+
+_DTYPES = {"float32": np.float32, "int32": np.int32}
+
+
+class Parameter:
+    """A trainable tensor. After compiling on a host-visible device, ``numpy()`` is a zero-copy
+    view into the weight store: writing to it changes what the next step computes."""
+
+    def __init__(self, data: Any) -> None:
+        arr = np.asarray(data)
+        if arr.dtype.kind != "f":
+            raise DTypeError(f"[Parameter] parameters are float32; got an array of dtype {arr.dtype}")
+        self._host: np.ndarray | None = np.ascontiguousarray(arr, dtype=np.float32).copy()
+        self._store: Any = None
+        self._name: str | None = None
+        self._view: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.numpy().shape) if self._host is None else self._host.shape
+
+    @property
+    def dtype(self) -> str:
+        return "float32"
+
+    def numpy(self) -> np.ndarray:
+        """The values: a zero-copy view of the weight store where the host can see it, else a copy."""
+        if self._store is None:
+            assert self._host is not None
+            return self._host
+        if self._view is not None:
+            return self._view
+        shape = self._store_shape
+        raw = self._store.view(self._name)
+        if raw is None:
+            return np.frombuffer(self._store.read(self._name), dtype=np.float32).reshape(shape).copy()
+        self._view = np.frombuffer(raw, dtype=np.float32).reshape(shape)
+        return self._view
+
+    def _assign(self, values: np.ndarray) -> None:
+        """Overwrites the values in place (shape already checked)."""
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if self._store is None:
+            assert self._host is not None
+            self._host[...] = values
+        else:
+            self._store.write(self._name, values)
+
+    def _bind(self, store: Any, name: str) -> None:
+        self._store_shape = self.shape
+        self._store, self._name, self._view, self._host = store, name, None, None
+
+    def __repr__(self) -> str:
+        return f"Parameter(shape={self.shape}, dtype=float32)"
+
+    # Parameters take part in traced arithmetic like tensors.
+    def _t(self) -> Tensor:
+        from ._tensor import _as_tensor, _trace_of
+
+        return _as_tensor(self, _trace_of())
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._t(), name)
+
+
+def _forward_ops() -> None:
+    for op in ["add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul", "rmatmul",
+               "neg", "pow", "lt", "le", "gt", "ge"]:
+        name = f"__{op}__"
+
+        def method(self: Parameter, *args: Any, _name: str = name) -> Any:
+            return getattr(self._t(), _name)(*args)
+
+        setattr(Parameter, name, method)
+    Parameter.__array_priority__ = 1000  # type: ignore[attr-defined]
+
+
+_forward_ops()
+
+
+class Module:
+    """Base class of models: assign Parameters and sub-Modules as attributes, define ``__call__``."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_children" not in self.__dict__:
+            object.__setattr__(self, "_children", {})
+            object.__setattr__(self, "_stores", {})
+        if isinstance(value, (Parameter, Module)):
+            self._children[name] = value
+        else:
+            self._children.pop(name, None)
+        object.__setattr__(self, name, value)
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        seen: set[int] = set()
+        for name, p in self._walk(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _walk(self, prefix: str) -> Iterator[tuple[str, Parameter]]:
+        for name, child in self.__dict__.get("_children", {}).items():
+            if isinstance(child, Parameter):
+                yield prefix + name, child
+            else:
+                yield from child._walk(prefix + name + ".")
+
+    def parameters(self) -> dict[str, Parameter]:
+        """Every parameter by dotted name (``"fc1.weight"``), in assignment order."""
+        return dict(self.named_parameters())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = getattr(self, "forward", None)
+        if forward is None:
+            raise RlxError(f"{type(self).__name__} defines neither __call__ nor forward")
+        return forward(*args, **kwargs)
+
+    def _store_for(self, device: str) -> Any:
+        """The weight store of this model on ``device``, created (with the current values) once."""
+        if "_stores" not in self.__dict__:
+            object.__setattr__(self, "_children", {})
+            object.__setattr__(self, "_stores", {})
+        params = self.parameters()
+        layout = [(n, list(p.shape), "float32") for n, p in params.items()]
+        store = self._stores.get(device)
+        if store is not None and store.entries() == [(n, s, d) for n, s, d in layout] and all(
+            p._store is store and p._name == n for n, p in params.items()
+        ):
+            return store
+        store = _rlx.Store(device, layout)
+        for n, p in params.items():
+            store.write(n, np.ascontiguousarray(p.numpy(), dtype=np.float32))
+        for n, p in params.items():
+            p._bind(store, n)
+        self._stores[device] = store
+        return store
+
+    def save(self, path: str) -> None:
+        """Writes every parameter to a safetensors file, atomically."""
+        tensors = [(n, "float32", list(p.shape), np.ascontiguousarray(p.numpy())) for n, p in self.parameters().items()]
+        _rlx.save_checkpoint(str(path), tensors)
+
+    def load(self, path: str) -> None:
+        """Loads a safetensors checkpoint. Every name, shape and dtype is checked before any
+        weight changes; on a mismatch ``CheckpointError`` is raised and nothing changes."""
+        tensors = _rlx.load_checkpoint(str(path))
+        params = self.parameters()
+        found = {name: (dtype, tuple(shape), data) for name, dtype, shape, data in tensors}
+        missing = sorted(set(params) - set(found))
+        unexpected = sorted(set(found) - set(params))
+        if missing or unexpected:
+            raise CheckpointError(f"{path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+        for name, p in params.items():
+            dtype, shape, _ = found[name]
+            if dtype != "float32" or shape != p.shape:
+                raise CheckpointError(
+                    f"{path}: '{name}' is {dtype} {shape} in the checkpoint but float32 {p.shape} in the model"
+                )
+        for name, p in params.items():
+            p._assign(np.frombuffer(found[name][2], dtype=np.float32).reshape(p.shape))
+
+
+class Linear(Module):
+    """``y = x @ weight + bias`` with ``weight`` of shape (in_features, out_features).
+    Initialised as PyTorch's default: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        if in_features <= 0 or out_features <= 0:
+            raise ShapeError(f"[Linear] features must be positive, got ({in_features}, {out_features})")
+        bound = 1.0 / math.sqrt(in_features)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = Parameter(rng().uniform(-bound, bound, (in_features, out_features)))
+        self.bias = Parameter(rng().uniform(-bound, bound, (out_features,))) if bias else None
+
+    def __call__(self, x: Any) -> Tensor:
+        shape = x.shape
+        if len(shape) < 1 or shape[-1] != self.in_features:
+            raise ShapeError(f"[Linear] expects inputs (..., {self.in_features}), got {tuple(shape)}")
+        flat = x.reshape(-1, self.in_features) if len(shape) != 2 else x
+        y = flat @ self.weight
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features) if len(shape) != 2 else y
+
+
+class ReLU(Module):
+    def __call__(self, x: Any) -> Tensor:
+        return relu(x)
+
+
+class Sequential(Module):
+    """Applies its modules in order; they are named ``"0"``, ``"1"``, ..."""
+
+    def __init__(self, *modules: Module) -> None:
+        for i, m in enumerate(modules):
+            setattr(self, str(i), m)
+        self._layers = list(modules)
+
+    def __call__(self, x: Any) -> Any:
+        for m in self._layers:
+            x = m(x)
+        return x
+
+    def __getitem__(self, i: int) -> Module:
+        return self._layers[i]
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
+__all__ = ["Module", "Parameter", "Linear", "ReLU", "Sequential"]

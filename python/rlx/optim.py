@@ -1,0 +1,118 @@
+"""Optimizers with PyTorch's update rules. Their state lives on the device beside the weights and
+is updated in place inside the training step; ``lr`` (and the other settings) may change between
+steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _rlx
+from .errors import RlxError
+
+
+class Optimizer:
+    _rule = ""
+
+    def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"[{type(self).__name__}] lr must be >= 0, got {lr}")
+        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
+            raise ValueError(f"[{type(self).__name__}] betas must be in [0, 1), got {betas}")
+        if weight_decay < 0 or momentum < 0 or eps < 0:
+            raise ValueError(f"[{type(self).__name__}] momentum, weight_decay and eps must be >= 0")
+        self.lr = float(lr)
+        self.momentum = float(momentum)
+        self.weight_decay = float(weight_decay)
+        self.betas = (float(betas[0]), float(betas[1]))
+        self.eps = float(eps)
+        self._states: dict[int, tuple[Any, Any]] = {}  # id(weight store) -> (weight store, state store)
+        self._current: Any = None
+
+    def _rule_name(self) -> str:
+        return self._rule
+
+    def _hyper(self) -> tuple[float, float, float, float, float, float]:
+        return (self.lr, self.momentum, self.weight_decay, self.betas[0], self.betas[1], self.eps)
+
+    def _state_for(self, params: Any) -> Any:
+        """This optimizer's state store for the weight store ``params`` (made once, then shared)."""
+        entry = self._states.get(id(params))
+        if entry is None or entry[0] is not params:
+            entry = (params, _rlx.Store.for_optimizer(self._rule_name(), params))
+            self._states[id(params)] = entry
+        self._current = entry[1]
+        self._param_names = {n for n, _, _ in params.entries()}
+        return entry[1]
+
+    def state(self, name: str) -> dict[str, np.ndarray]:
+        """The state buffers of parameter ``name`` (views where the host can see the memory)."""
+        if self._current is None:
+            raise RlxError(f"[{type(self).__name__}] has no state until a training step is compiled with it")
+        store = self._current
+        entries = {n: (s, d) for n, s, d in store.entries()}
+        if name not in self._param_names:
+            raise RlxError(f"[{type(self).__name__}] no parameter named '{name}'")
+        out = {key: _read(store, f"{name}.{key}", *entries[f"{name}.{key}"]) for key in self._slots()}
+        if self._slots():
+            out["step"] = _read(store, "step", *entries["step"])
+        return out
+
+    def _slots(self) -> list[str]:
+        return []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(lr={self.lr})"
+
+
+def _read(store: Any, name: str, shape: list[int], dtype: str) -> np.ndarray:
+    np_dtype = np.float32 if dtype == "float32" else np.int32
+    raw = store.view(name)
+    if raw is None:
+        return np.frombuffer(store.read(name), dtype=np_dtype).reshape(shape).copy()
+    return np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum and L2 weight decay (PyTorch's rule:
+    ``d = g + wd*p``; ``buf = d`` on the first step, then ``momentum*buf + d``; ``p -= lr*buf``)."""
+
+    def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+        super().__init__(lr, momentum=momentum, weight_decay=weight_decay)
+        self._rule = "sgd_momentum" if momentum else "sgd"
+
+    def _slots(self) -> list[str]:
+        return ["momentum_buffer"] if self._rule == "sgd_momentum" else []
+
+    def _rule_name(self) -> str:
+        if (self.momentum != 0.0) != (self._rule == "sgd_momentum"):
+            raise RlxError("[SGD] momentum cannot be switched on or off after construction")
+        return self._rule
+
+
+class Adam(Optimizer):
+    """Adam (PyTorch's rule, bias-corrected)."""
+
+    _rule = "adam"
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def _slots(self) -> list[str]:
+        return ["exp_avg", "exp_avg_sq"]
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay: ``p *= 1 - lr*wd`` before the Adam update."""
+
+    _rule = "adamw"
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01) -> None:
+        super().__init__(lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW"]
