@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod conformance;
 pub mod executable;
 pub mod lower;
 pub mod program;
