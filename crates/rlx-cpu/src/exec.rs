@@ -100,7 +100,7 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                     elementwise::binary(*bop, b.get::<i32>(a), sh(0), b.get::<i32>(c), sh(1), od, b.get_mut(out))
                 }
                 (DType::I32, true) => {
-                    elementwise::compare_into(*bop, b.get::<i32>(a), sh(0), b.get::<i32>(c), sh(1), od, b.get_mut(out))
+                    elementwise::compare_into(*bop, b.get::<i32>(a), sh(0), b.get::<i32>(c), sh(1), od, b.get_mut::<f32>(out))
                 }
             }
         },

@@ -23,59 +23,85 @@ pub fn unary(op: UnaryOp, x: &[f32], out: &mut [f32]) {
 
 /// Numbers the binary kernels work on.
 pub trait Num: Copy + Send + Sync + PartialOrd + 'static {
-    fn arith(op: BinaryOp, a: Self, b: Self) -> Self;
+    fn add(a: Self, b: Self) -> Self;
+    fn sub(a: Self, b: Self) -> Self;
+    fn mul(a: Self, b: Self) -> Self;
+    fn div(a: Self, b: Self) -> Self;
+    fn from_bool(v: bool) -> Self;
 }
 
 impl Num for f32 {
     #[inline(always)]
-    fn arith(op: BinaryOp, a: f32, b: f32) -> f32 {
-        match op {
-            BinaryOp::Add => a + b,
-            BinaryOp::Sub => a - b,
-            BinaryOp::Mul => a * b,
-            BinaryOp::Div => a / b,
-            _ => compare(op, a, b),
-        }
+    fn add(a: f32, b: f32) -> f32 {
+        a + b
+    }
+    #[inline(always)]
+    fn sub(a: f32, b: f32) -> f32 {
+        a - b
+    }
+    #[inline(always)]
+    fn mul(a: f32, b: f32) -> f32 {
+        a * b
+    }
+    #[inline(always)]
+    fn div(a: f32, b: f32) -> f32 {
+        a / b
+    }
+    #[inline(always)]
+    fn from_bool(v: bool) -> f32 {
+        v as i32 as f32
     }
 }
 
 impl Num for i32 {
     #[inline(always)]
-    fn arith(op: BinaryOp, a: i32, b: i32) -> i32 {
-        match op {
-            BinaryOp::Add => a.wrapping_add(b),
-            BinaryOp::Sub => a.wrapping_sub(b),
-            BinaryOp::Mul => a.wrapping_mul(b),
-            // Integer division by zero gives 0 rather than trapping.
-            BinaryOp::Div => a.checked_div(b).unwrap_or(0),
-            _ => compare(op, a, b) as i32,
-        }
+    fn add(a: i32, b: i32) -> i32 {
+        a.wrapping_add(b)
+    }
+    #[inline(always)]
+    fn sub(a: i32, b: i32) -> i32 {
+        a.wrapping_sub(b)
+    }
+    #[inline(always)]
+    fn mul(a: i32, b: i32) -> i32 {
+        a.wrapping_mul(b)
+    }
+    /// Integer division by zero gives 0 rather than trapping.
+    #[inline(always)]
+    fn div(a: i32, b: i32) -> i32 {
+        a.checked_div(b).unwrap_or(0)
+    }
+    #[inline(always)]
+    fn from_bool(v: bool) -> i32 {
+        v as i32
     }
 }
 
-#[inline(always)]
-fn compare<T: PartialOrd>(op: BinaryOp, a: T, b: T) -> f32 {
-    let r = match op {
-        BinaryOp::Lt => a < b,
-        BinaryOp::Le => a <= b,
-        BinaryOp::Gt => a > b,
-        BinaryOp::Ge => a >= b,
-        BinaryOp::Eq => a == b,
-        _ => a != b,
-    };
-    r as i32 as f32
-}
-
-/// `out = a (op) b` with numpy broadcasting.
+/// `out = a (op) b` with numpy broadcasting. Each op is its own monomorphic loop so the
+/// compiler can vectorise it; comparisons give 0/1 in the operand type.
 #[allow(clippy::too_many_arguments)]
 pub fn binary<T: Num>(op: BinaryOp, a: &[T], ash: &[usize], b: &[T], bsh: &[usize], od: &[usize], out: &mut [T]) {
-    zip_with(a, ash, b, bsh, od, out, move |x, y| T::arith(op, x, y));
+    match op {
+        BinaryOp::Add => zip_with(a, ash, b, bsh, od, out, T::add),
+        BinaryOp::Sub => zip_with(a, ash, b, bsh, od, out, T::sub),
+        BinaryOp::Mul => zip_with(a, ash, b, bsh, od, out, T::mul),
+        BinaryOp::Div => zip_with(a, ash, b, bsh, od, out, T::div),
+        _ => compare_into(op, a, ash, b, bsh, od, out),
+    }
 }
 
-/// Comparisons whose float32 mask output differs in type from the operands.
+/// Comparisons as 0/1 masks of type `O` (float32 masks from int32 operands, for instance).
 #[allow(clippy::too_many_arguments)]
-pub fn compare_into<T: Num>(op: BinaryOp, a: &[T], ash: &[usize], b: &[T], bsh: &[usize], od: &[usize], out: &mut [f32]) {
-    zip_with(a, ash, b, bsh, od, out, move |x, y| compare(op, x, y));
+pub fn compare_into<T: Num, O: Num>(op: BinaryOp, a: &[T], ash: &[usize], b: &[T], bsh: &[usize], od: &[usize], out: &mut [O]) {
+    match op {
+        BinaryOp::Lt => zip_with(a, ash, b, bsh, od, out, |x, y| O::from_bool(x < y)),
+        BinaryOp::Le => zip_with(a, ash, b, bsh, od, out, |x, y| O::from_bool(x <= y)),
+        BinaryOp::Gt => zip_with(a, ash, b, bsh, od, out, |x, y| O::from_bool(x > y)),
+        BinaryOp::Ge => zip_with(a, ash, b, bsh, od, out, |x, y| O::from_bool(x >= y)),
+        BinaryOp::Eq => zip_with(a, ash, b, bsh, od, out, |x, y| O::from_bool(x == y)),
+        BinaryOp::Ne => zip_with(a, ash, b, bsh, od, out, |x, y| O::from_bool(x != y)),
+        _ => unreachable!("arithmetic ops are handled by `binary`"),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
