@@ -1,14 +1,20 @@
 """rlx: a small ML compiler and runtime. Trace a Python training step once; run it as one native
 call over one planned memory arena."""
 
-from . import nn, optim
+from . import models, nn, optim
 from ._compile import Function, InputSpec, TrainStep, compile, compile_train_step
 from ._graph import Executable, Graph, grad
 from ._random import seed
 from ._rlx import devices
 from ._tensor import (
     Tensor,
+    concat,
     cross_entropy,
+    embedding,
+    gelu,
+    layer_norm,
+    scaled_dot_product_attention,
+    split,
     exp,
     log,
     log_softmax,
@@ -41,7 +47,13 @@ __all__ = [
     "UnsupportedError",
     "compile",
     "compile_train_step",
+    "concat",
     "cross_entropy",
+    "embedding",
+    "gelu",
+    "layer_norm",
+    "scaled_dot_product_attention",
+    "split",
     "devices",
     "exp",
     "grad",
@@ -49,6 +61,7 @@ __all__ = [
     "log_softmax",
     "matmul",
     "mse_loss",
+    "models",
     "nn",
     "optim",
     "relu",

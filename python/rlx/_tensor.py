@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _rlx
-from .errors import DTypeError, RlxError
+from .errors import DTypeError, RlxError, ShapeError, UnsupportedError
 
 _local = threading.local()
 
@@ -111,7 +111,8 @@ def _axes(axis: int | Sequence[int] | None) -> list[int] | None:
 class Tensor:
     """A symbolic value in a traced function. Operators and methods add ops to the graph."""
 
-    __array_priority__ = 1000  # numpy operands defer to Tensor's reflected operators
+    __array_priority__ = 1000
+    __array_ufunc__ = None  # numpy operands defer to Tensor's reflected operators
 
     def __init__(self, trace: Trace, node: int) -> None:
         self._trace = trace
@@ -220,6 +221,43 @@ class Tensor:
     def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
         return self._reduce("max", axis, keepdims)
 
+    def __getitem__(self, key: Any) -> "Tensor":
+        """Basic indexing: ints, slices with step 1, ``...`` and ``None``."""
+        if not isinstance(key, tuple):
+            key = (key,)
+        if sum(k is Ellipsis for k in key) > 1:
+            raise ShapeError("[getitem] only one ... is allowed")
+        consumed = sum(1 for k in key if k is not None and k is not Ellipsis)
+        if consumed > self.ndim:
+            raise ShapeError(f"[getitem] too many indices ({consumed}) for a tensor of shape {self.shape}")
+        if Ellipsis in key:
+            i = key.index(Ellipsis)
+            key = key[:i] + (slice(None),) * (self.ndim - consumed) + key[i + 1 :]
+        key = key + (slice(None),) * (self.ndim - sum(1 for k in key if k is not None))
+        out, axis, final = self, 0, []
+        for k in key:
+            if k is None:
+                final.append(1)
+                continue
+            dim = self.shape[axis]
+            if isinstance(k, slice):
+                start, stop, step = k.indices(dim)
+                if step != 1:
+                    raise UnsupportedError(f"[getitem] slices with a step other than 1 are not supported (axis {axis})")
+                stop = max(stop, start)
+                if (start, stop) != (0, dim):
+                    out = Tensor(self._trace, self._trace.graph.slice(out._id, axis, start, stop))
+                final.append(stop - start)
+            elif isinstance(k, (int, np.integer)):
+                idx = int(k) + dim if int(k) < 0 else int(k)
+                if not 0 <= idx < dim:
+                    raise ShapeError(f"[getitem] index {int(k)} is out of range for axis {axis} of size {dim}")
+                out = Tensor(self._trace, self._trace.graph.slice(out._id, axis, idx, idx + 1))
+            else:
+                raise UnsupportedError(f"[getitem] unsupported index {k!r}; use ints, slices, ... or None")
+            axis += 1
+        return out.reshape(*final) if tuple(final) != out.shape else out
+
     def astype(self, dtype: str) -> "Tensor":
         return Tensor(self._trace, self._trace.graph.cast(self._id, str(dtype)))
 
@@ -287,3 +325,78 @@ def mse_loss(pred: Any, target: Any) -> Tensor:
     t = _trace_of(pred, target)
     p, q = _as_tensor(pred, t), _as_tensor(target, t)
     return Tensor(t, t.graph.mse(p._id, q._id))
+
+
+def gelu(x: Any, approximate: bool | str = False) -> Tensor:
+    """GELU. Exact ``x * Phi(x)`` (erf) by default, as PyTorch; ``approximate=True`` (or
+    ``"tanh"``) uses the tanh approximation."""
+    if approximate in (True, "tanh"):
+        return _unary("gelu_tanh", x)
+    if approximate in (False, "none", None):
+        return _unary("gelu", x)
+    raise ValueError(f"[gelu] approximate must be True/False or 'tanh'/'none', got {approximate!r}")
+
+
+def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Tensor:
+    """Normalises over the last axis, then scales by ``weight`` and shifts by ``bias``."""
+    t = _trace_of(x, weight, bias)
+    x = _as_tensor(x, t)
+    y = Tensor(t, t.graph.normalize(x._id, float(eps)))
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def embedding(table: Any, ids: Any) -> Tensor:
+    """Rows of ``table`` (num, dim) picked by int32 ``ids`` of any shape: ``ids.shape + (dim,)``."""
+    t = _trace_of(table, ids)
+    tb, ix = _as_tensor(table, t), _as_tensor(ids, t)
+    return Tensor(t, t.graph.gather(tb._id, ix._id))
+
+
+def concat(tensors: Sequence[Any], axis: int = 0) -> Tensor:
+    """Joins tensors along ``axis``."""
+    if not tensors:
+        raise ShapeError("[concat] needs at least one tensor")
+    t = _trace_of(*tensors)
+    ts = [_as_tensor(x, t) for x in tensors]
+    return Tensor(t, t.graph.concat([x._id for x in ts], int(axis)))
+
+
+def split(x: Any, sections: int | Sequence[int], axis: int = -1) -> list[Tensor]:
+    """Splits ``x`` along ``axis`` into ``sections`` equal parts, or parts of the given sizes."""
+    t = _trace_of(x)
+    x = _as_tensor(x, t)
+    dim = x.shape[axis]
+    if isinstance(sections, (int, np.integer)):
+        if sections <= 0 or dim % sections:
+            raise ShapeError(f"[split] axis {axis} of size {dim} does not split into {sections} equal parts")
+        sizes = [dim // int(sections)] * int(sections)
+    else:
+        sizes = [int(s) for s in sections]
+        if sum(sizes) != dim or any(s < 0 for s in sizes):
+            raise ShapeError(f"[split] sizes {sizes} do not add up to {dim} (axis {axis} of {x.shape})")
+    out, start = [], 0
+    for n in sizes:
+        out.append(Tensor(t, t.graph.slice(x._id, int(axis), start, start + n)))
+        start += n
+    return out
+
+
+def _matmul_nt(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b^T`` over the last two dims, without materialising the transpose."""
+    return Tensor(a._trace, a._trace.graph.matmul(a._id, b._id, False, True))
+
+
+def scaled_dot_product_attention(q: Any, k: Any, v: Any, causal: bool = False) -> Tensor:
+    """``softmax(q @ k^T / sqrt(d) [+ causal mask]) @ v`` over (..., T, d) tensors."""
+    t = _trace_of(q, k, v)
+    q, k, v = _as_tensor(q, t), _as_tensor(k, t), _as_tensor(v, t)
+    scores = _matmul_nt(q * (1.0 / float(np.sqrt(q.shape[-1]))), k)
+    if causal:
+        tq, tk = scores.shape[-2], scores.shape[-1]
+        mask = np.tril(np.ones((tq, tk), dtype=np.float32), k=tk - tq)
+        scores = where(mask, scores, float("-inf"))
+    return matmul(softmax(scores, axis=-1), v)

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _rlx
 from ._random import rng
-from ._tensor import Tensor, relu
+from ._tensor import Tensor, _matmul_nt, concat, embedding, gelu, layer_norm, matmul, relu, softmax, where
 from .errors import CheckpointError, DTypeError, RlxError, ShapeError
 
 _DTYPES = {"float32": np.float32, "int32": np.int32}
@@ -81,7 +81,7 @@ class Parameter:
 
 def _forward_ops() -> None:
     for op in ["add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul", "rmatmul",
-               "neg", "pow", "lt", "le", "gt", "ge"]:
+               "neg", "pow", "lt", "le", "gt", "ge", "getitem"]:
         name = f"__{op}__"
 
         def method(self: Parameter, *args: Any, _name: str = name) -> Any:
@@ -224,4 +224,128 @@ class Sequential(Module):
         return len(self._layers)
 
 
-__all__ = ["Module", "Parameter", "Linear", "ReLU", "Sequential"]
+class GELU(Module):
+    """GELU activation; exact (erf) by default, ``approximate=True`` for the tanh form."""
+
+    def __init__(self, approximate: bool | str = False) -> None:
+        self.approximate = approximate
+
+    def __call__(self, x: Any) -> Tensor:
+        return gelu(x, self.approximate)
+
+
+class Embedding(Module):
+    """A lookup table of ``num`` vectors of size ``dim``; initialised N(0, 1) as PyTorch."""
+
+    def __init__(self, num: int, dim: int) -> None:
+        if num <= 0 or dim <= 0:
+            raise ShapeError(f"[Embedding] sizes must be positive, got ({num}, {dim})")
+        self.num, self.dim = num, dim
+        self.weight = Parameter(rng().standard_normal((num, dim)))
+
+    def __call__(self, ids: Any) -> Tensor:
+        return embedding(self.weight, ids)
+
+
+class LayerNorm(Module):
+    """Layer normalisation over the last axis with a learned scale (ones) and shift (zeros)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        self.dim, self.eps = dim, eps
+        self.weight = Parameter(np.ones(dim, np.float32))
+        self.bias = Parameter(np.zeros(dim, np.float32))
+
+    def __call__(self, x: Any) -> Tensor:
+        if x.shape[-1] != self.dim:
+            raise ShapeError(f"[LayerNorm] expects inputs (..., {self.dim}), got {tuple(x.shape)}")
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class MultiHeadAttention(Module):
+    """Multi-head self-attention over (B, T, dim) inputs.
+
+    ``qkv`` projects to queries, keys and values at once (weight (dim, 3*dim), q|k|v
+    concatenated); ``proj`` maps the merged heads back. Initialised as PyTorch's
+    ``nn.MultiheadAttention``: Xavier-uniform input projection, zero biases.
+    ``decode`` runs one new token against a resident key/value cache.
+    """
+
+    def __init__(self, dim: int, num_heads: int, causal: bool = False) -> None:
+        if num_heads <= 0 or dim % num_heads:
+            raise ShapeError(f"[MultiHeadAttention] dim {dim} is not divisible by num_heads {num_heads}")
+        self.dim, self.num_heads, self.head_dim, self.causal = dim, num_heads, dim // num_heads, causal
+        self.qkv = Linear(dim, 3 * dim)
+        bound = math.sqrt(6.0 / (dim + 3 * dim))
+        self.qkv.weight = Parameter(rng().uniform(-bound, bound, (dim, 3 * dim)))
+        self.qkv.bias = Parameter(np.zeros(3 * dim, np.float32))
+        self.proj = Linear(dim, dim)
+        self.proj.bias = Parameter(np.zeros(dim, np.float32))
+
+    def _heads(self, x: Any) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = x.shape
+        qkv = self.qkv(x).reshape(b, t, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+        return qkv[0], qkv[1], qkv[2]  # each (B, H, T, head_dim)
+
+    def _merge(self, y: Tensor) -> Tensor:
+        b, _, t, _ = y.shape
+        return self.proj(y.transpose(0, 2, 1, 3).reshape(b, t, self.dim))
+
+    def __call__(self, x: Any) -> Tensor:
+        if len(x.shape) != 3 or x.shape[-1] != self.dim:
+            raise ShapeError(f"[MultiHeadAttention] expects inputs (B, T, {self.dim}), got {tuple(x.shape)}")
+        q, k, v = self._heads(x)
+        scores = _matmul_nt(q * (1.0 / math.sqrt(self.head_dim)), k)
+        if self.causal:
+            t = x.shape[1]
+            scores = where(np.tril(np.ones((t, t), np.float32)), scores, float("-inf"))
+        return self._merge(matmul(softmax(scores, axis=-1), v))
+
+    def decode(self, x: Any, k_cache: Any, v_cache: Any, pos: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """One step of cached decoding.
+
+        Args:
+            x: the new token's activations, (B, 1, dim).
+            k_cache, v_cache: resident caches (B, H, T_max, head_dim) whose rows ``0..pos`` hold
+                the keys and values of earlier tokens (later rows are ignored).
+            pos: int32 (1,) — the new token's position.
+
+        Returns:
+            ``(y, k_new, v_new)``: the output (B, 1, dim) and the new token's key and value rows
+            (B, H, 1, head_dim), to be written into the caches at row ``pos``.
+        """
+        q, k, v = self._heads(x)
+        t_max = k_cache.shape[2]
+        qs = q * (1.0 / math.sqrt(self.head_dim))
+        past = _matmul_nt(qs, k_cache)  # (B, H, 1, T_max)
+        filled = np.arange(t_max, dtype=np.int32) < pos  # rows already written
+        past = where(filled, past, float("-inf"))
+        now = (qs * k).sum(axis=-1, keepdims=True)  # (B, H, 1, 1)
+        p = softmax(concat([past, now], axis=-1), axis=-1)
+        y = matmul(p[..., :t_max], v_cache) + p[..., t_max:] * v
+        return self._merge(y), k, v
+
+
+class TransformerBlock(Module):
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + fc2(gelu(fc1(ln2(x))))``."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4, causal: bool = True) -> None:
+        self.ln1 = LayerNorm(dim)
+        self.attn = MultiHeadAttention(dim, num_heads, causal=causal)
+        self.ln2 = LayerNorm(dim)
+        self.fc1 = Linear(dim, mlp_ratio * dim)
+        self.fc2 = Linear(mlp_ratio * dim, dim)
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        return x + self.fc2(gelu(self.fc1(self.ln2(x))))
+
+    def __call__(self, x: Any) -> Tensor:
+        return self._mlp(x + self.attn(self.ln1(x)))
+
+    def decode(self, x: Any, k_cache: Any, v_cache: Any, pos: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """One cached decoding step; see ``MultiHeadAttention.decode``."""
+        a, k, v = self.attn.decode(self.ln1(x), k_cache, v_cache, pos)
+        return self._mlp(x + a), k, v
+
+
+__all__ = ["Module", "Parameter", "Linear", "ReLU", "GELU", "Sequential", "Embedding", "LayerNorm",
+           "MultiHeadAttention", "TransformerBlock"]

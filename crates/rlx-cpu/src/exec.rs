@@ -46,7 +46,15 @@ impl CpuProgram {
 fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
     let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
     let ok = match op {
-        Op::Binary(_) | Op::BroadcastTo { .. } | Op::Transpose { .. } | Op::Cast { .. } => true,
+        Op::Binary(_)
+        | Op::BroadcastTo { .. }
+        | Op::Transpose { .. }
+        | Op::Cast { .. }
+        | Op::Slice { .. }
+        | Op::Pad { .. }
+        | Op::Concat { .. } => true,
+        Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
+        Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
         Op::Where => ins[1].dtype == out.dtype,
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
         _ => all_f32,
@@ -81,6 +89,10 @@ impl Compiled for CpuProgram {
         }
         Ok(())
     }
+}
+
+fn last(dims: &[usize]) -> usize {
+    dims.last().copied().unwrap_or(1)
 }
 
 /// # Safety
@@ -166,6 +178,30 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                     b.get_mut::<f32>(out).iter_mut().zip(b.get::<i32>(&ins[0])).for_each(|(o, &x)| *o = x as f32)
                 }
             }
+        },
+        Op::Gather => nn::gather(f(0), sh(0)[0], unsafe { b.get::<i32>(&ins[1]) }, unsafe { b.get_mut(out) })?,
+        Op::ScatterAdd { rows } => {
+            nn::scatter_add(unsafe { b.get::<i32>(&ins[0]) }, f(1), *rows, unsafe { b.get_mut(out) })?
+        }
+        Op::Normalize { eps } => nn::normalize(f(0), last(sh(0)), *eps, unsafe { b.get_mut(out) }),
+        Op::NormalizeGrad { eps } => nn::normalize_grad(f(0), f(1), last(sh(0)), *eps, unsafe { b.get_mut(out) }),
+        Op::Slice { axis, start, .. } => match out.dtype {
+            DType::F32 => layout::slice(f(0), sh(0), *axis, *start, unsafe { b.get_mut(out) }),
+            DType::I32 => unsafe { layout::slice(b.get::<i32>(&ins[0]), sh(0), *axis, *start, b.get_mut(out)) },
+        },
+        Op::Pad { axis, before, .. } => match out.dtype {
+            DType::F32 => layout::pad(f(0), sh(0), *axis, *before, od, unsafe { b.get_mut(out) }),
+            DType::I32 => unsafe { layout::pad(b.get::<i32>(&ins[0]), sh(0), *axis, *before, od, b.get_mut(out)) },
+        },
+        Op::Concat { axis } => match out.dtype {
+            DType::F32 => {
+                let parts: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
+                layout::concat(&parts, *axis, od, unsafe { b.get_mut(out) })
+            }
+            DType::I32 => unsafe {
+                let parts: Vec<(&[i32], &[usize])> = ins.iter().map(|t| (b.get::<i32>(t), t.shape.dims())).collect();
+                layout::concat(&parts, *axis, od, b.get_mut(out))
+            },
         },
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } | Op::Reshape { .. } => {
             return Err(Error::Graph(format!("internal: [{}] is not a kernel", op.name())))

@@ -111,6 +111,14 @@ fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<
                     let d = g.add(Op::Binary(Mul), &[xp, c])?;
                     g.add(Op::Binary(Mul), &[gy, d])?
                 }
+                UnaryOp::Gelu | UnaryOp::GeluTanh => {
+                    let deriv = if *u == UnaryOp::Gelu { UnaryOp::GeluDeriv } else { UnaryOp::GeluTanhDeriv };
+                    let d = g.add(Op::Unary(deriv), &[x])?;
+                    g.add(Op::Binary(Mul), &[gy, d])?
+                }
+                UnaryOp::GeluDeriv | UnaryOp::GeluTanhDeriv => {
+                    return Err(Error::unsupported("gelu_grad", "second derivatives are not supported"))
+                }
             };
             vec![Some(d)]
         }
@@ -221,6 +229,33 @@ fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<
             vec![None, Some(sum_to(g, da, &sa)?), Some(sum_to(g, db, &sb)?)]
         }
         Op::Cast { .. } => vec![Some(gy)],
+        Op::Gather => {
+            let rows = shape(g, ins[0]).0[0];
+            vec![Some(g.add(Op::ScatterAdd { rows }, &[ins[1], gy])?), None]
+        }
+        Op::ScatterAdd { .. } => vec![None, Some(g.add(Op::Gather, &[gy, ins[0]])?)],
+        Op::Normalize { eps } => vec![Some(g.add(Op::NormalizeGrad { eps: *eps }, &[ins[0], gy])?)],
+        Op::Slice { axis, start, end } => {
+            let dim = shape(g, ins[0]).0[*axis];
+            vec![Some(g.add(Op::Pad { axis: *axis, before: *start, after: dim - end }, &[gy])?)]
+        }
+        Op::Pad { axis, before, .. } => {
+            let n = shape(g, ins[0]).0[*axis];
+            vec![Some(g.add(Op::Slice { axis: *axis, start: *before, end: before + n }, &[gy])?)]
+        }
+        Op::Concat { axis } => {
+            let mut start = 0;
+            let mut out = Vec::with_capacity(ins.len());
+            for &i in ins {
+                let n = shape(g, i).0[*axis];
+                out.push(Some(g.add(Op::Slice { axis: *axis, start, end: start + n }, &[gy])?));
+                start += n;
+            }
+            out
+        }
+        Op::NormalizeGrad { .. } => {
+            return Err(Error::unsupported("layer_norm_grad", "second derivatives are not supported"))
+        }
         Op::SoftmaxCrossEntropyGrad => {
             return Err(Error::unsupported("cross_entropy_grad", "second derivatives are not supported"))
         }

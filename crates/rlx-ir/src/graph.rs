@@ -88,11 +88,15 @@ impl Graph {
         if matches!(op, Op::Input { .. } | Op::Param { .. } | Op::Const { .. }) {
             return Err(Error::Graph(format!("[{}] use the dedicated constructor", op.name())));
         }
-        if inputs.len() != op.arity() {
+        let arity_ok = match op.arity() {
+            Some(n) => inputs.len() == n,
+            None => !inputs.is_empty(),
+        };
+        if !arity_ok {
             return Err(Error::Graph(format!(
                 "[{}] takes {} inputs, got {}",
                 op.name(),
-                op.arity(),
+                op.arity().map_or("at least 1".to_string(), |n| n.to_string()),
                 inputs.len()
             )));
         }
@@ -159,7 +163,7 @@ impl Graph {
             if n.inputs.iter().any(|&i| i >= id) {
                 return Err(Error::Graph(format!("[{}] node {id} uses a later node", n.op.name())));
             }
-            if n.op.arity() > 0 {
+            if n.op.arity() != Some(0) {
                 let ins: Vec<&Node> = n.inputs.iter().map(|&i| &self.nodes[i]).collect();
                 let (shape, dtype) = infer::infer(&n.op, &ins)?;
                 if shape != n.shape || dtype != n.dtype {

@@ -124,6 +124,82 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((broadcast(name, &s, &ins[2].shape)?, ins[1].dtype))
         }
         Op::Cast { to } => Ok((ins[0].shape.clone(), *to)),
+        Op::Gather => {
+            float(0)?;
+            if ins[1].dtype != DType::I32 {
+                return Err(Error::dtype(name, format!("ids must be int32, got {}", ins[1].dtype)));
+            }
+            if ins[0].shape.rank() < 1 {
+                return Err(Error::shape(name, format!("the table must have at least 1 dim, got {}", ins[0].shape)));
+            }
+            let mut out = ins[1].shape.0.clone();
+            out.extend_from_slice(&ins[0].shape.0[1..]);
+            Ok((Shape(out), DType::F32))
+        }
+        Op::ScatterAdd { rows } => {
+            float(1)?;
+            if ins[0].dtype != DType::I32 {
+                return Err(Error::dtype(name, format!("ids must be int32, got {}", ins[0].dtype)));
+            }
+            let (ids, g) = (&ins[0].shape, &ins[1].shape);
+            if g.rank() < ids.rank() || g.0[..ids.rank()] != ids.0[..] {
+                return Err(Error::shape(name, format!("gradient {g} does not start with the ids shape {ids}")));
+            }
+            let mut out = vec![*rows];
+            out.extend_from_slice(&g.0[ids.rank()..]);
+            Ok((Shape(out), DType::F32))
+        }
+        Op::Normalize { .. } | Op::NormalizeGrad { .. } => {
+            float(0)?;
+            let s = &ins[0].shape;
+            if s.rank() < 1 || s.0[s.rank() - 1] == 0 {
+                return Err(Error::shape(name, format!("needs a non-empty last axis, got {s}")));
+            }
+            if ins.len() == 2 {
+                float(1)?;
+                if ins[1].shape != *s {
+                    return Err(Error::shape(name, format!("gradient {} must match input {s}", ins[1].shape)));
+                }
+            }
+            Ok((s.clone(), DType::F32))
+        }
+        Op::Slice { axis, start, end } => {
+            let s = &ins[0].shape;
+            check_axes(name, s, &[*axis])?;
+            if start > end || *end > s.0[*axis] {
+                return Err(Error::shape(name, format!("[{start}:{end}] is out of range for axis {axis} of {s}")));
+            }
+            let mut out = s.0.clone();
+            out[*axis] = end - start;
+            Ok((Shape(out), ins[0].dtype))
+        }
+        Op::Pad { axis, before, after } => {
+            let s = &ins[0].shape;
+            check_axes(name, s, &[*axis])?;
+            let mut out = s.0.clone();
+            out[*axis] += before + after;
+            Ok((Shape(out), ins[0].dtype))
+        }
+        Op::Concat { axis } => {
+            let first = &ins[0].shape;
+            check_axes(name, first, &[*axis])?;
+            let mut total = 0;
+            for n in ins {
+                let s = &n.shape;
+                let fits = s.rank() == first.rank()
+                    && s.0.iter().zip(&first.0).enumerate().all(|(d, (a, b))| d == *axis || a == b);
+                if !fits {
+                    return Err(Error::shape(name, format!("cannot join {s} to {first} along axis {axis}")));
+                }
+                if n.dtype != ins[0].dtype {
+                    return Err(Error::dtype(name, format!("inputs have different dtypes: {} and {}", n.dtype, ins[0].dtype)));
+                }
+                total += s.0[*axis];
+            }
+            let mut out = first.0.clone();
+            out[*axis] = total;
+            Ok((Shape(out), ins[0].dtype))
+        }
     }
 }
 

@@ -14,6 +14,14 @@ pub enum UnaryOp {
     Sqrt,
     /// `x ** p` for a constant exponent.
     PowScalar(f32),
+    /// GELU, exact form `x * Phi(x)` (erf).
+    Gelu,
+    /// GELU, tanh approximation.
+    GeluTanh,
+    /// d/dx of `Gelu` (used by its VJP).
+    GeluDeriv,
+    /// d/dx of `GeluTanh` (used by its VJP).
+    GeluTanhDeriv,
 }
 
 /// Elementwise functions of two broadcast tensors. Comparisons give float32 0/1 masks.
@@ -80,6 +88,21 @@ pub enum Op {
     Where,
     /// Element type conversion.
     Cast { to: DType },
+    /// Rows of `table` (first input, `[V, ...]`) picked by int32 `ids` (any shape): `[*ids, ...]`.
+    Gather,
+    /// The VJP of `Gather`: sums rows of `g` (`[*ids, ...]`) into a zero `[rows, ...]` by `ids`.
+    /// Inputs: `(ids, g)`.
+    ScatterAdd { rows: usize },
+    /// `(x - mean) / sqrt(var + eps)` over the last axis (layer norm without the affine part).
+    Normalize { eps: f32 },
+    /// The VJP of `Normalize` w.r.t. `x`. Inputs: `(x, g)`.
+    NormalizeGrad { eps: f32 },
+    /// `x[..., start:end, ...]` along `axis`.
+    Slice { axis: usize, start: usize, end: usize },
+    /// Zero padding along `axis`: `before` zeros, the input, `after` zeros.
+    Pad { axis: usize, before: usize, after: usize },
+    /// Joins its inputs (any number, at least one) along `axis`.
+    Concat { axis: usize },
 }
 
 impl Op {
@@ -98,6 +121,8 @@ impl Op {
                 UnaryOp::Log => "log",
                 UnaryOp::Sqrt => "sqrt",
                 UnaryOp::PowScalar(_) => "pow",
+                UnaryOp::Gelu | UnaryOp::GeluTanh => "gelu",
+                UnaryOp::GeluDeriv | UnaryOp::GeluTanhDeriv => "gelu_grad",
             },
             Op::Binary(b) => match b {
                 BinaryOp::Add => "add",
@@ -128,17 +153,31 @@ impl Op {
             Op::Mse => "mse_loss",
             Op::Where => "where",
             Op::Cast { .. } => "cast",
+            Op::Gather => "embedding",
+            Op::ScatterAdd { .. } => "embedding_grad",
+            Op::Normalize { .. } => "layer_norm",
+            Op::NormalizeGrad { .. } => "layer_norm_grad",
+            Op::Slice { .. } => "slice",
+            Op::Pad { .. } => "pad",
+            Op::Concat { .. } => "concat",
         }
     }
 
-    /// Number of inputs the op takes.
-    pub fn arity(&self) -> usize {
-        match self {
+    /// Number of inputs the op takes; `None` for any number of at least one (`Concat`).
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            Op::Concat { .. } => return None,
             Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => 0,
-            Op::Binary(_) | Op::MatMul { .. } | Op::SoftmaxCrossEntropy | Op::Mse => 2,
+            Op::Binary(_)
+            | Op::MatMul { .. }
+            | Op::SoftmaxCrossEntropy
+            | Op::Mse
+            | Op::Gather
+            | Op::ScatterAdd { .. }
+            | Op::NormalizeGrad { .. } => 2,
             Op::SoftmaxCrossEntropyGrad | Op::Where => 3,
             _ => 1,
-        }
+        })
     }
 
     /// True for ops whose output shares its input's storage.

@@ -1,6 +1,6 @@
 //! `rlx._rlx.Graph`: builds an IR graph op by op; every call infers and checks types at once.
 use crate::buffer::Bytes;
-use crate::errors::IntoPy;
+use crate::errors::{to_py, IntoPy};
 use pyo3::prelude::*;
 use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Shape, UnaryOp};
 
@@ -88,6 +88,8 @@ impl PyGraph {
             "exp" => UnaryOp::Exp,
             "log" => UnaryOp::Log,
             "sqrt" => UnaryOp::Sqrt,
+            "gelu" => UnaryOp::Gelu,
+            "gelu_tanh" => UnaryOp::GeluTanh,
             k => return Err(crate::errors::to_py(py, Error::unsupported(k, "unknown unary op"))),
         };
         self.add(py, Op::Unary(u), &[x])
@@ -197,6 +199,30 @@ impl PyGraph {
     fn cast(&mut self, py: Python<'_>, x: NodeId, dtype: &str) -> PyResult<NodeId> {
         let to = parse_dtype(dtype).py_err(py)?;
         self.add(py, Op::Cast { to }, &[x])
+    }
+
+    /// Rows of `table` picked by int32 `ids`.
+    fn gather(&mut self, py: Python<'_>, table: NodeId, ids: NodeId) -> PyResult<NodeId> {
+        self.add(py, Op::Gather, &[table, ids])
+    }
+
+    /// `(x - mean) / sqrt(var + eps)` over the last axis.
+    fn normalize(&mut self, py: Python<'_>, x: NodeId, eps: f32) -> PyResult<NodeId> {
+        self.add(py, Op::Normalize { eps }, &[x])
+    }
+
+    /// `x[start:end]` along `axis` (negative axis allowed; start/end already clamped).
+    fn slice(&mut self, py: Python<'_>, x: NodeId, axis: i64, start: usize, end: usize) -> PyResult<NodeId> {
+        let shape = self.shape_of(py, x)?.clone();
+        let axis = Self::axes("slice", &shape, Some(vec![axis])).py_err(py)?[0];
+        self.add(py, Op::Slice { axis, start, end }, &[x])
+    }
+
+    fn concat(&mut self, py: Python<'_>, xs: Vec<NodeId>, axis: i64) -> PyResult<NodeId> {
+        let first = *xs.first().ok_or_else(|| to_py(py, Error::shape("concat", "needs at least one tensor")))?;
+        let shape = self.shape_of(py, first)?.clone();
+        let axis = Self::axes("concat", &shape, Some(vec![axis])).py_err(py)?[0];
+        self.add(py, Op::Concat { axis }, &xs)
     }
 
     fn shape(&self, py: Python<'_>, id: NodeId) -> PyResult<Vec<usize>> {

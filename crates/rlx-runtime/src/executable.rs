@@ -302,22 +302,31 @@ fn check_limit(slot: &InputSlot, data: &[u8]) -> Result<()> {
     }
 }
 
-/// If input `id` is used (directly or through reshapes) as class ids, the exclusive upper bound.
+/// If input `id` is used (directly or through reshapes) as class labels or as embedding ids, the
+/// exclusive upper bound of its values, checked before any run.
 fn index_limit(graph: &Graph, id: usize) -> Option<(i64, &'static str)> {
     if graph.node(id).dtype != DType::I32 {
         return None;
     }
     let mut sources = vec![id];
-    let mut limit: Option<i64> = None;
+    let mut limit: Option<(i64, &'static str)> = None;
+    let mut tighten = |bound: usize, what: &'static str| {
+        let bound = bound as i64;
+        if limit.is_none_or(|(l, _)| bound < l) {
+            limit = Some((bound, what));
+        }
+    };
     for (n, node) in graph.nodes().iter().enumerate().skip(id + 1) {
         match &node.op {
             Op::Reshape { .. } if sources.contains(&node.inputs[0]) => sources.push(n),
             Op::SoftmaxCrossEntropy if sources.contains(&node.inputs[1]) => {
-                let classes = graph.node(node.inputs[0]).shape.dims()[1] as i64;
-                limit = Some(limit.map_or(classes, |l| l.min(classes)));
+                tighten(graph.node(node.inputs[0]).shape.dims()[1], "label")
+            }
+            Op::Gather if sources.contains(&node.inputs[1]) => {
+                tighten(graph.node(node.inputs[0]).shape.dims()[0], "id")
             }
             _ => {}
         }
     }
-    limit.map(|l| (l, "label"))
+    limit
 }

@@ -1,4 +1,5 @@
-//! Neural-network kernels: softmax / log-softmax over any axis, fused softmax cross-entropy, MSE.
+//! Neural-network kernels: softmax / log-softmax over any axis, fused softmax cross-entropy, MSE,
+//! embedding gather / scatter-add, and normalisation over the last axis with its VJP.
 use rlx_ir::{Error, Result};
 
 /// Softmax (or log-softmax) of `x` along `axis`.
@@ -82,4 +83,66 @@ pub fn cross_entropy_grad(logits: &[f32], ld: &[usize], labels: &[i32], g: f32, 
 pub fn mse(p: &[f32], t: &[f32]) -> f32 {
     let s: f64 = p.iter().zip(t).map(|(&a, &b)| ((a - b) as f64).powi(2)).sum();
     (s / p.len().max(1) as f64) as f32
+}
+
+fn check_id(id: i32, rows: usize) -> Result<usize> {
+    if id < 0 || id as usize >= rows {
+        return Err(Error::input("ids", format!("[embedding] id {id} is out of range [0, {rows})")));
+    }
+    Ok(id as usize)
+}
+
+/// `out[i] = table[ids[i]]` (rows of `width` elements).
+pub fn gather(table: &[f32], rows: usize, ids: &[i32], out: &mut [f32]) -> Result<()> {
+    let width = if rows == 0 { 0 } else { table.len() / rows };
+    for (o, &id) in out.chunks_mut(width.max(1)).zip(ids) {
+        let r = check_id(id, rows)?;
+        o.copy_from_slice(&table[r * width..(r + 1) * width]);
+    }
+    Ok(())
+}
+
+/// `out = 0; out[ids[i]] += g[i]`.
+pub fn scatter_add(ids: &[i32], g: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
+    let width = if rows == 0 { 0 } else { out.len() / rows };
+    out.fill(0.0);
+    for (gi, &id) in g.chunks(width.max(1)).zip(ids) {
+        let r = check_id(id, rows)?;
+        out[r * width..(r + 1) * width].iter_mut().zip(gi).for_each(|(o, v)| *o += v);
+    }
+    Ok(())
+}
+
+/// Mean and 1/sqrt(var + eps) of one row.
+fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
+    let n = row.len() as f32;
+    let mean = row.iter().sum::<f32>() / n;
+    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// `(x - mean) * rstd` per row of the last axis.
+pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
+    for (row, o) in x.chunks(width).zip(out.chunks_mut(width)) {
+        let (mean, rstd) = row_stats(row, eps);
+        row.iter().zip(o.iter_mut()).for_each(|(v, o)| *o = (v - mean) * rstd);
+    }
+}
+
+/// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` per row.
+pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f32]) {
+    let n = width as f32;
+    for ((row, gr), o) in x.chunks(width).zip(g.chunks(width)).zip(out.chunks_mut(width)) {
+        let (mean, rstd) = row_stats(row, eps);
+        let mut sg = 0.0f32;
+        let mut sgx = 0.0f32;
+        for (v, gv) in row.iter().zip(gr) {
+            sg += gv;
+            sgx += gv * (v - mean) * rstd;
+        }
+        let (mg, mgx) = (sg / n, sgx / n);
+        for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
+            *o = rstd * (gv - mg - (v - mean) * rstd * mgx);
+        }
+    }
 }
