@@ -82,6 +82,8 @@ def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], s
 
 
 def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[str, InputSpec], bound: set[str]) -> dict[str, np.ndarray]:
+    if not arrays:
+        return {}  # the native side consumes a prefetched batch, or reports what is missing
     unknown = sorted(set(arrays) - set(specs))
     if unknown:
         raise InputError(f"[{unknown[0]}] unknown input; expected {sorted(specs)}")
@@ -91,9 +93,34 @@ def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[st
     return {n: convert(n, specs[n].shape, specs[n].dtype, v) for n, v in arrays.items() if n in names}
 
 
-class TrainStep:
+class _Prefetching:
+    """``prefetch(**arrays)``: asynchronous input copies into a free staging buffer."""
+
+    _exe: Any
+    _specs: dict[str, InputSpec]
+    _names: list[str]
+
+    def prefetch(self, **arrays: Any) -> None:
+        """Starts copying a batch into a free input buffer and returns at once. Calls made
+        without arrays consume prefetched batches in order, each waiting only for its own copy.
+        Two batches may wait; a third prefetch raises ``RlxError``. The arrays are kept alive
+        until their batch is consumed; do not modify them before then."""
+        unknown = sorted(set(arrays) - set(self._specs))
+        if unknown:
+            raise InputError(f"[{unknown[0]}] unknown input; expected {sorted(self._specs)}")
+        feeds = {n: convert(n, self._specs[n].shape, self._specs[n].dtype, v) for n, v in arrays.items()}
+        self._exe.prefetch(feeds)
+
+    @property
+    def prefetched(self) -> int:
+        """Batches waiting to be consumed."""
+        return self._exe.prefetched()
+
+
+class TrainStep(_Prefetching):
     """A compiled training step: ``step(**arrays) -> float`` runs forward, backward and the
-    optimizer update as one native call over the arena."""
+    optimizer update as one native call over the arena; ``step()`` without arrays consumes
+    the next prefetched batch."""
 
     def __init__(self, exe: Any, model: Module, optimizer: Optimizer, specs: dict[str, InputSpec], grad_names: list[str]) -> None:
         self._exe = exe
@@ -131,9 +158,10 @@ def _output(exe: Any, i: int) -> np.ndarray:
     return arr
 
 
-class Function:
+class Function(_Prefetching):
     """A compiled inference function: ``fn(**arrays)`` returns fresh numpy arrays (copies that the
-    next call does not touch) — one array, or a tuple when the traced function returned one."""
+    next call does not touch) — one array, or a tuple when the traced function returned one.
+    ``fn()`` without arrays consumes the next prefetched batch (or runs on bound inputs)."""
 
     def __init__(self, exe: Any, specs: dict[str, InputSpec], tuple_out: bool) -> None:
         self._exe = exe

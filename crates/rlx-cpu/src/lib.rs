@@ -1,13 +1,15 @@
 //! rlx-cpu: the CPU backend. Host memory is unified memory, so every buffer is host-visible.
 #![warn(unsafe_op_in_unsafe_fn)]
 
+mod copy;
 mod exec;
 mod kernels;
 mod mem;
 
-use rlx_runtime::{Backend, Compiled, DeviceBuffer, Program, Result};
+use rlx_runtime::{Backend, Compiled, CopyEngine, DeviceBuffer, Program, Result};
 use std::sync::Arc;
 
+pub use copy::CpuCopyEngine;
 pub use mem::CpuBuffer;
 
 /// Planned tensors start on cache-line multiples that also suit AVX-512 loads.
@@ -32,5 +34,9 @@ impl Backend for CpuBackend {
 
     fn compile(&self, program: &Program, buffer_lens: &[usize]) -> Result<Box<dyn Compiled>> {
         Ok(Box::new(exec::CpuProgram::new(program, buffer_lens)?))
+    }
+
+    fn copy_engine(&self) -> Result<Arc<CopyEngine>> {
+        Ok(Arc::new(CpuCopyEngine::new()?))
     }
 }

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod autodiff;
+pub mod copy;
 pub mod dtype;
 pub mod error;
 pub mod graph;
@@ -11,6 +12,7 @@ pub mod planner;
 pub mod shape;
 
 pub use autodiff::grad;
+pub use copy::{AsyncCopy, BarrierToken};
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use graph::{Graph, Node, NodeId};

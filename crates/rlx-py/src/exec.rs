@@ -7,7 +7,8 @@ use crate::store::{parse_rule, PyStore};
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 use rlx_ir::Error;
-use rlx_runtime::{Executable, OptimHyper, OptimizerSetup};
+use rlx_runtime::{Executable, HostBytes, OptimHyper, OptimizerSetup};
+use std::sync::Arc;
 
 #[pyclass(name = "Executable", module = "rlx._rlx", frozen)]
 pub struct PyExecutable {
@@ -34,7 +35,7 @@ impl PyExecutable {
         };
         let g = graph.graph.clone();
         let store = params.store.clone();
-        let exe = py.detach(|| Executable::new(b.as_ref(), &g, store, optimizer)).py_err(py)?;
+        let exe = py.detach(|| Executable::new(b, &g, store, optimizer)).py_err(py)?;
         Ok(PyExecutable { exe })
     }
 
@@ -66,6 +67,23 @@ impl PyExecutable {
         });
         let outs = py.detach(|| self.exe.run(&views, hyper.as_ref(), &read)).py_err(py)?;
         Ok(outs.iter().map(|o| PyByteArray::new(py, o)).collect())
+    }
+
+    /// Starts copying a batch into a free staging set on the copy engine; returns at once. The
+    /// arrays are held until the batch is consumed by a run without feeds.
+    fn prefetch(&self, py: Python<'_>, feeds: &Bound<'_, PyDict>) -> PyResult<()> {
+        let mut held: Vec<(String, Arc<dyn HostBytes>)> = Vec::with_capacity(feeds.len());
+        for (k, v) in feeds.iter() {
+            let name: String = k.extract()?;
+            let bytes = Bytes::get(&v, &name)?;
+            held.push((name, Arc::new(bytes)));
+        }
+        py.detach(|| self.exe.prefetch(held)).py_err(py)
+    }
+
+    /// Batches waiting in the prefetch queue.
+    fn prefetched(&self) -> usize {
+        self.exe.prefetched()
     }
 
     /// Places a resident input once; later runs may omit it.

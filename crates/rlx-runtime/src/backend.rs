@@ -16,6 +16,45 @@ pub trait Backend: Send + Sync {
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn DeviceBuffer>>;
     /// Prepares `program` to run over buffers of the given lengths (indexed by [`crate::Buf`]).
     fn compile(&self, program: &Program, buffer_lens: &[usize]) -> Result<Box<dyn Compiled>>;
+    /// A copy engine for host->device and device->device copies off the caller's thread.
+    fn copy_engine(&self) -> Result<Arc<CopyEngine>>;
+}
+
+/// Bytes on the host that a copy reads; the engine holds the value until the copy is done.
+pub trait HostBytes: Send + Sync {
+    fn bytes(&self) -> &[u8];
+}
+
+impl HostBytes for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
+/// Where a copy reads from.
+#[derive(Clone)]
+pub enum CopySrc {
+    Host(Arc<dyn HostBytes>),
+    Device { buffer: Arc<dyn DeviceBuffer>, offset: usize },
+}
+
+/// Where a copy writes to.
+#[derive(Clone)]
+pub struct CopyDst {
+    pub buffer: Arc<dyn DeviceBuffer>,
+    pub offset: usize,
+}
+
+/// The copy engine every backend provides.
+pub type CopyEngine = dyn rlx_ir::AsyncCopy<Src = CopySrc, Dst = CopyDst>;
+
+/// Checks a copy's source and destination ranges (what `issue` must do before anything else).
+pub fn check_copy(src: &CopySrc, dst: &CopyDst, bytes: usize) -> Result<()> {
+    match src {
+        CopySrc::Host(h) => check_range("copy source", 0, bytes, h.bytes().len())?,
+        CopySrc::Device { buffer, offset } => check_range("copy source", *offset, bytes, buffer.len())?,
+    }
+    check_range("copy destination", dst.offset, bytes, dst.buffer.len())
 }
 
 /// One device allocation. Interior mutability: writes go through `&self`; callers serialise runs.
@@ -30,6 +69,13 @@ pub trait DeviceBuffer: Send + Sync + Any {
     fn write(&self, offset: usize, data: &[u8]) -> Result<()>;
     /// Copies bytes at `offset` into `out` (bounds-checked).
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()>;
+    /// Copies `len` bytes from `src` at `src_offset` to `offset` here (bounds-checked). The
+    /// default stages through the host; backends override it with a direct copy.
+    fn copy_from(&self, offset: usize, src: &dyn DeviceBuffer, src_offset: usize, len: usize) -> Result<()> {
+        let mut tmp = vec![0; len];
+        src.read(src_offset, &mut tmp)?;
+        self.write(offset, &tmp)
+    }
     fn as_any(&self) -> &dyn Any;
 }
 

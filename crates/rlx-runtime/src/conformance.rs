@@ -20,14 +20,14 @@ fn close(got: &[f32], want: &[f64], what: &str) {
 }
 
 /// Runs every check.
-pub fn run_all(backend: &dyn Backend) {
+pub fn run_all(backend: &Arc<dyn Backend>) {
     linear_softmax_training_step(backend);
     resident_inputs(backend);
     bad_feeds_change_nothing(backend);
 }
 
 /// logits = x @ w + b; loss = CE(logits, y); one SGD step. Checked against an f64 reference.
-fn linear_model(backend: &dyn Backend) -> (Executable, Arc<Store>) {
+fn linear_model(backend: &Arc<dyn Backend>) -> (Executable, Arc<Store>) {
     let mut g = Graph::new();
     let x = g.input("x", Shape::new([4, 3]), DType::F32).unwrap();
     let y = g.input("y", Shape::new([4]), DType::I32).unwrap();
@@ -38,12 +38,12 @@ fn linear_model(backend: &dyn Backend) -> (Executable, Arc<Store>) {
     let loss = g.add(Op::SoftmaxCrossEntropy, &[logits, y]).unwrap();
     let bw = rlx_ir::grad(&g, loss, &[w, b]).unwrap();
     let specs = [("w".to_string(), Shape::new([3, 2]), DType::F32), ("b".to_string(), Shape::new([2]), DType::F32)];
-    let params = Arc::new(Store::new(backend, &specs).unwrap());
+    let params = Arc::new(Store::new(backend.as_ref(), &specs).unwrap());
     params.write("w", &f32s(&W0)).unwrap();
     params.write("b", &f32s(&B0)).unwrap();
-    let state = Arc::new(Store::for_optimizer(backend, OptimRule::Sgd { momentum: false }, &params).unwrap());
+    let state = Arc::new(Store::for_optimizer(backend.as_ref(), OptimRule::Sgd { momentum: false }, &params).unwrap());
     let opt = OptimizerSetup { rule: OptimRule::Sgd { momentum: false }, state };
-    (Executable::new(backend, &bw, params.clone(), Some(opt)).unwrap(), params)
+    (Executable::new(backend.clone(), &bw, params.clone(), Some(opt)).unwrap(), params)
 }
 
 const W0: [f32; 6] = [0.1, -0.2, 0.3, 0.05, -0.4, 0.25];
@@ -55,7 +55,7 @@ fn hyper(lr: f32) -> OptimHyper {
     OptimHyper { lr, momentum: 0.0, weight_decay: 0.0, beta1: 0.9, beta2: 0.999, eps: 1e-8 }
 }
 
-fn linear_softmax_training_step(backend: &dyn Backend) {
+fn linear_softmax_training_step(backend: &Arc<dyn Backend>) {
     let (exe, params) = linear_model(backend);
     let yb: Vec<u8> = Y.iter().flat_map(|v| v.to_le_bytes()).collect();
     let out = exe.run(&[("x", &f32s(&X)), ("y", &yb)], Some(&hyper(0.5)), &[0, 1, 2]).unwrap();
@@ -84,13 +84,13 @@ fn linear_softmax_training_step(backend: &dyn Backend) {
     assert!(exe.memory().arena_bytes <= exe.memory().naive_bytes);
 }
 
-fn resident_inputs(backend: &dyn Backend) {
+fn resident_inputs(backend: &Arc<dyn Backend>) {
     let mut g = Graph::new();
     let cache = g.input("cache", Shape::new([4, 2]), DType::F32).unwrap();
     let s = g.add(Op::Reduce { op: rlx_ir::ReduceOp::Sum, axes: vec![0], keepdims: false }, &[cache]).unwrap();
     g.set_outputs(vec![s]).unwrap();
-    let params = Arc::new(Store::new(backend, &[]).unwrap());
-    let exe = Executable::new(backend, &g, params, None).unwrap();
+    let params = Arc::new(Store::new(backend.as_ref(), &[]).unwrap());
+    let exe = Executable::new(backend.clone(), &g, params, None).unwrap();
     assert!(exe.run(&[], None, &[0]).is_err(), "an unbound input must be given");
     exe.bind("cache", &f32s(&[1.0; 8])).unwrap();
     close(&from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]), &[4.0, 4.0], "bound sum");
@@ -101,7 +101,7 @@ fn resident_inputs(backend: &dyn Backend) {
     close(&from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]), &[0.0, 23.0], "column write");
 }
 
-fn bad_feeds_change_nothing(backend: &dyn Backend) {
+fn bad_feeds_change_nothing(backend: &Arc<dyn Backend>) {
     let (exe, params) = linear_model(backend);
     let before = params.read("w").unwrap();
     let bad_labels: Vec<u8> = [0i32, 1, 7, 0].iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -1,8 +1,12 @@
 //! A compiled executable: one arena, resident weights and inputs, the whole step as one call.
 use crate::backend::check_range;
 use crate::lower::lower;
-use crate::{Backend, Buf, Compiled, DeviceBuffer, Error, Instr, OptimHyper, OptimRule, Result, Store, TRef};
-use rlx_ir::{DType, Graph, Op};
+use crate::{
+    Backend, Buf, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, Error, HostBytes, Instr, OptimHyper, OptimRule,
+    Program, Result, Store, TRef,
+};
+use rlx_ir::{planner::align_up, BarrierToken, DType, Graph, Op};
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 /// The optimizer of a training executable: its rule and its state store.
@@ -34,10 +38,36 @@ pub struct MemoryReport {
 struct Inner {
     compiled: Box<dyn Compiled>,
     inputs: Vec<InputSlot>,
+    prefetch: Option<Prefetch>,
 }
+
+/// Double-buffered prefetch: two input sets in a staging buffer, a program variant reading each,
+/// and the queue of batches whose copies were issued.
+struct Prefetch {
+    engine: Arc<CopyEngine>,
+    stage: Arc<dyn DeviceBuffer>,
+    /// Per set: the program reading that set's inputs (bound inputs still come from the arena).
+    variants: Vec<Box<dyn Compiled>>,
+    /// (input name, byte offset within a set) of every prefetched (unbound) input.
+    layout: Vec<(String, usize)>,
+    set_bytes: usize,
+    queue: VecDeque<Queued>,
+}
+
+struct Queued {
+    set: usize,
+    token: BarrierToken,
+    /// The source arrays, kept alive until the batch is consumed.
+    _keep: Vec<Arc<dyn HostBytes>>,
+}
+
+/// Batches that may wait in the prefetch queue.
+pub const PREFETCH_DEPTH: usize = 2;
 
 /// A graph compiled for one device. All methods take `&self`; runs are serialised internally.
 pub struct Executable {
+    backend: Arc<dyn Backend>,
+    program: Program,
     arena: Arc<dyn DeviceBuffer>,
     params: Arc<Store>,
     state: Option<Arc<Store>>,
@@ -51,7 +81,7 @@ impl Executable {
     /// Compiles `graph` against the weight store `params`. With an optimizer, the graph's outputs
     /// must be `[loss, grad of each param node in graph order]`, and each run ends with the update.
     pub fn new(
-        backend: &dyn Backend,
+        backend: Arc<dyn Backend>,
         graph: &Graph,
         params: Arc<Store>,
         optimizer: Option<OptimizerSetup>,
@@ -64,6 +94,7 @@ impl Executable {
             )));
         }
         let low = lower(graph, &params, backend.alignment())?;
+        let backend_ref = backend.as_ref();
         let mut program = low.program;
         let outputs: Vec<TRef> = graph.outputs().iter().map(|&o| low.loc[o].clone().expect("outputs are live")).collect();
         if let Some(opt) = &optimizer {
@@ -97,12 +128,12 @@ impl Executable {
                 });
             }
         }
-        let arena = backend.alloc(low.arena_bytes)?;
+        let arena = backend_ref.alloc(low.arena_bytes)?;
         for (offset, bytes) in &low.consts {
             arena.write(*offset, bytes)?;
         }
         let state_len = optimizer.as_ref().map_or(0, |o| o.state.bytes());
-        let compiled = backend.compile(&program, &[arena.len(), params.bytes(), state_len])?;
+        let compiled = backend_ref.compile(&program, &[arena.len(), params.bytes(), state_len])?;
         let mut inputs = Vec::new();
         for (id, name) in graph.inputs() {
             if let Some(at) = low.loc[id].clone() {
@@ -116,11 +147,13 @@ impl Executable {
             state_bytes: state_len,
         };
         Ok(Executable {
+            backend,
+            program,
             arena,
             params,
             state: optimizer.map(|o| o.state),
             input_names: inputs.iter().map(|s| s.name.clone()).collect(),
-            inner: Mutex::new(Inner { compiled, inputs }),
+            inner: Mutex::new(Inner { compiled, inputs, prefetch: None }),
             outputs,
             memory,
         })
@@ -152,7 +185,88 @@ impl Executable {
             Buf::Arena => Some(&self.arena),
             Buf::Params => Some(self.params.buffer()),
             Buf::State => self.state.as_ref().map(|s| s.buffer()),
+            Buf::Stage => None,
         }
+    }
+
+    fn state_len(&self) -> usize {
+        self.state.as_ref().map_or(0, |s| s.bytes())
+    }
+
+    /// Number of prefetched batches waiting to be consumed.
+    pub fn prefetched(&self) -> usize {
+        self.lock().prefetch.as_ref().map_or(0, |p| p.queue.len())
+    }
+
+    /// Starts copying a batch (every unbound input) into a free staging set and returns at once.
+    /// Runs without feeds consume prefetched batches in order. At most [`PREFETCH_DEPTH`] wait.
+    pub fn prefetch(&self, feeds: Vec<(String, Arc<dyn HostBytes>)>) -> Result<()> {
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        for (i, (name, data)) in feeds.iter().enumerate() {
+            if feeds[..i].iter().any(|(n, _)| n == name) {
+                return Err(Error::input(name, "given twice"));
+            }
+            let slot = find_slot(&inner.inputs, name)?;
+            if slot.bound {
+                return Err(Error::input(name, "is a bound (resident) input; prefetch only the per-call inputs"));
+            }
+            check_feed(slot, data.bytes())?;
+        }
+        if let Some(missing) = inner.inputs.iter().find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name)) {
+            return Err(Error::input(&missing.name, "missing input in prefetch (every per-call input is needed)"));
+        }
+        if inner.prefetch.as_ref().is_some_and(|p| p.queue.len() >= PREFETCH_DEPTH) {
+            return Err(Error::Graph(format!(
+                "[prefetch] {PREFETCH_DEPTH} prefetched batches are already waiting; run a step first"
+            )));
+        }
+        if inner.prefetch.is_none() {
+            inner.prefetch = Some(self.make_prefetch(&inner.inputs)?);
+        }
+        let pf = inner.prefetch.as_mut().expect("made above");
+        let set = (0..PREFETCH_DEPTH).find(|s| !pf.queue.iter().any(|q| q.set == *s)).expect("a set is free");
+        let mut token = None;
+        let mut keep = Vec::with_capacity(feeds.len());
+        for (name, data) in feeds {
+            let offset = pf.layout.iter().find(|(n, _)| *n == name).map(|(_, o)| *o).expect("unbound input");
+            let dst = CopyDst { buffer: pf.stage.clone(), offset: set * pf.set_bytes + offset };
+            let len = data.bytes().len();
+            token = Some(pf.engine.issue(CopySrc::Host(data.clone()), dst, len)?);
+            keep.push(data);
+        }
+        // FIFO engine: the last copy's token covers the whole batch.
+        let token = match token {
+            Some(t) => t,
+            None => pf.engine.issue(CopySrc::Host(Arc::new(Vec::new())), CopyDst { buffer: pf.stage.clone(), offset: 0 }, 0)?,
+        };
+        pf.queue.push_back(Queued { set, token, _keep: keep });
+        Ok(())
+    }
+
+    /// The staging buffer and the program variants reading it, for the current bound set.
+    fn make_prefetch(&self, inputs: &[InputSlot]) -> Result<Prefetch> {
+        let align = self.backend.alignment();
+        let mut layout = Vec::new();
+        let mut remap = Vec::new(); // (arena offset, offset within a set)
+        let mut at = 0;
+        for s in inputs.iter().filter(|s| !s.bound) {
+            layout.push((s.name.clone(), at));
+            if s.at.bytes() > 0 {
+                remap.push((s.at.offset, at));
+            }
+            at = align_up(at + s.at.bytes(), align);
+        }
+        let set_bytes = at;
+        let stage = self.backend.alloc(set_bytes * PREFETCH_DEPTH)?;
+        let lens = [self.arena.len(), self.params.bytes(), self.state_len(), stage.len()];
+        let variants = (0..PREFETCH_DEPTH)
+            .map(|set| {
+                let program = retarget(&self.program, &remap, set * set_bytes);
+                self.backend.compile(&program, &lens)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Prefetch { engine: self.backend.copy_engine()?, stage, variants, layout, set_bytes, queue: VecDeque::new() })
     }
 
     /// Names of the inputs the graph reads (dead inputs are left out), in declaration order.
@@ -174,10 +288,16 @@ impl Executable {
         let mut inner = self.lock();
         let slot = find_slot(&inner.inputs, name)?;
         check_feed(slot, data)?;
+        if !slot.bound && inner.prefetch.as_ref().is_some_and(|p| !p.queue.is_empty()) {
+            return Err(Error::input(name, "cannot bind an input while prefetched batches wait; run them first"));
+        }
         let _params = self.params.lock();
         self.arena.write(slot.at.offset, data)?;
         let slot = inner.inputs.iter_mut().find(|s| s.name == name).expect("found above");
-        slot.bound = true;
+        if !slot.bound {
+            slot.bound = true;
+            inner.prefetch = None; // the staging layout depends on which inputs are bound
+        }
         Ok(())
     }
 
@@ -230,8 +350,11 @@ impl Executable {
             }
             check_feed(find_slot(&inner.inputs, name)?, data)?;
         }
-        if let Some(missing) = inner.inputs.iter().find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name)) {
-            return Err(Error::input(&missing.name, "missing input (neither given nor bound)"));
+        let queued = feeds.is_empty() && inner.prefetch.as_ref().is_some_and(|p| !p.queue.is_empty());
+        if !queued {
+            if let Some(missing) = inner.inputs.iter().find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name)) {
+                return Err(Error::input(&missing.name, "missing input (neither given, bound, nor prefetched)"));
+            }
         }
         if self.state.is_some() && hyper.is_none() {
             return Err(Error::Graph("a training executable needs optimizer hyper-parameters".into()));
@@ -245,12 +368,25 @@ impl Executable {
             let slot = find_slot(&inner.inputs, name)?;
             self.arena.write(slot.at.offset, data)?;
         }
-        let state_buf = self.state.as_ref().map(|s| s.buffer().clone());
-        let mut bufs: Vec<&dyn DeviceBuffer> = vec![self.arena.as_ref(), self.params.buffer().as_ref()];
-        if let Some(s) = &state_buf {
-            bufs.push(s.as_ref());
+        let empty;
+        let state_buf: &dyn DeviceBuffer = match &self.state {
+            Some(s) => s.buffer().as_ref(),
+            None => {
+                empty = EmptyBuffer;
+                &empty
+            }
+        };
+        let mut bufs: Vec<&dyn DeviceBuffer> = vec![self.arena.as_ref(), self.params.buffer().as_ref(), state_buf];
+        if queued {
+            let pf = inner.prefetch.as_mut().expect("queued");
+            let batch = pf.queue.pop_front().expect("queued");
+            // Only this batch's copy is waited for; a later prefetch keeps copying meanwhile.
+            pf.engine.wait(batch.token)?;
+            bufs.push(pf.stage.as_ref());
+            pf.variants[batch.set].run(&bufs, hyper)?;
+        } else {
+            inner.compiled.run(&bufs, hyper)?;
         }
-        inner.compiled.run(&bufs, hyper)?;
         read.iter()
             .map(|&i| {
                 let o = &self.outputs[i];
@@ -260,6 +396,55 @@ impl Executable {
             })
             .collect()
     }
+}
+
+impl Drop for Executable {
+    fn drop(&mut self) {
+        // Let every issued copy finish before the staging buffer and the source arrays go.
+        if let Some(pf) = self.inner.get_mut().ok().and_then(|i| i.prefetch.as_ref()) {
+            let _ = pf.engine.wait_all();
+        }
+    }
+}
+
+/// Stands in for an absent buffer so buffer indices stay fixed.
+struct EmptyBuffer;
+
+impl DeviceBuffer for EmptyBuffer {
+    fn len(&self) -> usize {
+        0
+    }
+    fn host_ptr(&self) -> Option<std::ptr::NonNull<u8>> {
+        None
+    }
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        check_range("write", offset, data.len(), 0)
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        check_range("read", offset, out.len(), 0)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// The program with every reference to a remapped input slot moved into the staging buffer.
+fn retarget(program: &Program, remap: &[(usize, usize)], base: usize) -> Program {
+    let fix = |t: &TRef| -> TRef {
+        match remap.iter().find(|(from, _)| t.buf == Buf::Arena && *from == t.offset) {
+            Some((_, to)) => TRef { buf: Buf::Stage, offset: base + to, ..t.clone() },
+            None => t.clone(),
+        }
+    };
+    let instrs = program
+        .instrs
+        .iter()
+        .map(|i| match i {
+            Instr::Op { op, ins, out } => Instr::Op { op: op.clone(), ins: ins.iter().map(fix).collect(), out: fix(out) },
+            other => other.clone(),
+        })
+        .collect();
+    Program { instrs }
 }
 
 fn state_ref(state: &Store, name: &str) -> Result<TRef> {

@@ -10,7 +10,7 @@ pub mod lower;
 pub mod program;
 pub mod store;
 
-pub use backend::{Backend, Compiled, DeviceBuffer};
+pub use backend::{Backend, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, HostBytes};
 pub use executable::{Executable, InputSlot, MemoryReport, OptimizerSetup};
 pub use program::{Buf, Instr, OptimHyper, OptimRule, Program, TRef};
 pub use rlx_ir::{Error, Result};

@@ -11,6 +11,8 @@ pub enum Buf {
     Params = 1,
     /// The optimizer's state store (moments, step count).
     State = 2,
+    /// The staging buffer of prefetched inputs (two input sets), made at the first prefetch.
+    Stage = 3,
 }
 
 /// A tensor at a fixed place: buffer, byte offset, shape and dtype.
