@@ -8,6 +8,33 @@ use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
 pub struct CpuProgram {
     instrs: Vec<Instr>,
     lens: Vec<usize>,
+    /// With `RLX_PROFILE=1`: seconds and calls per instruction kind, printed when dropped.
+    profile: Option<std::collections::BTreeMap<String, (f64, u64)>>,
+}
+
+impl Drop for CpuProgram {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            let total: f64 = p.values().map(|v| v.0).sum();
+            let mut rows: Vec<_> = p.iter().collect();
+            rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+            eprintln!("rlx profile: {:.3} ms over {} instruction kinds", total * 1e3, rows.len());
+            for (k, (t, n)) in rows {
+                eprintln!("  {k:<40} {:9.3} ms {:5.1}% {n:8} calls", t * 1e3, 100.0 * t / total.max(1e-12));
+            }
+        }
+    }
+}
+
+fn profile_key(instr: &Instr) -> String {
+    match instr {
+        Instr::Op { op, ins, out } => {
+            let shapes: Vec<String> = ins.iter().map(|t| t.shape.to_string()).collect();
+            format!("{} {}->{}", op.name(), shapes.join(","), out.shape)
+        }
+        Instr::CountStep { .. } => "count_step".into(),
+        Instr::Optim { rule, .. } => format!("optimizer {rule:?}"),
+    }
 }
 
 impl CpuProgram {
@@ -38,7 +65,8 @@ impl CpuProgram {
                 }
             }
         }
-        Ok(CpuProgram { instrs: program.instrs.clone(), lens: lens.to_vec() })
+        let profile = std::env::var("RLX_PROFILE").is_ok_and(|v| v == "1").then(Default::default);
+        Ok(CpuProgram { instrs: program.instrs.clone(), lens: lens.to_vec(), profile })
     }
 }
 
@@ -71,6 +99,7 @@ impl Compiled for CpuProgram {
     fn run(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&OptimHyper>) -> Result<()> {
         let b = Bases::new(buffers, &self.lens)?;
         for instr in &self.instrs {
+            let t0 = self.profile.is_some().then(std::time::Instant::now);
             // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each output is
             // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
             match instr {
@@ -85,6 +114,11 @@ impl Compiled for CpuProgram {
                         kernels::optim::update(*rule, hyper, step, b.get_mut::<f32>(param), g, &mut st);
                     }
                 }
+            }
+            if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
+                let e = p.entry(profile_key(instr)).or_default();
+                e.0 += t0.elapsed().as_secs_f64();
+                e.1 += 1;
             }
         }
         Ok(())

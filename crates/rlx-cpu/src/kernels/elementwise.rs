@@ -1,14 +1,14 @@
 //! Elementwise kernels: unary math, broadcast binary ops and comparisons, `where`.
-use super::{map_rows, par_zip, Strided};
+use super::{map_rows, math, par_zip, Strided};
 use rlx_ir::{BinaryOp, UnaryOp};
 
 pub fn unary(op: UnaryOp, x: &[f32], out: &mut [f32]) {
     match op {
         UnaryOp::Neg => par_zip(out, x, |o, &x| *o = -x),
         UnaryOp::Relu => par_zip(out, x, |o, &x| *o = x.max(0.0)),
-        UnaryOp::Tanh => par_zip(out, x, |o, &x| *o = x.tanh()),
-        UnaryOp::Sigmoid => par_zip(out, x, |o, &x| *o = 1.0 / (1.0 + (-x).exp())),
-        UnaryOp::Exp => par_zip(out, x, |o, &x| *o = x.exp()),
+        UnaryOp::Tanh => par_zip(out, x, |o, &x| *o = math::tanh(x)),
+        UnaryOp::Sigmoid => par_zip(out, x, |o, &x| *o = 1.0 / (1.0 + math::exp(-x))),
+        UnaryOp::Exp => par_zip(out, x, |o, &x| *o = math::exp(x)),
         UnaryOp::Log => par_zip(out, x, |o, &x| *o = x.ln()),
         UnaryOp::Sqrt => par_zip(out, x, |o, &x| *o = x.sqrt()),
         UnaryOp::Gelu => par_zip(out, x, |o, &x| *o = gelu(x)),
@@ -25,33 +25,27 @@ pub fn unary(op: UnaryOp, x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// The error function (Abramowitz & Stegun 7.1.26, |error| < 1.5e-7), computed in f64.
-pub fn erf(x: f32) -> f32 {
-    let x = x as f64;
-    let t = 1.0 / (1.0 + 0.327_591_1 * x.abs());
-    let poly = t * (0.254_829_592 + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
-    let y = 1.0 - poly * (-x * x).exp();
-    (if x < 0.0 { -y } else { y }) as f32
-}
-
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const INV_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
 const INV_SQRT_2PI: f32 = 0.398_942_3;
 
 /// `x * Phi(x)`.
+#[inline(always)]
 fn gelu(x: f32) -> f32 {
-    0.5 * x * (1.0 + erf(x * INV_SQRT_2))
+    0.5 * x * (1.0 + math::erf(x * INV_SQRT_2))
 }
 
 /// `Phi(x) + x * phi(x)`.
+#[inline(always)]
 fn gelu_deriv(x: f32) -> f32 {
-    0.5 * (1.0 + erf(x * INV_SQRT_2)) + x * INV_SQRT_2PI * (-0.5 * x * x).exp()
+    0.5 * (1.0 + math::erf(x * INV_SQRT_2)) + x * INV_SQRT_2PI * math::exp(-0.5 * x * x)
 }
 
 /// The tanh approximation and its derivative.
+#[inline(always)]
 fn gelu_tanh(x: f32) -> (f32, f32) {
     let u = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
-    let t = u.tanh();
+    let t = math::tanh(u);
     let du = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * x * x);
     (0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
 }

@@ -1,6 +1,7 @@
 //! CPU kernels, one file per op family, plus the strided row walker they share.
 pub mod elementwise;
 pub mod layout;
+pub mod math;
 pub mod matmul;
 pub mod nn;
 pub mod optim;

@@ -1,5 +1,7 @@
 //! Neural-network kernels: softmax / log-softmax over any axis, fused softmax cross-entropy, MSE,
 //! embedding gather / scatter-add, and normalisation over the last axis with its VJP.
+use super::{math, PAR_MIN};
+use rayon::prelude::*;
 use rlx_ir::{Error, Result};
 
 /// Softmax (or log-softmax) of `x` along `axis`.
@@ -8,6 +10,19 @@ pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32])
     let inner: usize = xd[axis + 1..].iter().product();
     let outer: usize = xd[..axis].iter().product();
     if len == 0 || out.is_empty() {
+        return;
+    }
+    if inner == 1 {
+        // The usual case: contiguous rows, in place in the output, rows split across threads.
+        let row = |(o, r): (&mut [f32], &[f32])| {
+            o.copy_from_slice(r);
+            softmax_row(o, log);
+        };
+        if out.len() >= PAR_MIN {
+            out.par_chunks_mut(len).zip(x.par_chunks(len)).for_each(row);
+        } else {
+            out.chunks_mut(len).zip(x.chunks(len)).for_each(row);
+        }
         return;
     }
     let mut buf = vec![0.0f32; len];
@@ -29,11 +44,12 @@ fn softmax_row(row: &mut [f32], log: bool) {
     let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     let max = if max.is_finite() { max } else { 0.0 };
     let mut sum = 0.0f32;
-    for v in row.iter_mut() {
-        let e = (*v - max).exp();
-        sum += e;
-        if !log {
-            *v = e;
+    if log {
+        sum = row.iter().map(|&v| math::exp(v - max)).sum();
+    } else {
+        for v in row.iter_mut() {
+            *v = math::exp(*v - max);
+            sum += *v;
         }
     }
     if log {
@@ -59,7 +75,7 @@ pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32
     for (row, &y) in logits.chunks(c).zip(labels) {
         let y = check_label(y, c)?;
         let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let sum: f32 = row.iter().map(|&v| (v - max).exp()).sum();
+        let sum: f32 = row.iter().map(|&v| math::exp(v - max)).sum();
         total += (max + sum.ln() - row[y]) as f64;
     }
     Ok((total / labels.len().max(1) as f64) as f32)

@@ -22,22 +22,23 @@ pub fn update(rule: OptimRule, h: &OptimHyper, step: i32, p: &mut [f32], g: &[f3
         OptimRule::Adam | OptimRule::AdamW => {
             let t = step.max(1);
             let bc1 = 1.0 - h.beta1.powi(t);
-            let bc2_sqrt = (1.0 - h.beta2.powi(t)).sqrt();
+            let inv_bc2_sqrt = 1.0 / (1.0 - h.beta2.powi(t)).sqrt();
             let step_size = lr / bc1;
-            let decoupled = rule == OptimRule::AdamW;
+            // Decoupled decay scales p first (AdamW); L2 decay adds wd * p to the gradient (Adam).
+            let (decay, l2) = if rule == OptimRule::AdamW { (1.0 - lr * wd, 0.0) } else { (1.0, wd) };
+            let (b1, b2, eps) = (h.beta1, h.beta2, h.eps);
             let (m, v) = state.split_at_mut(1);
             let (m, v) = (&mut *m[0], &mut *v[0]);
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                let g = if decoupled {
-                    *p *= 1.0 - lr * wd;
-                    g
-                } else {
-                    g + wd * *p
-                };
-                *m = h.beta1 * *m + (1.0 - h.beta1) * g;
-                *v = h.beta2 * *v + (1.0 - h.beta2) * g * g;
-                let denom = v.sqrt() / bc2_sqrt + h.eps;
-                *p -= step_size * *m / denom;
+            let n = p.len().min(g.len()).min(m.len()).min(v.len());
+            let (p, g, m, v) = (&mut p[..n], &g[..n], &mut m[..n], &mut v[..n]);
+            for i in 0..n {
+                let pi = p[i] * decay;
+                let gi = g[i] + l2 * pi;
+                let mi = b1 * m[i] + (1.0 - b1) * gi;
+                let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
+                m[i] = mi;
+                v[i] = vi;
+                p[i] = pi - step_size * mi / (vi.sqrt() * inv_bc2_sqrt + eps);
             }
         }
     }

@@ -5,11 +5,27 @@ use rlx_ir::ReduceOp;
 
 /// Reduces `x` (shape `xd`) over the sorted `axes`; `out` holds the kept dims in order.
 pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32]) {
+    match op {
+        ReduceOp::Max => reduce_with(x, xd, axes, out, f32::NEG_INFINITY, f32::max),
+        ReduceOp::Sum | ReduceOp::Mean => reduce_with(x, xd, axes, out, 0.0, |a, b| a + b),
+    }
+    if op == ReduceOp::Mean {
+        let count: usize = axes.iter().map(|&a| xd[a]).product();
+        let scale = 1.0 / count.max(1) as f32;
+        out.iter_mut().for_each(|v| *v *= scale);
+    }
+}
+
+/// One monomorphic reduction loop per combine function, so it inlines and vectorises.
+fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
+    x: &[f32],
+    xd: &[usize],
+    axes: &[usize],
+    out: &mut [f32],
+    init: f32,
+    combine: F,
+) {
     let count: usize = axes.iter().map(|&a| xd[a]).product();
-    let (init, combine): (f32, fn(f32, f32) -> f32) = match op {
-        ReduceOp::Max => (f32::NEG_INFINITY, f32::max),
-        _ => (0.0, |a, b| a + b),
-    };
     let rank = xd.len();
     let is_suffix = axes.iter().enumerate().all(|(i, &a)| a == rank - axes.len() + i);
     let is_prefix = axes.iter().enumerate().all(|(i, &a)| a == i);
@@ -19,7 +35,7 @@ pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [
     if count == 0 {
         out.fill(init);
     } else if is_suffix {
-        let row = |(o, r): (&mut f32, &[f32])| *o = r.iter().fold(init, |acc, &v| combine(acc, v));
+        let row = |(o, r): (&mut f32, &[f32])| *o = fold_row(r, init, combine);
         if x.len() >= PAR_MIN && out.len() > 1 {
             out.par_iter_mut().zip(x.par_chunks(count)).for_each(row);
         } else {
@@ -43,14 +59,28 @@ pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [
     } else {
         general(x, xd, axes, out, init, combine);
     }
-    if op == ReduceOp::Mean {
-        let scale = 1.0 / count.max(1) as f32;
-        out.iter_mut().for_each(|v| *v *= scale);
-    }
 }
 
 /// Any axes: each output element walks its reduced sub-space with an odometer.
-fn general(x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32], init: f32, combine: fn(f32, f32) -> f32) {
+/// Folds a contiguous row with 8 independent accumulators (so the loop vectorises).
+#[inline(always)]
+fn fold_row<F: Fn(f32, f32) -> f32>(r: &[f32], init: f32, combine: F) -> f32 {
+    let mut acc = [init; 8];
+    let chunks = r.chunks_exact(8);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = combine(*a, v);
+        }
+    }
+    let mut total = acc.iter().fold(init, |a, &b| combine(a, b));
+    for &v in rest {
+        total = combine(total, v);
+    }
+    total
+}
+
+fn general<F: Fn(f32, f32) -> f32>(x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32], init: f32, combine: F) {
     let strides = rlx_ir::Shape::from(xd).strides();
     let kept: Vec<usize> = (0..xd.len()).filter(|d| !axes.contains(d)).collect();
     let rd: Vec<usize> = axes.iter().map(|&a| xd[a]).collect();
