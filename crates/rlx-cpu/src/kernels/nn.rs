@@ -40,25 +40,31 @@ pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32])
     }
 }
 
+/// Softmax (or log-softmax) of one row, in place.
 fn softmax_row(row: &mut [f32], log: bool) {
-    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let max = math::max(row);
     let max = if max.is_finite() { max } else { 0.0 };
-    let mut sum = 0.0f32;
     if log {
-        sum = row.iter().map(|&v| math::exp(v - max)).sum();
-    } else {
-        for v in row.iter_mut() {
-            *v = math::exp(*v - max);
-            sum += *v;
-        }
-    }
-    if log {
-        let lse = max + sum.ln();
+        let lse = max + logsumexp_shifted(row, max).ln();
         row.iter_mut().for_each(|v| *v -= lse);
     } else {
-        let inv = 1.0 / sum;
+        row.iter_mut().for_each(|v| *v = math::exp(*v - max));
+        let inv = 1.0 / math::sum(row);
         row.iter_mut().for_each(|v| *v *= inv);
     }
+}
+
+/// `sum(exp(row - max))` without writing the row.
+fn logsumexp_shifted(row: &[f32], max: f32) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = row.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().map(|&v| math::exp(v - max)).sum();
+    for c in chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += math::exp(v - max);
+        }
+    }
+    acc.iter().sum::<f32>() + rest
 }
 
 fn check_label(y: i32, classes: usize) -> Result<usize> {
@@ -71,26 +77,38 @@ fn check_label(y: i32, classes: usize) -> Result<usize> {
 /// Mean over rows of `logsumexp(logits) - logits[label]`.
 pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32> {
     let c = ld[1];
-    let mut total = 0.0f64;
-    for (row, &y) in logits.chunks(c).zip(labels) {
-        let y = check_label(y, c)?;
-        let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        let sum: f32 = row.iter().map(|&v| math::exp(v - max)).sum();
-        total += (max + sum.ln() - row[y]) as f64;
+    for &y in labels {
+        check_label(y, c)?;
     }
+    let row_loss = |(row, &y): (&[f32], &i32)| -> f64 {
+        let max = math::max(row);
+        (max + logsumexp_shifted(row, max).ln() - row[y as usize]) as f64
+    };
+    let total: f64 = if logits.len() >= PAR_MIN {
+        logits.par_chunks(c).zip(labels.par_iter()).map(row_loss).sum()
+    } else {
+        logits.chunks(c).zip(labels).map(row_loss).sum()
+    };
     Ok((total / labels.len().max(1) as f64) as f32)
 }
 
 /// `(softmax(logits) - onehot(labels)) * g / N`.
 pub fn cross_entropy_grad(logits: &[f32], ld: &[usize], labels: &[i32], g: f32, out: &mut [f32]) -> Result<()> {
     let c = ld[1];
+    for &y in labels {
+        check_label(y, c)?;
+    }
     let scale = g / labels.len().max(1) as f32;
-    for ((row, o), &y) in logits.chunks(c).zip(out.chunks_mut(c)).zip(labels) {
-        let y = check_label(y, c)?;
+    let row = |((row, o), &y): ((&[f32], &mut [f32]), &i32)| {
         o.copy_from_slice(row);
         softmax_row(o, false);
-        o[y] -= 1.0;
+        o[y as usize] -= 1.0;
         o.iter_mut().for_each(|v| *v *= scale);
+    };
+    if out.len() >= PAR_MIN {
+        logits.par_chunks(c).zip(out.par_chunks_mut(c)).zip(labels.par_iter()).for_each(row);
+    } else {
+        logits.chunks(c).zip(out.chunks_mut(c)).zip(labels).for_each(row);
     }
     Ok(())
 }
@@ -132,33 +150,49 @@ pub fn scatter_add(ids: &[i32], g: &[f32], rows: usize, out: &mut [f32]) -> Resu
 /// Mean and 1/sqrt(var + eps) of one row.
 fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
-    let mean = row.iter().sum::<f32>() / n;
-    let var = row.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    let mean = math::sum(row) / n;
+    let mut acc = [0.0f32; 8];
+    let chunks = row.chunks_exact(8);
+    let rest: f32 = chunks.remainder().iter().map(|v| (v - mean) * (v - mean)).sum();
+    for c in chunks {
+        for (a, v) in acc.iter_mut().zip(c) {
+            *a += (v - mean) * (v - mean);
+        }
+    }
+    let var = (acc.iter().sum::<f32>() + rest) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
 /// `(x - mean) * rstd` per row of the last axis.
 pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
-    for (row, o) in x.chunks(width).zip(out.chunks_mut(width)) {
+    let row = |(row, o): (&[f32], &mut [f32])| {
         let (mean, rstd) = row_stats(row, eps);
         row.iter().zip(o.iter_mut()).for_each(|(v, o)| *o = (v - mean) * rstd);
+    };
+    if out.len() >= PAR_MIN {
+        x.par_chunks(width).zip(out.par_chunks_mut(width)).for_each(row);
+    } else {
+        x.chunks(width).zip(out.chunks_mut(width)).for_each(row);
     }
 }
 
 /// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` per row.
 pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f32]) {
     let n = width as f32;
-    for ((row, gr), o) in x.chunks(width).zip(g.chunks(width)).zip(out.chunks_mut(width)) {
+    let row = |((row, gr), o): ((&[f32], &[f32]), &mut [f32])| {
         let (mean, rstd) = row_stats(row, eps);
-        let mut sg = 0.0f32;
-        let mut sgx = 0.0f32;
-        for (v, gv) in row.iter().zip(gr) {
-            sg += gv;
-            sgx += gv * (v - mean) * rstd;
+        // o holds xhat * g first, to sum it vectorised.
+        for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
+            *o = gv * (v - mean) * rstd;
         }
-        let (mg, mgx) = (sg / n, sgx / n);
+        let (mg, mgx) = (math::sum(gr) / n, math::sum(o) / n);
         for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
             *o = rstd * (gv - mg - (v - mean) * rstd * mgx);
         }
+    };
+    if out.len() >= PAR_MIN {
+        x.par_chunks(width).zip(g.par_chunks(width)).zip(out.par_chunks_mut(width)).for_each(row);
+    } else {
+        x.chunks(width).zip(g.chunks(width)).zip(out.chunks_mut(width)).for_each(row);
     }
 }

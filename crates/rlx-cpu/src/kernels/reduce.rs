@@ -11,7 +11,8 @@ pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [
     }
     if op == ReduceOp::Mean {
         let count: usize = axes.iter().map(|&a| xd[a]).product();
-        let scale = 1.0 / count.max(1) as f32;
+        // An empty axis gives 0 * inf = NaN, as numpy's mean does.
+        let scale = 1.0 / count as f32;
         out.iter_mut().for_each(|v| *v *= scale);
     }
 }
