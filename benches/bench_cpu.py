@@ -675,6 +675,12 @@ def main() -> None:
               if r]
     if losses and "gpt" in only:
         notes.append(f"Sanity: GPT mean loss of the last 10 of {gpt_steps} steps: " + ", ".join(losses) + ".")
+    mlp_losses = [f"{fw} {r['loss_last']:.4f}" for fw in fws
+                  for r in [next((x for x in records if x["fw"] == fw and x["workload"] == "mlp64" and "error" not in x),
+                                 None)] if r]
+    if mlp_losses and "mlp64" in only:
+        notes.append("Sanity: MLP B=64 loss at the last timed step (rlx and JAX start from the same init, "
+                     "rlx.seed(0) = default_rng(0)): " + ", ".join(mlp_losses) + ".")
     data_rss = [f"{fw} {r['rss_after_data_mb']:.0f} MB" for fw in fws
                 for r in [next((x for x in records if x["fw"] == fw and x["workload"] == "mlp64" and "error" not in x), None)]
                 if r]

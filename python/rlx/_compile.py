@@ -8,7 +8,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import _rlx
+from ._arrays import contiguous
 from ._tensor import Tensor, Trace
+from . import _check
 from .errors import DTypeError, InputError, RlxError, ShapeError
 from .nn import Module
 from .optim import Optimizer
@@ -20,13 +22,8 @@ class InputSpec:
     """The shape and dtype of one named input of a compiled function."""
 
     def __init__(self, shape: Sequence[int], dtype: str = "float32") -> None:
-        try:
-            self.shape = tuple(int(d) for d in shape)
-        except TypeError:
-            raise ShapeError(f"[InputSpec] shape must be a sequence of ints, got {shape!r}") from None
-        if any(d < 0 for d in self.shape):
-            raise ShapeError(f"[InputSpec] dimensions must be >= 0, got {self.shape}")
-        if str(dtype) not in _NP:
+        self.shape = _check.shape("InputSpec", shape)
+        if not isinstance(dtype, str) or dtype not in _NP:
             raise DTypeError(f"[InputSpec] unsupported dtype {dtype!r} (use 'float32' or 'int32')")
         self.dtype = str(dtype)
 
@@ -35,8 +32,11 @@ class InputSpec:
 
 
 def _specs(inputs: Mapping[str, Any]) -> dict[str, InputSpec]:
+    if not isinstance(inputs, Mapping):
+        raise InputError(f"[inputs] must map input names to rlx.InputSpec, got {type(inputs).__name__}")
     out = {}
     for name, spec in dict(inputs).items():
+        _check.name("inputs", name)
         if isinstance(spec, InputSpec):
             out[name] = spec
         elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], str):
@@ -50,7 +50,10 @@ def convert(name: str, spec_shape: Sequence[int], spec_dtype: str, value: Any) -
     """Checks ``value`` against a spec and returns a C-contiguous native array of the spec's dtype.
     Non-contiguous, Fortran-ordered and byte-swapped arrays are converted; integer arrays are
     accepted for int32 inputs when their values fit; anything else raises before any work."""
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise DTypeError(f"[{name}] cannot use {type(value).__name__} as an array: {e}") from None
     want = _NP[spec_dtype]
     kind = arr.dtype.kind
     if spec_dtype == "float32":
@@ -64,7 +67,8 @@ def convert(name: str, spec_shape: Sequence[int], spec_dtype: str, value: Any) -
                 raise InputError(f"[{name}] values {arr.min()}..{arr.max()} do not fit in int32")
     if tuple(arr.shape) != tuple(spec_shape):
         raise ShapeError(f"[{name}] expected shape {tuple(spec_shape)}, got {tuple(arr.shape)}")
-    return np.ascontiguousarray(arr, dtype=want)
+    # Flat: the native side takes raw bytes (and 0-d arrays export no buffer shape).
+    return contiguous(arr, want).reshape(-1)
 
 
 def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], store: Any) -> tuple[Trace, Any, list[int]]:
@@ -133,7 +137,8 @@ class TrainStep(_Prefetching):
 
     def __call__(self, **arrays: Any) -> float:
         feeds = _check_feeds(self._names, arrays, self._specs, set())
-        out = self._exe.run(feeds, self._optimizer._hyper(), [0])
+        hyper = self._optimizer._hyper()  # checks settings changed since construction
+        out = self._exe.run(feeds, hyper, [0])
         return struct.unpack("<f", out[0])[0]
 
     @property
@@ -178,7 +183,7 @@ class Function(_Prefetching):
         return tuple(outs) if self._tuple else outs[0]
 
     def _spec(self, name: str) -> InputSpec:
-        if name not in self._specs:
+        if not isinstance(name, str) or name not in self._specs:
             raise InputError(f"[{name}] unknown input; expected {sorted(self._specs)}")
         if name not in self._names:
             raise InputError(f"[{name}] this input is not used by the function")
@@ -202,18 +207,22 @@ class Function(_Prefetching):
         """Writes ``rows`` into input ``name`` in place from index ``start`` along ``axis``
         (bounds-checked: rows past the end raise ``InputError`` and nothing is written)."""
         spec = self._spec(name)
-        rows = np.asarray(rows)
+        start = _check.integer("write_rows", "start", start)
+        axis = _check.integer("write_rows", "axis", axis)
         if not -len(spec.shape) <= axis < len(spec.shape):
             raise ShapeError(f"[{name}] axis {axis} is out of range for shape {spec.shape}")
         axis %= len(spec.shape)
+        if not 0 <= start <= spec.shape[axis]:
+            raise InputError(f"[{name}] start {start} is out of range [0, {spec.shape[axis]}] along axis {axis}")
+        try:
+            rows = np.asarray(rows)
+        except (TypeError, ValueError) as e:
+            raise DTypeError(f"[{name}] rows must be an array: {e}") from None
         expect = list(spec.shape)
         expect[axis] = rows.shape[axis] if rows.ndim == len(spec.shape) else -1
         if rows.ndim != len(spec.shape) or list(rows.shape) != expect:
             raise ShapeError(f"[{name}] rows of shape {rows.shape} do not match {spec.shape} outside axis {axis}")
-        if start < 0:
-            raise InputError(f"[{name}] start must be >= 0, got {start}")
-        arr = convert(name, rows.shape, spec.dtype, rows)
-        self._exe.write_rows(name, axis, int(start), arr)
+        self._exe.write_rows(name, axis, start, convert(name, rows.shape, spec.dtype, rows))
 
     def memory(self) -> dict[str, int]:
         return dict(self._exe.memory())
@@ -227,7 +236,8 @@ def compile_train_step(loss_fn: Callable[..., Tensor], model: Module, optimizer:
         raise RlxError(f"compile_train_step needs an rlx.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, Optimizer):
         raise RlxError(f"compile_train_step needs an rlx.optim optimizer, got {type(optimizer).__name__}")
-    device = _rlx.check_device(device)
+    _check.function("compile_train_step", "loss_fn", loss_fn)
+    device = _rlx.check_device(_check.device(device))
     specs = _specs(inputs)
     store = model._store_for(device)
     if not store.entries():
@@ -247,7 +257,8 @@ def compile(forward_fn: Callable[..., Any], model: Module, inputs: Mapping[str, 
     """Traces ``forward_fn(model, **tensors)`` into an inference executable on ``device``."""
     if not isinstance(model, Module):
         raise RlxError(f"compile needs an rlx.nn.Module, got {type(model).__name__}")
-    device = _rlx.check_device(device)
+    _check.function("compile", "forward_fn", forward_fn)
+    device = _rlx.check_device(_check.device(device))
     specs = _specs(inputs)
     store = model._store_for(device)
     t, out, _ = _trace(forward_fn, model, specs, store)

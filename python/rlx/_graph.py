@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _rlx
+from . import _check, _rlx
 from ._compile import _NP, convert
 from ._tensor import Tensor, Trace
 from .errors import InputError, RlxError
@@ -20,15 +20,25 @@ class Graph:
         self._trace = Trace(_native)
 
     def input(self, name: str, shape: Sequence[int], dtype: str = "float32") -> Tensor:
-        return Tensor(self._trace, self._trace.graph.input(name, [int(d) for d in shape], dtype))
+        return Tensor(self._trace, self._trace.graph.input(*self._leaf("input", name, shape, dtype)))
 
     def param(self, name: str, shape: Sequence[int], dtype: str = "float32") -> Tensor:
-        return Tensor(self._trace, self._trace.graph.param(name, [int(d) for d in shape], dtype))
+        return Tensor(self._trace, self._trace.graph.param(*self._leaf("param", name, shape, dtype)))
+
+    @staticmethod
+    def _leaf(kind: str, name: Any, shape: Any, dtype: Any) -> tuple[str, list[int], str]:
+        from .errors import DTypeError
+
+        if not isinstance(dtype, str):
+            raise DTypeError(f"[{kind}] dtype must be 'float32' or 'int32', got {dtype!r}")
+        return _check.name(kind, name), list(_check.shape(kind, shape)), dtype
 
     def constant(self, value: Any) -> Tensor:
         return self._trace.constant(value)
 
     def output(self, *tensors: Tensor) -> None:
+        if not tensors:
+            raise RlxError("output() needs at least one tensor")
         for t in tensors:
             if not isinstance(t, Tensor) or t._trace is not self._trace:
                 raise RlxError("outputs must be tensors of this graph")
@@ -44,23 +54,29 @@ class Graph:
     def compile(self, device: str = "cpu") -> "Executable":
         if not self._trace.graph.outputs():
             raise RlxError("the graph has no outputs; call graph.output(...) first")
-        device = _rlx.check_device(device)
+        device = _rlx.check_device(_check.device(device))
         params = self._trace.graph.params()
-        store = _rlx.Store(device, [list(p) for p in params])
+        store = _rlx.Store(device, [tuple(p) for p in params])
         return Executable(_rlx.Executable(self._trace.graph, store, device, None), store, params)
 
 
 def grad(graph: Graph, wrt: Sequence[str | Tensor]) -> Graph:
     """The backward graph of ``graph``'s single scalar output: outputs ``[loss, *grads]``."""
+    if not isinstance(graph, Graph):
+        raise RlxError(f"grad needs an rlx.Graph, got {type(graph).__name__}")
+    if isinstance(wrt, (str, Tensor)) or not isinstance(wrt, Sequence):
+        raise InputError(f"[grad] wrt must be a list of names or tensors, got {type(wrt).__name__}")
     outs = graph._trace.graph.outputs()
     if len(outs) != 1:
         raise RlxError(f"grad needs a graph with exactly one (scalar loss) output, got {len(outs)}")
     ids = []
     for w in wrt:
         if isinstance(w, Tensor):
+            if w._trace is not graph._trace:
+                raise RlxError("[grad] a wrt tensor belongs to another graph")
             ids.append(w._id)
         else:
-            node = graph._trace.graph.find(w)
+            node = graph._trace.graph.find(w) if isinstance(w, str) else None
             if node is None:
                 raise InputError(f"[{w}] no input or param of that name")
             ids.append(node)
@@ -77,13 +93,13 @@ class Executable:
         self._bound: set[str] = set()
 
     def set_param(self, name: str, array: Any) -> None:
-        if name not in self._params:
+        if not isinstance(name, str) or name not in self._params:
             raise InputError(f"[{name}] unknown param; expected {sorted(self._params)}")
         shape, dtype = self._params[name]
         self._store.write(name, convert(name, shape, dtype, array))
 
     def bind(self, name: str, array: Any) -> None:
-        if name not in self._inputs:
+        if not isinstance(name, str) or name not in self._inputs:
             raise InputError(f"[{name}] unknown input; expected {sorted(self._inputs)}")
         shape, dtype = self._inputs[name]
         self._exe.bind(name, convert(name, shape, dtype, array))

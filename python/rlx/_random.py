@@ -9,8 +9,10 @@ _rng = np.random.default_rng()
 
 def seed(n: int) -> None:
     """Seeds every random choice rlx makes (parameter initialisation)."""
+    from ._check import integer
+
     global _rng
-    _rng = np.random.default_rng(int(n))
+    _rng = np.random.default_rng(integer("seed", "n", n, lo=0))
 
 
 def rng() -> np.random.Generator:

@@ -7,8 +7,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import _rlx
-from .errors import DTypeError, RlxError, ShapeError, UnsupportedError
+from . import _check, _rlx
+from ._arrays import contiguous
+from .errors import DTypeError, InputError, RlxError, ShapeError, UnsupportedError
 
 _local = threading.local()
 
@@ -39,6 +40,8 @@ class Trace:
             dtype = "int32" if (like is not None and like.dtype == "int32" and isinstance(value, (int, np.integer))) else "float32"
             key = (dtype, float(value))
             if key not in self._consts:
+                if dtype == "int32" and not -(2**31) <= int(value) < 2**31:
+                    raise DTypeError(f"[constant] {value} does not fit in int32")
                 arr = np.asarray(value, dtype=np.float32 if dtype == "float32" else np.int32)
                 self._consts[key] = self.graph.constant(arr.reshape(-1), [], dtype)
             return Tensor(self, self._consts[key])
@@ -53,7 +56,7 @@ class Trace:
             dtype = "int32"
         else:
             raise DTypeError(f"[constant] cannot use an array of dtype {arr.dtype} in rlx (float32 or int32)")
-        arr = np.ascontiguousarray(arr)
+        arr = contiguous(arr)
         return Tensor(self, self.graph.constant(arr.reshape(-1), list(arr.shape), dtype))
 
 
@@ -100,12 +103,14 @@ def _unary(kind: str, x: Any) -> "Tensor":
     return Tensor(t, t.graph.unary(kind, x._id))
 
 
-def _axes(axis: int | Sequence[int] | None) -> list[int] | None:
+def _axes(axis: int | Sequence[int] | None, where: str = "reduce") -> list[int] | None:
     if axis is None:
         return None
-    if isinstance(axis, (int, np.integer)):
+    if isinstance(axis, (int, np.integer)) and not isinstance(axis, bool):
         return [int(axis)]
-    return [int(a) for a in axis]
+    if isinstance(axis, (str, bytes)) or not isinstance(axis, Sequence):
+        raise ShapeError(f"[{where}] axis must be an int or a sequence of ints, got {axis!r}")
+    return [_check.integer(where, "axis", a, lo=-(2**62), hi=2**62) for a in axis]
 
 
 class Tensor:
@@ -196,13 +201,18 @@ class Tensor:
 
     def reshape(self, *shape: int | Sequence[int]) -> "Tensor":
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
+            if isinstance(shape[0], (str, bytes)) or not isinstance(shape[0], Sequence):
+                raise ShapeError(f"[reshape] expected ints or a sequence of ints, got {shape[0]!r}")
             shape = tuple(shape[0])  # type: ignore[assignment]
-        return Tensor(self._trace, self._trace.graph.reshape(self._id, [int(s) for s in shape]))  # type: ignore[arg-type]
+        dims = [_check.integer("reshape", "dimension", d, lo=-1, hi=2**62) for d in shape]
+        return Tensor(self._trace, self._trace.graph.reshape(self._id, dims))
 
     def transpose(self, *axes: int | Sequence[int]) -> "Tensor":
         if len(axes) == 1 and not isinstance(axes[0], (int, np.integer)):
+            if isinstance(axes[0], (str, bytes)) or not isinstance(axes[0], Sequence):
+                raise ShapeError(f"[transpose] expected axes as ints, got {axes[0]!r}")
             axes = tuple(axes[0])  # type: ignore[assignment]
-        perm = [int(a) for a in axes] if axes else None  # type: ignore[arg-type]
+        perm = [_check.integer("transpose", "axis", a, lo=-(2**62), hi=2**62) for a in axes] if axes else None
         return Tensor(self._trace, self._trace.graph.transpose(self._id, perm))
 
     @property
@@ -210,7 +220,7 @@ class Tensor:
         return self.transpose()
 
     def _reduce(self, kind: str, axis: Any, keepdims: bool) -> "Tensor":
-        return Tensor(self._trace, self._trace.graph.reduce(kind, self._id, _axes(axis), keepdims))
+        return Tensor(self._trace, self._trace.graph.reduce(kind, self._id, _axes(axis, kind), bool(keepdims)))
 
     def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
         return self._reduce("sum", axis, keepdims)
@@ -296,13 +306,13 @@ def sqrt(x: Any) -> Tensor:
 def softmax(x: Any, axis: int = -1) -> Tensor:
     t = _trace_of(x)
     x = _as_tensor(x, t)
-    return Tensor(t, t.graph.softmax(x._id, int(axis), False))
+    return Tensor(t, t.graph.softmax(x._id, _check.integer("softmax", "axis", axis, lo=-(2**62), hi=2**62), False))
 
 
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
     t = _trace_of(x)
     x = _as_tensor(x, t)
-    return Tensor(t, t.graph.softmax(x._id, int(axis), True))
+    return Tensor(t, t.graph.softmax(x._id, _check.integer("log_softmax", "axis", axis, lo=-(2**62), hi=2**62), True))
 
 
 def where(cond: Any, a: Any, b: Any) -> Tensor:
@@ -334,14 +344,14 @@ def gelu(x: Any, approximate: bool | str = False) -> Tensor:
         return _unary("gelu_tanh", x)
     if approximate in (False, "none", None):
         return _unary("gelu", x)
-    raise ValueError(f"[gelu] approximate must be True/False or 'tanh'/'none', got {approximate!r}")
+    raise InputError(f"[gelu] approximate must be True/False or 'tanh'/'none', got {approximate!r}")
 
 
 def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Tensor:
     """Normalises over the last axis, then scales by ``weight`` and shifts by ``bias``."""
     t = _trace_of(x, weight, bias)
     x = _as_tensor(x, t)
-    y = Tensor(t, t.graph.normalize(x._id, float(eps)))
+    y = Tensor(t, t.graph.normalize(x._id, _check.number("layer_norm", "eps", eps, lo=0.0)))
     if weight is not None:
         y = y * weight
     if bias is not None:
@@ -369,13 +379,18 @@ def split(x: Any, sections: int | Sequence[int], axis: int = -1) -> list[Tensor]
     """Splits ``x`` along ``axis`` into ``sections`` equal parts, or parts of the given sizes."""
     t = _trace_of(x)
     x = _as_tensor(x, t)
+    axis = _check.integer("split", "axis", axis, lo=-x.ndim, hi=x.ndim - 1) if x.ndim else 0
+    if not x.ndim:
+        raise ShapeError("[split] cannot split a 0-d tensor")
     dim = x.shape[axis]
+    if isinstance(sections, bool) or not isinstance(sections, (int, np.integer, Sequence)) or isinstance(sections, str):
+        raise ShapeError(f"[split] sections must be an int or a list of sizes, got {sections!r}")
     if isinstance(sections, (int, np.integer)):
         if sections <= 0 or dim % sections:
             raise ShapeError(f"[split] axis {axis} of size {dim} does not split into {sections} equal parts")
         sizes = [dim // int(sections)] * int(sections)
     else:
-        sizes = [int(s) for s in sections]
+        sizes = [_check.integer("split", "size", s, lo=0) for s in sections]
         if sum(sizes) != dim or any(s < 0 for s in sizes):
             raise ShapeError(f"[split] sizes {sizes} do not add up to {dim} (axis {axis} of {x.shape})")
     out, start = [], 0

@@ -7,11 +7,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import nn
+from . import _check, nn
 from ._compile import Function, InputSpec, compile
 from ._random import rng
 from ._tensor import Tensor, cross_entropy, embedding
-from .errors import InputError, ShapeError
+from .errors import DTypeError, InputError, RlxError, ShapeError
 
 
 class GPT(nn.Module):
@@ -24,6 +24,11 @@ class GPT(nn.Module):
 
     def __init__(self, vocab: int = 256, dim: int = 128, heads: int = 4, layers: int = 2,
                  seq_len: int = 64, mlp_ratio: int = 4, init_std: float = 0.02) -> None:
+        for what, v in (("vocab", vocab), ("dim", dim), ("heads", heads), ("seq_len", seq_len)):
+            _check.integer("GPT", what, v, lo=1)
+        _check.integer("GPT", "layers", layers, lo=0)
+        _check.number("GPT", "init_std", init_std, lo=0.0)
+        _check.fits_in_memory("GPT", (vocab, dim))
         self.vocab, self.dim, self.heads, self.n_layers, self.seq_len = vocab, dim, heads, layers, seq_len
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq_len, dim)
@@ -73,8 +78,10 @@ class Generator:
     """
 
     def __init__(self, model: GPT, batch: int = 1, max_len: int | None = None, device: str = "cpu") -> None:
-        self.model, self.batch = model, batch
-        self.max_len = max_len or model.seq_len
+        if not isinstance(model, GPT):
+            raise RlxError(f"[Generator] needs an rlx.models.GPT, got {type(model).__name__}")
+        self.model, self.batch = model, _check.integer("Generator", "batch", batch, lo=1)
+        self.max_len = model.seq_len if max_len is None else _check.integer("Generator", "max_len", max_len, lo=1)
         if self.max_len > model.seq_len:
             raise ShapeError(f"[Generator] max_len {self.max_len} exceeds the position table ({model.seq_len})")
         hd = model.dim // model.heads
@@ -100,7 +107,15 @@ class Generator:
         """Feeds one token per batch row at the current position; returns logits (B, vocab)."""
         if self.pos >= self.max_len:
             raise InputError(f"[Generator] the cache is full ({self.max_len} positions)")
-        token = np.asarray(tokens).reshape(self.batch, 1)
+        try:
+            token = np.asarray(tokens)
+        except (TypeError, ValueError) as e:
+            raise DTypeError(f"[Generator.step] tokens must be ints: {e}") from None
+        if token.dtype.kind not in "iu":
+            raise DTypeError(f"[Generator.step] tokens must be integer ids, got {token.dtype}")
+        if token.size != self.batch:
+            raise ShapeError(f"[Generator.step] expected {self.batch} token(s), got shape {token.shape}")
+        token = token.reshape(self.batch, 1)
         logits, *rows = self.fn(token=token, pos=np.array([self.pos], np.int32))
         for name, row in zip(self._names, rows):
             self.fn.write_rows(name, self.pos, row, axis=2)
@@ -112,6 +127,10 @@ class Generator:
         """Feeds ``prompt`` then samples ``n`` more tokens (batch 1); returns prompt + new tokens."""
         if self.batch != 1:
             raise ShapeError("[Generator.generate] needs batch=1")
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple)):
+            raise InputError(f"[Generator.generate] the prompt must be a list of token ids, got {type(prompt).__name__}")
+        n = _check.integer("Generator.generate", "n", n, lo=0)
+        temperature = _check.number("Generator.generate", "temperature", temperature, lo=0.0)
         if not prompt:
             raise InputError("[Generator.generate] the prompt must hold at least one token")
         if len(prompt) + n > self.max_len:

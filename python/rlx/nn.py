@@ -8,7 +8,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import _rlx
+from . import _check, _rlx
+from ._arrays import contiguous
 from ._random import rng
 from ._tensor import Tensor, _matmul_nt, concat, embedding, gelu, layer_norm, matmul, relu, softmax, where
 from .errors import CheckpointError, DTypeError, RlxError, ShapeError
@@ -21,10 +22,13 @@ class Parameter:
     view into the weight store: writing to it changes what the next step computes."""
 
     def __init__(self, data: Any) -> None:
-        arr = np.asarray(data)
+        try:
+            arr = np.asarray(data)
+        except (TypeError, ValueError) as e:
+            raise DTypeError(f"[Parameter] cannot make an array of {type(data).__name__}: {e}") from None
         if arr.dtype.kind != "f":
             raise DTypeError(f"[Parameter] parameters are float32; got an array of dtype {arr.dtype}")
-        self._host: np.ndarray | None = np.ascontiguousarray(arr, dtype=np.float32).copy()
+        self._host: np.ndarray | None = contiguous(arr, np.float32).copy()
         self._store: Any = None
         self._name: str | None = None
         self._view: np.ndarray | None = None
@@ -53,12 +57,12 @@ class Parameter:
 
     def _assign(self, values: np.ndarray) -> None:
         """Overwrites the values in place (shape already checked)."""
-        values = np.ascontiguousarray(values, dtype=np.float32)
+        values = contiguous(values, np.float32)
         if self._store is None:
             assert self._host is not None
             self._host[...] = values
         else:
-            self._store.write(self._name, values)
+            self._store.write(self._name, values.reshape(-1))
 
     def _bind(self, store: Any, name: str) -> None:
         self._store_shape = self.shape
@@ -145,7 +149,7 @@ class Module:
             return store
         store = _rlx.Store(device, layout)
         for n, p in params.items():
-            store.write(n, np.ascontiguousarray(p.numpy(), dtype=np.float32))
+            store.write(n, contiguous(p.numpy(), np.float32).reshape(-1))
         for n, p in params.items():
             p._bind(store, n)
         self._stores[device] = store
@@ -153,14 +157,17 @@ class Module:
 
     def save(self, path: str) -> None:
         """Writes every parameter to a safetensors file, atomically."""
-        tensors = [(n, "float32", list(p.shape), np.ascontiguousarray(p.numpy())) for n, p in self.parameters().items()]
+        path = _check.path("save", path)
+        tensors = [(n, "float32", list(p.shape), contiguous(p.numpy()).reshape(-1)) for n, p in self.parameters().items()]
         _rlx.save_checkpoint(str(path), tensors)
 
     def load(self, path: str) -> None:
         """Loads a safetensors checkpoint. Every name, shape and dtype is checked before any
         weight changes; on a mismatch ``CheckpointError`` is raised and nothing changes."""
-        tensors = _rlx.load_checkpoint(str(path))
+        path = _check.path("load", path)
         params = self.parameters()
+        expected = sum(4 * int(np.prod(p.shape)) for p in params.values())
+        tensors = _rlx.load_checkpoint(str(path), expected)
         found = {name: (dtype, tuple(shape), data) for name, dtype, shape, data in tensors}
         missing = sorted(set(params) - set(found))
         unexpected = sorted(set(found) - set(params))
@@ -181,8 +188,9 @@ class Linear(Module):
     Initialised as PyTorch's default: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        if in_features <= 0 or out_features <= 0:
-            raise ShapeError(f"[Linear] features must be positive, got ({in_features}, {out_features})")
+        in_features = _check.integer("Linear", "in_features", in_features, lo=1)
+        out_features = _check.integer("Linear", "out_features", out_features, lo=1)
+        _check.fits_in_memory("Linear", (in_features, out_features))
         bound = 1.0 / math.sqrt(in_features)
         self.in_features, self.out_features = in_features, out_features
         self.weight = Parameter(rng().uniform(-bound, bound, (in_features, out_features)))
@@ -209,6 +217,8 @@ class Sequential(Module):
 
     def __init__(self, *modules: Module) -> None:
         for i, m in enumerate(modules):
+            if not isinstance(m, Module):
+                raise RlxError(f"[Sequential] item {i} is a {type(m).__name__}, not an rlx.nn.Module")
             setattr(self, str(i), m)
         self._layers = list(modules)
 
@@ -238,8 +248,9 @@ class Embedding(Module):
     """A lookup table of ``num`` vectors of size ``dim``; initialised N(0, 1) as PyTorch."""
 
     def __init__(self, num: int, dim: int) -> None:
-        if num <= 0 or dim <= 0:
-            raise ShapeError(f"[Embedding] sizes must be positive, got ({num}, {dim})")
+        num = _check.integer("Embedding", "num", num, lo=1)
+        dim = _check.integer("Embedding", "dim", dim, lo=1)
+        _check.fits_in_memory("Embedding", (num, dim))
         self.num, self.dim = num, dim
         self.weight = Parameter(rng().standard_normal((num, dim)))
 
@@ -251,6 +262,9 @@ class LayerNorm(Module):
     """Layer normalisation over the last axis with a learned scale (ones) and shift (zeros)."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        dim = _check.integer("LayerNorm", "dim", dim, lo=1)
+        eps = _check.number("LayerNorm", "eps", eps, lo=0.0)
+        _check.fits_in_memory("LayerNorm", (dim,))
         self.dim, self.eps = dim, eps
         self.weight = Parameter(np.ones(dim, np.float32))
         self.bias = Parameter(np.zeros(dim, np.float32))
@@ -271,7 +285,9 @@ class MultiHeadAttention(Module):
     """
 
     def __init__(self, dim: int, num_heads: int, causal: bool = False) -> None:
-        if num_heads <= 0 or dim % num_heads:
+        dim = _check.integer("MultiHeadAttention", "dim", dim, lo=1)
+        num_heads = _check.integer("MultiHeadAttention", "num_heads", num_heads, lo=1)
+        if dim % num_heads:
             raise ShapeError(f"[MultiHeadAttention] dim {dim} is not divisible by num_heads {num_heads}")
         self.dim, self.num_heads, self.head_dim, self.causal = dim, num_heads, dim // num_heads, causal
         self.qkv = Linear(dim, 3 * dim)
@@ -329,6 +345,7 @@ class TransformerBlock(Module):
     """Pre-norm block: ``x + attn(ln1(x))``, then ``x + fc2(gelu(fc1(ln2(x))))``."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4, causal: bool = True) -> None:
+        _check.integer("TransformerBlock", "mlp_ratio", mlp_ratio, lo=1)
         self.ln1 = LayerNorm(dim)
         self.attn = MultiHeadAttention(dim, num_heads, causal=causal)
         self.ln2 = LayerNorm(dim)

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from . import _rlx
-from .errors import RlxError
+from . import _check
+from .errors import InputError, RlxError
 
 
 class Optimizer:
@@ -17,17 +18,8 @@ class Optimizer:
 
     def __init__(self, lr: float, momentum: float = 0.0, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"[{type(self).__name__}] lr must be >= 0, got {lr}")
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0:
-            raise ValueError(f"[{type(self).__name__}] betas must be in [0, 1), got {betas}")
-        if weight_decay < 0 or momentum < 0 or eps < 0:
-            raise ValueError(f"[{type(self).__name__}] momentum, weight_decay and eps must be >= 0")
-        self.lr = float(lr)
-        self.momentum = float(momentum)
-        self.weight_decay = float(weight_decay)
-        self.betas = (float(betas[0]), float(betas[1]))
-        self.eps = float(eps)
+        self.lr, self.momentum, self.weight_decay, self.betas, self.eps = lr, momentum, weight_decay, betas, eps
+        self._hyper()
         self._states: dict[int, tuple[Any, Any]] = {}  # id(weight store) -> (weight store, state store)
         self._current: Any = None
 
@@ -35,7 +27,19 @@ class Optimizer:
         return self._rule
 
     def _hyper(self) -> tuple[float, float, float, float, float, float]:
-        return (self.lr, self.momentum, self.weight_decay, self.betas[0], self.betas[1], self.eps)
+        """The settings, checked (they may have been changed since construction)."""
+        where = type(self).__name__
+        betas = self.betas
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise InputError(f"[{where}] betas must be a pair (beta1, beta2), got {betas!r}")
+        return (
+            _check.number(where, "lr", self.lr, lo=0.0),
+            _check.number(where, "momentum", self.momentum, lo=0.0),
+            _check.number(where, "weight_decay", self.weight_decay, lo=0.0),
+            _check.number(where, "beta1", betas[0], lo=0.0, hi=1.0, hi_open=True),
+            _check.number(where, "beta2", betas[1], lo=0.0, hi=1.0, hi_open=True),
+            _check.number(where, "eps", self.eps, lo=0.0),
+        )
 
     def _state_for(self, params: Any) -> Any:
         """This optimizer's state store for the weight store ``params`` (made once, then shared)."""
@@ -53,8 +57,8 @@ class Optimizer:
             raise RlxError(f"[{type(self).__name__}] has no state until a training step is compiled with it")
         store = self._current
         entries = {n: (s, d) for n, s, d in store.entries()}
-        if name not in self._param_names:
-            raise RlxError(f"[{type(self).__name__}] no parameter named '{name}'")
+        if not isinstance(name, str) or name not in self._param_names:
+            raise InputError(f"[{type(self).__name__}] no parameter named {name!r}")
         out = {key: _read(store, f"{name}.{key}", *entries[f"{name}.{key}"]) for key in self._slots()}
         if self._slots():
             out["step"] = _read(store, "step", *entries["step"])

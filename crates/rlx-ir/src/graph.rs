@@ -2,6 +2,18 @@
 use crate::{infer, DType, Error, Op, Result, Shape};
 use std::sync::Arc;
 
+/// The most bytes one tensor may take (2^48: far beyond any machine, far below overflow).
+pub const MAX_TENSOR_BYTES: usize = 1 << 48;
+
+/// Refuses shapes whose byte size overflows or exceeds [`MAX_TENSOR_BYTES`].
+fn check_size(what: &str, shape: &Shape, dtype: DType) -> Result<()> {
+    let bytes = shape.0.iter().try_fold(dtype.size(), |acc, &d| acc.checked_mul(d));
+    match bytes {
+        Some(b) if b <= MAX_TENSOR_BYTES => Ok(()),
+        _ => Err(Error::shape(what, format!("a {dtype} tensor of shape {shape} is too large to allocate"))),
+    }
+}
+
 /// Index of a node in its graph.
 pub type NodeId = usize;
 
@@ -49,12 +61,14 @@ impl Graph {
     /// Adds a named input. Names must be unique among inputs and params.
     pub fn input(&mut self, name: &str, shape: Shape, dtype: DType) -> Result<NodeId> {
         self.check_new_name(name)?;
+        check_size(name, &shape, dtype)?;
         Ok(self.push(Op::Input { name: name.into() }, vec![], shape, dtype))
     }
 
     /// Adds a named trainable parameter.
     pub fn param(&mut self, name: &str, shape: Shape, dtype: DType) -> Result<NodeId> {
         self.check_new_name(name)?;
+        check_size(name, &shape, dtype)?;
         Ok(self.push(Op::Param { name: name.into() }, vec![], shape, dtype))
     }
 
@@ -105,6 +119,7 @@ impl Graph {
         }
         let ins: Vec<&Node> = inputs.iter().map(|&i| &self.nodes[i]).collect();
         let (shape, dtype) = infer::infer(&op, &ins)?;
+        check_size(op.name(), &shape, dtype)?;
         Ok(self.push(op, inputs.to_vec(), shape, dtype))
     }
 

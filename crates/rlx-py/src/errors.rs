@@ -34,3 +34,16 @@ impl<T> IntoPy<T> for Result<T, Error> {
         self.map_err(|e| to_py(py, e))
     }
 }
+
+/// Runs `f`, turning a Rust panic (a bug in rlx) into an `RlxError` instead of a
+/// `PanicException`, so a user's `except rlx.RlxError` still sees it and the process lives on.
+pub fn guard<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(Error::Graph(format!("internal error (a bug in rlx, please report it): {msg}")))
+    })
+}

@@ -1,7 +1,7 @@
 //! `rlx._rlx.Executable`: a compiled graph; runs release the GIL.
 use crate::buffer::{ArenaView, Bytes};
 use crate::devices::backend;
-use crate::errors::{to_py, IntoPy};
+use crate::errors::{guard, to_py, IntoPy};
 use crate::graph::PyGraph;
 use crate::store::{parse_rule, PyStore};
 use pyo3::prelude::*;
@@ -35,7 +35,7 @@ impl PyExecutable {
         };
         let g = graph.graph.clone();
         let store = params.store.clone();
-        let exe = py.detach(|| Executable::new(b, &g, store, optimizer)).py_err(py)?;
+        let exe = py.detach(|| guard(|| Executable::new(b, &g, store, optimizer))).py_err(py)?;
         Ok(PyExecutable { exe })
     }
 
@@ -65,7 +65,7 @@ impl PyExecutable {
             beta2,
             eps,
         });
-        let outs = py.detach(|| self.exe.run(&views, hyper.as_ref(), &read)).py_err(py)?;
+        let outs = py.detach(|| guard(|| self.exe.run(&views, hyper.as_ref(), &read))).py_err(py)?;
         Ok(outs.iter().map(|o| PyByteArray::new(py, o)).collect())
     }
 
@@ -78,7 +78,7 @@ impl PyExecutable {
             let bytes = Bytes::get(&v, &name)?;
             held.push((name, Arc::new(bytes)));
         }
-        py.detach(|| self.exe.prefetch(held)).py_err(py)
+        py.detach(|| guard(|| self.exe.prefetch(held))).py_err(py)
     }
 
     /// Batches waiting in the prefetch queue.
@@ -90,13 +90,13 @@ impl PyExecutable {
     fn bind(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let bytes = Bytes::get(data, name)?;
         let slice = bytes.as_slice();
-        py.detach(|| self.exe.bind(name, slice)).py_err(py)
+        py.detach(|| guard(|| self.exe.bind(name, slice))).py_err(py)
     }
 
     /// Writes whole rows along `axis` of input `name` from row `start`, in place.
     fn write_rows(&self, py: Python<'_>, name: &str, axis: usize, start: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let bytes = Bytes::get(data, name)?;
-        self.exe.write_rows(name, axis, start, bytes.as_slice()).py_err(py)
+        guard(|| self.exe.write_rows(name, axis, start, bytes.as_slice())).py_err(py)
     }
 
     /// Planned sizes in bytes.

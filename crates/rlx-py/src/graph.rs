@@ -258,7 +258,7 @@ impl PyGraph {
 
     /// The backward graph: outputs `[loss, d loss / d wrt...]`.
     fn grad(&self, py: Python<'_>, loss: NodeId, wrt: Vec<NodeId>) -> PyResult<PyGraph> {
-        rlx_ir::grad(&self.graph, loss, &wrt).py_err(py).map(|graph| PyGraph { graph })
+        crate::errors::guard(|| rlx_ir::grad(&self.graph, loss, &wrt)).py_err(py).map(|graph| PyGraph { graph })
     }
 
     fn verify(&self, py: Python<'_>) -> PyResult<()> {

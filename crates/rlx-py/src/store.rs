@@ -1,7 +1,7 @@
 //! `rlx._rlx.Store` (a model's weights or an optimizer's state on one device) and checkpoints.
 use crate::buffer::{ArenaView, Bytes};
 use crate::devices::backend;
-use crate::errors::{to_py, IntoPy};
+use crate::errors::{guard, to_py, IntoPy};
 use crate::graph::parse_dtype;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -89,15 +89,18 @@ pub fn save_checkpoint(py: Python<'_>, path: PathBuf, tensors: Vec<(String, Stri
         owned.push((name.as_str(), parse_dtype(dtype).py_err(py)?, shape.as_slice(), Bytes::get(data, name)?));
     }
     let views: Vec<_> = owned.iter().map(|(n, d, s, b)| (*n, *d, *s, b.as_slice())).collect();
-    py.detach(|| checkpoint::save(&path, &views)).py_err(py)
+    py.detach(|| guard(|| checkpoint::save(&path, &views))).py_err(py)
 }
 
 /// Reads and validates a safetensors file: `[(name, dtype, shape, bytes)]` sorted by name.
+/// Files holding more than `max_bytes` of tensor data are refused before their data is read.
 #[pyfunction]
+#[pyo3(signature = (path, max_bytes=None))]
 pub fn load_checkpoint<'py>(
     py: Python<'py>,
     path: PathBuf,
+    max_bytes: Option<u64>,
 ) -> PyResult<Vec<(String, &'static str, Vec<usize>, Bound<'py, PyBytes>)>> {
-    let tensors = py.detach(|| checkpoint::load(&path)).py_err(py)?;
+    let tensors = py.detach(|| guard(|| checkpoint::load(&path, max_bytes))).py_err(py)?;
     Ok(tensors.into_iter().map(|t| (t.name, t.dtype.name(), t.shape, PyBytes::new(py, &t.data))).collect())
 }

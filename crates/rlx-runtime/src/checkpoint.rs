@@ -42,7 +42,10 @@ pub fn save(path: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) -> Result<(
         _ => std::path::PathBuf::from("."),
     };
     let file_name = path.file_name().ok_or_else(|| err(path, "not a file path"))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
+    // Unique per process and per call, so concurrent saves never share a temporary file.
+    static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = dir.join(format!(".{}.tmp-{}-{n}", file_name.to_string_lossy(), std::process::id()));
     let write = || -> std::io::Result<()> {
         let mut f = fs::File::create(&tmp)?;
         f.write_all(&bytes)?;
@@ -60,9 +63,91 @@ pub fn save(path: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) -> Result<(
     })
 }
 
+/// Headers larger than this are refused (the format's own limit is 100 MB).
+const MAX_HEADER: u64 = 100 << 20;
+
+/// Top-level keys of the JSON header, duplicates kept (a map would silently drop them).
+struct Keys(Vec<String>);
+
+impl<'de> serde::Deserialize<'de> for Keys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Keys, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Keys;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> std::result::Result<Keys, A::Error> {
+                let mut keys = Vec::new();
+                while let Some(k) = m.next_key::<String>()? {
+                    m.next_value::<serde::de::IgnoredAny>()?;
+                    keys.push(k);
+                }
+                Ok(Keys(keys))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Entry {
+    data_offsets: (u64, u64),
+}
+
 /// Reads and validates every tensor of `path` (header, offsets, sizes, dtypes) before returning.
-pub fn load(path: &Path) -> Result<Vec<Tensor>> {
-    let bytes = fs::read(path).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
+///
+/// Nothing large is read before the header has been checked against the file: a FIFO, a device
+/// or a file whose size disagrees with its header is refused after at most the header's bytes,
+/// and so is one holding more than `max_bytes` of tensor data (the caller's expectation).
+pub fn load(path: &Path, max_bytes: Option<u64>) -> Result<Vec<Tensor>> {
+    use std::io::Read;
+    let meta = fs::metadata(path).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
+    if !meta.is_file() {
+        return Err(err(path, "not a regular file"));
+    }
+    let file_len = meta.len();
+    let mut f = fs::File::open(path).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
+    let mut len8 = [0u8; 8];
+    f.read_exact(&mut len8).map_err(|_| err(path, "truncated: no header length"))?;
+    let n = u64::from_le_bytes(len8);
+    if n > MAX_HEADER || n.saturating_add(8) > file_len {
+        return Err(err(path, format!("header length {n} does not fit a file of {file_len} bytes")));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header).map_err(|_| err(path, "truncated header"))?;
+    let text = std::str::from_utf8(&header).map_err(|_| err(path, "the header is not UTF-8"))?;
+    let keys: Keys = serde_json::from_str(text).map_err(|e| err(path, format!("bad header: {e}")))?;
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = keys.0.iter().find(|k| !seen.insert(k.as_str())) {
+        return Err(err(path, format!("the header names '{dup}' twice")));
+    }
+    let entries: std::collections::HashMap<String, serde_json::Value> =
+        serde_json::from_str(text).map_err(|e| err(path, format!("bad header: {e}")))?;
+    let mut data_end = 0u64;
+    for (name, v) in &entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        let e: Entry = serde_json::from_value(v.clone()).map_err(|e| err(path, format!("bad entry '{name}': {e}")))?;
+        data_end = data_end.max(e.data_offsets.1);
+    }
+    let data_len = file_len - 8 - n;
+    if data_end != data_len {
+        return Err(err(path, format!("the header describes {data_end} bytes of data but the file holds {data_len}")));
+    }
+    if let Some(limit) = max_bytes {
+        if data_len > limit {
+            return Err(err(path, format!("the checkpoint holds {data_len} bytes of tensors; the model has {limit}")));
+        }
+    }
+    let mut bytes = Vec::with_capacity((8 + n + data_len) as usize);
+    bytes.extend_from_slice(&len8);
+    bytes.extend_from_slice(&header);
+    f.take(data_len).read_to_end(&mut bytes).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
+    if bytes.len() as u64 != 8 + n + data_len {
+        return Err(err(path, "the file changed while it was read"));
+    }
     let st = SafeTensors::deserialize(&bytes).map_err(|e| err(path, format!("not a valid safetensors file: {e}")))?;
     let mut out = Vec::new();
     for (name, view) in st.iter() {
@@ -88,15 +173,15 @@ mod tests {
         let path = dir.join("m.safetensors");
         let w: Vec<u8> = [1.0f32, 2.0, 3.0].iter().flat_map(|v| v.to_le_bytes()).collect();
         save(&path, &[("w", DType::F32, &[3], &w)]).unwrap();
-        let t = load(&path).unwrap();
+        let t = load(&path, None).unwrap();
         assert_eq!(t, vec![Tensor { name: "w".into(), dtype: DType::F32, shape: vec![3], data: w.clone() }]);
         let names: Vec<_> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "no temporary file is left: {names:?}");
         let full = fs::read(&path).unwrap();
         fs::write(&path, &full[..full.len() - 3]).unwrap();
-        assert!(matches!(load(&path), Err(Error::Checkpoint(_))));
+        assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));
         fs::write(&path, b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage").unwrap();
-        assert!(matches!(load(&path), Err(Error::Checkpoint(_))));
+        assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -5,7 +5,7 @@ use rlx_ir::{BinaryOp, UnaryOp};
 pub fn unary(op: UnaryOp, x: &[f32], out: &mut [f32]) {
     match op {
         UnaryOp::Neg => par_zip(out, x, |o, &x| *o = -x),
-        UnaryOp::Relu => par_zip(out, x, |o, &x| *o = x.max(0.0)),
+        UnaryOp::Relu => par_zip(out, x, |o, &x| *o = if x < 0.0 { 0.0 } else { x }), // NaN stays NaN
         UnaryOp::Tanh => par_zip(out, x, |o, &x| *o = math::tanh(x)),
         UnaryOp::Sigmoid => par_zip(out, x, |o, &x| *o = 1.0 / (1.0 + math::exp(-x))),
         UnaryOp::Exp => par_zip(out, x, |o, &x| *o = math::exp(x)),

@@ -39,7 +39,17 @@ pub fn sum(xs: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
 }
 
-/// Maximum with 8 independent partial maxima.
+/// `max` that propagates NaN, as numpy's does (`f32::max` drops it).
+#[inline(always)]
+pub fn nan_max(a: f32, b: f32) -> f32 {
+    if a > b || a.is_nan() {
+        a
+    } else {
+        b
+    }
+}
+
+/// Maximum with 8 independent partial maxima; NaN if any element is NaN.
 #[inline(always)]
 pub fn max(xs: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; 8];
@@ -47,10 +57,10 @@ pub fn max(xs: &[f32]) -> f32 {
     let rest = chunks.remainder();
     for c in chunks {
         for (a, &v) in acc.iter_mut().zip(c) {
-            *a = a.max(v);
+            *a = nan_max(*a, v);
         }
     }
-    acc.iter().chain(rest).fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    acc.iter().chain(rest).fold(f32::NEG_INFINITY, |a, &b| nan_max(a, b))
 }
 
 /// The error function (Abramowitz & Stegun 7.1.26 with the fast `exp`).

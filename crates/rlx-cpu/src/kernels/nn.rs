@@ -43,7 +43,8 @@ pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32])
 /// Softmax (or log-softmax) of one row, in place.
 fn softmax_row(row: &mut [f32], log: bool) {
     let max = math::max(row);
-    let max = if max.is_finite() { max } else { 0.0 };
+    // All -inf: shift by 0 (0/0 = NaN, as numpy). +inf or NaN: propagate to NaN, as numpy.
+    let max = if max == f32::NEG_INFINITY { 0.0 } else { max };
     if log {
         let lse = max + logsumexp_shifted(row, max).ln();
         row.iter_mut().for_each(|v| *v -= lse);

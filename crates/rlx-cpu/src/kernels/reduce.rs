@@ -6,7 +6,7 @@ use rlx_ir::ReduceOp;
 /// Reduces `x` (shape `xd`) over the sorted `axes`; `out` holds the kept dims in order.
 pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32]) {
     match op {
-        ReduceOp::Max => reduce_with(x, xd, axes, out, f32::NEG_INFINITY, f32::max),
+        ReduceOp::Max => reduce_with(x, xd, axes, out, f32::NEG_INFINITY, super::math::nan_max),
         ReduceOp::Sum | ReduceOp::Mean => reduce_with(x, xd, axes, out, 0.0, |a, b| a + b),
     }
     if op == ReduceOp::Mean {
