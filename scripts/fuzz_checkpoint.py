@@ -23,12 +23,14 @@ the number of executions and the findings (inputs saved under ``--out``).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import hashlib
 import json
 import os
 import random
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -241,13 +243,12 @@ def mutate_bytes(raw: bytes, rng: random.Random) -> bytes:
 # the target
 # ----------------------------------------------------------------------------------------------
 class Target:
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, tmpdir: str):
         import rlx
 
         self.rlx = rlx
         self.out_dir = out_dir
-        self.tmpdir = tempfile.mkdtemp(prefix="rlx-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self.path = os.path.join(self.tmpdir, "input.safetensors")
+        self.path = os.path.join(tmpdir, "input.safetensors")
         rlx.seed(123)
         self.model = make_model()
         # compiled: load goes through the weight store, as in real use
@@ -321,7 +322,7 @@ def child_atheris(args, corpus_dir: str) -> None:
     with atheris.instrument_imports():
         import rlx  # noqa: F401 - instrument the Python side of load
 
-    target = Target(args.out)
+    target = Target(args.out, args.tmp)
     rng = random.Random()
 
     def custom_mutator(data: bytes, max_size: int, seed: int) -> bytes:
@@ -350,7 +351,7 @@ def child_atheris(args, corpus_dir: str) -> None:
 
 
 def child_plain(args, corpus_dir: str) -> None:
-    target = Target(args.out)
+    target = Target(args.out, args.tmp)
     corpus = []
     for name in sorted(os.listdir(corpus_dir)):
         with open(os.path.join(corpus_dir, name), "rb") as f:
@@ -390,6 +391,14 @@ def supervise(args) -> int:
     except ImportError:
         engine = "plain"
     print(f"fuzzing rlx.nn.Module.load for {args.seconds:.0f} s with {engine}", flush=True)
+    tmpdir = tempfile.mkdtemp(prefix="rlx-fuzz-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        return _supervise(args, engine, corpus_dir, tmpdir)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _supervise(args, engine: str, corpus_dir: str, tmpdir: str) -> int:
     start = time.monotonic()
     total_execs, crashes, runs = 0, [], 0
     counts: collections.Counter = collections.Counter()
@@ -400,7 +409,7 @@ def supervise(args) -> int:
             break
         runs += 1
         cmd = [sys.executable, HERE, "--child", engine, "--budget", str(int(left)), "--out", args.out,
-               "--seed", str(args.seed + runs)]
+               "--seed", str(args.seed + runs), "--tmp", tmpdir]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=left + 60)
         text = p.stdout + p.stderr
         execs = [int(m) for m in re.findall(r"#execs (\d+)", text)]
@@ -409,7 +418,7 @@ def supervise(args) -> int:
         total_execs += run_execs
         last_counts = re.findall(r"#execs \d+ counts (\{.*\})", text)
         if last_counts:
-            counts.update(eval(last_counts[-1]))  # a dict literal printed by the child
+            counts.update(ast.literal_eval(last_counts[-1]))  # a dict literal printed by the child
         findings += [ln for ln in text.splitlines() if ln.startswith("FINDING")]
         if p.returncode != 0:
             cur = os.path.join(args.out, ".current-input")
@@ -449,6 +458,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", choices=["atheris", "plain"], help=argparse.SUPPRESS)
     ap.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", default=None, help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args()
     if args.child:
         corpus_dir = os.path.join(args.out, "corpus")
