@@ -7,9 +7,6 @@ use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
 
 pub struct CpuProgram {
     instrs: Vec<Instr>,
-    /// Execution order: single instructions, or pairs of independent small matmuls (the two
-    /// halves of a matmul's VJP) run side by side, one per core.
-    schedule: Vec<Step>,
     lens: Vec<usize>,
     /// With `RLX_PROFILE=1`: seconds and calls per instruction kind, printed when dropped.
     profile: Option<std::collections::BTreeMap<String, (f64, u64)>>,
@@ -27,45 +24,6 @@ impl Drop for CpuProgram {
             }
         }
     }
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Step {
-    One(usize),
-    Pair(usize, usize),
-}
-
-/// Pairs adjacent small matmuls that neither read nor overwrite each other's data.
-fn schedule(instrs: &[Instr]) -> Vec<Step> {
-    let small_matmul = |i: &Instr| match i {
-        Instr::Op { op: Op::MatMul { trans_a, .. }, ins, out } => {
-            kernels::matmul::is_small(ins[0].shape.dims(), *trans_a, out.shape.dims())
-        }
-        _ => false,
-    };
-    let independent = |a: &Instr, b: &Instr| match (a, b) {
-        (Instr::Op { ins: ia, out: oa, .. }, Instr::Op { ins: ib, out: ob, .. }) => {
-            !overlaps(oa, ob) && !ib.iter().any(|t| overlaps(t, oa)) && !ia.iter().any(|t| overlaps(t, ob))
-        }
-        _ => false,
-    };
-    let mut out = Vec::with_capacity(instrs.len());
-    let mut i = 0;
-    while i < instrs.len() {
-        if i + 1 < instrs.len()
-            && rayon::current_num_threads() > 1
-            && small_matmul(&instrs[i])
-            && small_matmul(&instrs[i + 1])
-            && independent(&instrs[i], &instrs[i + 1])
-        {
-            out.push(Step::Pair(i, i + 1));
-            i += 2;
-        } else {
-            out.push(Step::One(i));
-            i += 1;
-        }
-    }
-    out
 }
 
 fn profile_key(instr: &Instr) -> String {
@@ -108,7 +66,7 @@ impl CpuProgram {
             }
         }
         let profile = std::env::var("RLX_PROFILE").is_ok_and(|v| v == "1").then(Default::default);
-        Ok(CpuProgram { schedule: schedule(&program.instrs), instrs: program.instrs.clone(), lens: lens.to_vec(), profile })
+        Ok(CpuProgram { instrs: program.instrs.clone(), lens: lens.to_vec(), profile })
     }
 }
 
@@ -137,60 +95,28 @@ fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
     }
 }
 
-impl CpuProgram {
-    /// Runs one instruction.
-    ///
-    /// # Safety
-    /// No other thread may be running an instruction that writes this one's operands or reads
-    /// its output (`schedule` only pairs instructions that are independent in that sense).
-    unsafe fn exec(&self, b: &Bases, instr: &Instr, hyper: Option<&OptimHyper>, threads: bool) -> Result<()> {
-        // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each output is
-        // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
-        match instr {
-            Instr::Op { op, ins, out } => unsafe { run_op(b, op, ins, out, threads) },
-            Instr::CountStep { counter } => {
-                unsafe { b.get_mut::<i32>(counter)[0] += 1 };
-                Ok(())
-            }
-            Instr::Optim { rule, param, grad, state, counter } => {
-                let hyper = hyper.ok_or_else(|| Error::Graph("optimizer step without hyper-parameters".into()))?;
-                unsafe {
-                    let step = b.get::<i32>(counter)[0];
-                    let g = b.get::<f32>(grad);
-                    let mut st: Vec<&mut [f32]> = state.iter().map(|s| b.get_mut::<f32>(s)).collect();
-                    kernels::optim::update(*rule, hyper, step, b.get_mut::<f32>(param), g, &mut st);
-                }
-                Ok(())
-            }
-        }
-    }
-}
-
 impl Compiled for CpuProgram {
     fn run(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&OptimHyper>) -> Result<()> {
         let b = Bases::new(buffers, &self.lens)?;
-        for step in self.schedule.clone() {
+        for instr in &self.instrs {
             let t0 = self.profile.is_some().then(std::time::Instant::now);
-            match step {
-                // SAFETY: one instruction at a time.
-                Step::One(i) => unsafe { self.exec(&b, &self.instrs[i], hyper, true)? },
-                Step::Pair(i, j) => {
-                    // SAFETY: `schedule` paired them only if independent (see `exec`).
-                    let (ri, rj) = rayon::join(
-                        || unsafe { self.exec(&b, &self.instrs[i], hyper, false) },
-                        || unsafe { self.exec(&b, &self.instrs[j], hyper, false) },
-                    );
-                    ri?;
-                    rj?;
+            // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each output is
+            // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
+            match instr {
+                Instr::Op { op, ins, out } => unsafe { run_op(&b, op, ins, out)? },
+                Instr::CountStep { counter } => unsafe { b.get_mut::<i32>(counter)[0] += 1 },
+                Instr::Optim { rule, param, grad, state, counter } => {
+                    let hyper = hyper.ok_or_else(|| Error::Graph("optimizer step without hyper-parameters".into()))?;
+                    unsafe {
+                        let step = b.get::<i32>(counter)[0];
+                        let g = b.get::<f32>(grad);
+                        let mut st: Vec<&mut [f32]> = state.iter().map(|s| b.get_mut::<f32>(s)).collect();
+                        kernels::optim::update(*rule, hyper, step, b.get_mut::<f32>(param), g, &mut st);
+                    }
                 }
             }
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
-                let (first, paired) = match step {
-                    Step::One(i) => (i, false),
-                    Step::Pair(i, _) => (i, true),
-                };
-                let key = profile_key(&self.instrs[first]) + if paired { " (+ paired matmul)" } else { "" };
-                let e = p.entry(key).or_default();
+                let e = p.entry(profile_key(instr)).or_default();
                 e.0 += t0.elapsed().as_secs_f64();
                 e.1 += 1;
             }
@@ -205,7 +131,7 @@ fn last(dims: &[usize]) -> usize {
 
 /// # Safety
 /// `out` must not overlap any of `ins` (checked by `CpuProgram::new`).
-unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef, threads: bool) -> Result<()> {
+unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
     use kernels::*;
     let f = |i: usize| unsafe { b.get::<f32>(&ins[i]) };
     let sh = |i: usize| ins[i].shape.dims();
@@ -225,7 +151,7 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef, threads: bool) ->
             }
         },
         Op::MatMul { trans_a, trans_b } => {
-            matmul::matmul(f(0), sh(0), *trans_a, f(1), sh(1), *trans_b, unsafe { b.get_mut(out) }, od, threads)
+            matmul::matmul(f(0), sh(0), *trans_a, f(1), sh(1), *trans_b, unsafe { b.get_mut(out) }, od)
         }
         Op::Reduce { op: r, axes, .. } => reduce::reduce(*r, f(0), sh(0), axes, unsafe { b.get_mut(out) }),
         Op::SumTo { .. } => reduce::sum_to(f(0), sh(0), unsafe { b.get_mut(out) }, od),

@@ -93,11 +93,6 @@ pub struct Bases {
     bufs: Vec<(*mut u8, usize)>,
 }
 
-// SAFETY: `Bases` only hands out slices through the `unsafe` `get`/`get_mut`, whose contracts
-// make the caller prove exclusivity; sharing the addresses between the two threads that run a
-// pair of independent instructions (disjoint outputs, checked by `CpuProgram::new`) is sound.
-unsafe impl Sync for Bases {}
-
 impl Bases {
     pub fn new(buffers: &[&dyn rlx_runtime::DeviceBuffer], expected: &[usize]) -> Result<Bases> {
         let mut bufs = Vec::with_capacity(buffers.len());

@@ -16,31 +16,9 @@ struct Mat<'a> {
     cs: usize,
 }
 
-/// Multiply-adds of `op(a) @ op(b)` for shapes `ad`, `bd` (the output has `od`).
-pub fn flops(ad: &[usize], ta: bool, od: &[usize]) -> usize {
-    let k = if ta { ad[ad.len() - 2] } else { ad[ad.len() - 1] };
-    od.iter().product::<usize>() * k
-}
-
-/// True when one GEMM of this size is better off on one thread.
-pub fn is_small(ad: &[usize], ta: bool, od: &[usize]) -> bool {
-    flops(ad, ta, od) < PAR_FLOPS
-}
-
-/// `out = op(a) @ op(b)` where `op` transposes the last two dims when asked. With `threads`
-/// false it stays on the calling thread (the caller runs something else beside it).
+/// `out = op(a) @ op(b)` where `op` transposes the last two dims when asked.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul(
-    a: &[f32],
-    ad: &[usize],
-    ta: bool,
-    b: &[f32],
-    bd: &[usize],
-    tb: bool,
-    out: &mut [f32],
-    od: &[usize],
-    threads: bool,
-) {
+pub fn matmul(a: &[f32], ad: &[usize], ta: bool, b: &[f32], bd: &[usize], tb: bool, out: &mut [f32], od: &[usize]) {
     let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
     let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
     let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
@@ -62,7 +40,7 @@ pub fn matmul(
     if b_batch == 1 && !ta && a_batch == batch {
         let am = Mat { data: a, rs: a_rs, cs: a_cs };
         let bm = Mat { data: b, rs: b_rs, cs: b_cs };
-        return gemm_into(out, batch * m, n, k, am, bm, threads && batch * m * n * k >= PAR_FLOPS);
+        return gemm_into(out, batch * m, n, k, am, bm, batch * m * n * k >= PAR_FLOPS);
     }
     let sa = Strided::broadcast(&ad[..ad.len() - 2], ob);
     let sb = Strided::broadcast(&bd[..bd.len() - 2], ob);
@@ -79,8 +57,8 @@ pub fn matmul(
         let bm = Mat { data: &b[offset(&sb, bi, rb * cb)..], rs: b_rs, cs: b_cs };
         gemm_into(o, m, n, k, am, bm, par);
     };
-    if !threads || m * n * k >= PAR_FLOPS || batch == 1 {
-        out.chunks_mut(m * n).enumerate().for_each(|c| one(c, threads && m * n * k >= PAR_FLOPS));
+    if m * n * k >= PAR_FLOPS || batch == 1 {
+        out.chunks_mut(m * n).enumerate().for_each(|c| one(c, m * n * k >= PAR_FLOPS));
     } else {
         out.par_chunks_mut(m * n).enumerate().for_each(|c| one(c, false));
     }
@@ -150,7 +128,7 @@ mod tests {
             let ad = if ta { [k, m] } else { [m, k] };
             let bd = if tb { [n, k] } else { [k, n] };
             let mut out = vec![0.0; m * n];
-            matmul(&aa, &ad, ta, &bb, &bd, tb, &mut out, &[m, n], true);
+            matmul(&aa, &ad, ta, &bb, &bd, tb, &mut out, &[m, n]);
             for (x, y) in out.iter().zip(&want) {
                 assert!((x - y).abs() < 1e-5, "{ta} {tb}");
             }
@@ -158,10 +136,10 @@ mod tests {
         // Batched with a broadcast right operand, and with both batched.
         let a2: Vec<f32> = a.iter().chain(&a).map(|v| v * 2.0).collect();
         let mut out = vec![0.0; 2 * m * n];
-        matmul(&a2, &[2, m, k], false, &b, &[k, n], false, &mut out, &[2, m, n], true);
+        matmul(&a2, &[2, m, k], false, &b, &[k, n], false, &mut out, &[2, m, n]);
         let mut out2 = vec![0.0; 2 * m * n];
         let b2: Vec<f32> = b.iter().chain(&b).copied().collect();
-        matmul(&a2, &[2, m, k], false, &b2, &[2, k, n], false, &mut out2, &[2, m, n], false);
+        matmul(&a2, &[2, m, k], false, &b2, &[2, k, n], false, &mut out2, &[2, m, n]);
         for i in 0..2 * m * n {
             assert!((out[i] - 2.0 * want[i % (m * n)]).abs() < 1e-5);
             assert!((out2[i] - out[i]).abs() < 1e-5);
