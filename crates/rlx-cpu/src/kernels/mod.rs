@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 /// Below this many output elements a kernel runs on the calling thread: waking the pool costs
 /// more than the work.
-pub const PAR_MIN: usize = 1 << 15;
+pub const PAR_MIN: usize = 1 << 18;
 
 /// How a source tensor is read while walking an output shape: one element stride per output dim
 /// (0 where the source is broadcast).
