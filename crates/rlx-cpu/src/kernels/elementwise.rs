@@ -35,10 +35,11 @@ fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + math::erf(x * INV_SQRT_2))
 }
 
-/// `Phi(x) + x * phi(x)`.
+/// `Phi(x) + x * phi(x)`; erf(x/sqrt 2) and phi(x) share the one `exp(-x^2/2)`.
 #[inline(always)]
 fn gelu_deriv(x: f32) -> f32 {
-    0.5 * (1.0 + math::erf(x * INV_SQRT_2)) + x * INV_SQRT_2PI * math::exp(-0.5 * x * x)
+    let e = math::exp(-0.5 * x * x);
+    0.5 * (1.0 + math::erf_with_exp(x * INV_SQRT_2, e)) + x * INV_SQRT_2PI * e
 }
 
 /// The tanh approximation and its derivative.
@@ -187,8 +188,26 @@ pub fn select<T: Copy + Send + Sync>(
 ) {
     let (sc, sa, sb) = (Strided::broadcast(csh, od), Strided::broadcast(ash, od), Strided::broadcast(bsh, od));
     map_rows(out, od, &[&sc, &sa, &sb], |row, st, sp| {
-        for (i, o) in row.iter_mut().enumerate() {
-            *o = if c[st[0] + i * sp[0]] != 0.0 { a[st[1] + i * sp[1]] } else { b[st[2] + i * sp[2]] };
+        let n = row.len();
+        match (sp[0], sp[1], sp[2]) {
+            // The causal-mask pattern: contiguous condition and values, a scalar fill.
+            (1, 1, 0) => {
+                let fill = b[st[2]];
+                for ((o, &m), &v) in row.iter_mut().zip(&c[st[0]..st[0] + n]).zip(&a[st[1]..st[1] + n]) {
+                    *o = if m != 0.0 { v } else { fill };
+                }
+            }
+            (1, 1, 1) => {
+                let rows = c[st[0]..st[0] + n].iter().zip(&a[st[1]..st[1] + n]).zip(&b[st[2]..st[2] + n]);
+                for (o, ((&m, &x), &y)) in row.iter_mut().zip(rows) {
+                    *o = if m != 0.0 { x } else { y };
+                }
+            }
+            (pc, pa, pb) => {
+                for (i, o) in row.iter_mut().enumerate() {
+                    *o = if c[st[0] + i * pc] != 0.0 { a[st[1] + i * pa] } else { b[st[2] + i * pb] };
+                }
+            }
         }
     });
 }

@@ -66,10 +66,16 @@ pub fn max(xs: &[f32]) -> f32 {
 /// The error function (Abramowitz & Stegun 7.1.26 with the fast `exp`).
 #[inline(always)]
 pub fn erf(x: f32) -> f32 {
+    erf_with_exp(x, exp(-x * x))
+}
+
+/// `erf(x)` given `e = exp(-x^2)` (callers that already have it skip the second `exp`).
+#[inline(always)]
+pub fn erf_with_exp(x: f32, e: f32) -> f32 {
     let a = x.abs();
     let t = 1.0 / (1.0 + 0.327_591_1 * a);
     let poly = t * (0.254_829_6 + t * (-0.284_496_72 + t * (1.421_413_8 + t * (-1.453_152_1 + t * 1.061_405_4))));
-    let y = 1.0 - poly * exp(-a * a);
+    let y = 1.0 - poly * e;
     y.copysign(x)
 }
 
