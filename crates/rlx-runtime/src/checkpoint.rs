@@ -60,7 +60,25 @@ pub fn save(path: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) -> Result<(
     write().map_err(|e| {
         let _ = fs::remove_file(&tmp);
         err(path, format!("cannot write checkpoint: {e}"))
-    })
+    })?;
+    remove_stale_temporaries(&dir, &file_name.to_string_lossy());
+    Ok(())
+}
+
+/// Deletes temporary files that earlier saves of this file left behind when their process died
+/// mid-write (`.NAME.tmp-PID-N` whose PID no longer runs). Linux only; best effort.
+fn remove_stale_temporaries(dir: &Path, file_name: &str) {
+    let prefix = format!(".{file_name}.tmp-");
+    let Ok(entries) = fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix(&prefix) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let gone = cfg!(target_os = "linux") && !Path::new("/proc").join(pid.to_string()).exists();
+        if pid != std::process::id() && gone {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// Headers larger than this are refused (the format's own limit is 100 MB).
@@ -177,6 +195,11 @@ mod tests {
         assert_eq!(t, vec![Tensor { name: "w".into(), dtype: DType::F32, shape: vec![3], data: w.clone() }]);
         let names: Vec<_> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names.len(), 1, "no temporary file is left: {names:?}");
+        // A temporary file of a dead writer (a PID above any pid_max) is cleaned up.
+        let stale = dir.join(".m.safetensors.tmp-4000000000-0");
+        fs::write(&stale, b"partial").unwrap();
+        save(&path, &[("w", DType::F32, &[3], &w)]).unwrap();
+        assert!(!stale.exists() || !cfg!(target_os = "linux"), "a dead writer's temporary file is removed");
         let full = fs::read(&path).unwrap();
         fs::write(&path, &full[..full.len() - 3]).unwrap();
         assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));
