@@ -94,3 +94,26 @@ def test_embedding_out_of_range_id_raises():
     # must be refused (an rlx error, InputError expected), never read out of bounds
     with pytest.raises(rlx.RlxError):
         fn(t=table, i=np.array([0, 5, 1], np.int32))
+
+
+SLICE_CASES = {
+    # disjoint slices of one axis: one concat with zero gaps
+    "disjoint": (lambda x: x[0:2] * x[3:5], lambda x: x[0:2] * x[3:5]),
+    # overlapping slices: summed zero-padded gradients
+    "overlapping": (lambda x: x[0:3] * x[1:4], lambda x: x[0:3] * x[1:4]),
+    # slices on two different axes of the same tensor
+    "two-axes": (lambda x: x[1:3, :] + x[:, 0:2].T[:, 0:2].T,
+                 lambda x: x[1:3, :] + x[:, 0:2].T[:, 0:2].T),
+    # split into all parts, recombined out of order
+    "split-concat": (lambda x: rlx.concat(rlx.split(x, [1, 2, 2], axis=0)[::-1], axis=0) * 2.0,
+                     lambda x: np.concatenate(np.split(x, [1, 3], axis=0)[::-1], axis=0) * 2.0),
+    # an int index drops the axis; the slice of a slice
+    "index-and-nested": (lambda x: x[4] + x[1:5][0:2].sum(axis=0), lambda x: x[4] + x[1:5][0:2].sum(axis=0)),
+}
+
+
+@pytest.mark.parametrize("case", list(SLICE_CASES), ids=list(SLICE_CASES))
+def test_slice_gradients(case):
+    rlx_op, np_op = SLICE_CASES[case]
+    x = np.random.default_rng(3).standard_normal((5, 2)).astype(np.float32)
+    check_op_grads(rlx_op, np_op, {"x": x})

@@ -29,13 +29,30 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
     }
     let mut g = graph.clone();
     let mut grads: Vec<Option<NodeId>> = vec![None; n];
+    // Gradients arriving through slices of a node, joined once into one concat (instead of a
+    // zero-padded copy per slice summed together) when the node is reached.
+    let mut sliced: Vec<Vec<(usize, usize, NodeId)>> = vec![Vec::new(); n];
     grads[loss] = Some(g.scalar(1.0));
     for id in (0..=loss).rev() {
+        let parts = std::mem::take(&mut sliced[id]);
+        if !parts.is_empty() {
+            let joined = join_slices(&mut g, &graph.node(id).shape, parts)?;
+            grads[id] = Some(match grads[id] {
+                None => joined,
+                Some(prev) => g.add(Op::Binary(BinaryOp::Add), &[prev, joined])?,
+            });
+        }
         let Some(gy) = grads[id] else { continue };
         if !depends[id] {
             continue;
         }
         let node = graph.node(id).clone();
+        if let Op::Slice { axis, start, .. } = node.op {
+            if depends[node.inputs[0]] {
+                sliced[node.inputs[0]].push((axis, start, gy));
+            }
+            continue;
+        }
         let contribs = vjp(&mut g, id, gy, &node.op, &node.inputs)?;
         for (input, gi) in node.inputs.iter().zip(contribs) {
             let Some(gi) = gi else { continue };
@@ -61,6 +78,51 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
     }
     g.set_outputs(outputs)?;
     Ok(g)
+}
+
+/// The gradient of a tensor of shape `shape` read through slices `(axis, start, grad)`: one
+/// concat (zeros filling the gaps) when the slices share an axis and do not overlap, else the
+/// sum of zero-padded slices.
+fn join_slices(g: &mut Graph, shape: &Shape, mut parts: Vec<(usize, usize, NodeId)>) -> Result<NodeId> {
+    parts.sort_by_key(|&(axis, start, _)| (axis, start));
+    let len = |g: &Graph, axis: usize, id: NodeId| g.node(id).shape.0[axis];
+    let axis = parts[0].0;
+    let disjoint = parts.iter().all(|p| p.0 == axis)
+        && parts.windows(2).all(|w| w[0].1 + len(g, axis, w[0].2) <= w[1].1);
+    if !disjoint {
+        let mut total: Option<NodeId> = None;
+        for (axis, start, gi) in parts {
+            let after = shape.0[axis] - start - len(g, axis, gi);
+            let padded = g.add(Op::Pad { axis, before: start, after }, &[gi])?;
+            total = Some(match total {
+                None => padded,
+                Some(t) => g.add(Op::Binary(BinaryOp::Add), &[t, padded])?,
+            });
+        }
+        return Ok(total.expect("at least one slice"));
+    }
+    let mut pieces = Vec::new();
+    let mut at = 0;
+    let zeros = |g: &mut Graph, n: usize| -> Result<NodeId> {
+        let mut s = shape.clone();
+        s.0[axis] = n;
+        let z = g.scalar(0.0);
+        g.add(Op::BroadcastTo { shape: s }, &[z])
+    };
+    for (_, start, gi) in parts {
+        if start > at {
+            pieces.push(zeros(g, start - at)?);
+        }
+        at = start + len(g, axis, gi);
+        pieces.push(gi);
+    }
+    if at < shape.0[axis] {
+        pieces.push(zeros(g, shape.0[axis] - at)?);
+    }
+    if pieces.len() == 1 {
+        return Ok(pieces[0]);
+    }
+    g.add(Op::Concat { axis }, &pieces)
 }
 
 fn differentiable(op: &Op) -> bool {
@@ -235,10 +297,7 @@ fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<
         }
         Op::ScatterAdd { .. } => vec![None, Some(g.add(Op::Gather, &[gy, ins[0]])?)],
         Op::Normalize { eps } => vec![Some(g.add(Op::NormalizeGrad { eps: *eps }, &[ins[0], gy])?)],
-        Op::Slice { axis, start, end } => {
-            let dim = shape(g, ins[0]).0[*axis];
-            vec![Some(g.add(Op::Pad { axis: *axis, before: *start, after: dim - end }, &[gy])?)]
-        }
+        Op::Slice { .. } => unreachable!("`grad` joins the gradients of slices itself (join_slices)"),
         Op::Pad { axis, before, .. } => {
             let n = shape(g, ins[0]).0[*axis];
             vec![Some(g.add(Op::Slice { axis: *axis, start: *before, end: before + n }, &[gy])?)]
@@ -275,4 +334,26 @@ fn reshape(g: &mut Graph, x: NodeId, kept: &Shape, keepdims: bool) -> Result<Nod
         return Ok(x);
     }
     g.add(Op::Reshape { shape: kept.clone() }, &[x])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Slices of one tensor get one concat for their gradient, with zeros in the gaps.
+    #[test]
+    fn slice_gradients_are_joined_into_one_concat() {
+        let mut g = Graph::new();
+        let x = g.param("x", Shape::new([6, 2]), DType::F32).unwrap();
+        let a = g.add(Op::Slice { axis: 0, start: 0, end: 2 }, &[x]).unwrap();
+        let b = g.add(Op::Slice { axis: 0, start: 3, end: 5 }, &[x]).unwrap();
+        let ab = g.add(Op::Binary(BinaryOp::Mul), &[a, b]).unwrap();
+        let loss = g.add(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 1], keepdims: false }, &[ab]).unwrap();
+        let bw = grad(&g, loss, &[x]).unwrap();
+        let dx = bw.outputs()[1];
+        assert!(matches!(bw.node(dx).op, Op::Concat { axis: 0 }), "{:?}", bw.node(dx).op);
+        assert_eq!(bw.node(dx).inputs.len(), 4, "pieces: dx[0:2], zeros, dx[3:5], zeros");
+        assert_eq!(bw.node(dx).shape, Shape::new([6, 2]));
+        assert!(!bw.nodes()[g.len()..].iter().any(|n| matches!(n.op, Op::Pad { .. })));
+    }
 }
