@@ -44,15 +44,22 @@ pub struct CpuCopyEngine {
 impl CpuCopyEngine {
     pub fn new() -> Result<CpuCopyEngine> {
         let (tx, rx) = channel::<Job>();
-        let shared = Arc::new(Shared { progress: Mutex::new(Progress::default()), finished: Condvar::new() });
+        let shared = Arc::new(Shared {
+            progress: Mutex::new(Progress::default()),
+            finished: Condvar::new(),
+        });
         let s = shared.clone();
         let worker = std::thread::Builder::new()
             .name("rlx-copy".into())
             .spawn(move || {
                 for job in rx {
                     let seq = job.seq;
-                    let result = catch_unwind(AssertUnwindSafe(|| perform(job)))
-                        .unwrap_or_else(|_| Err(Error::Device("the copy engine panicked during a copy".into())));
+                    let result =
+                        catch_unwind(AssertUnwindSafe(|| perform(job))).unwrap_or_else(|_| {
+                            Err(Error::Device(
+                                "the copy engine panicked during a copy".into(),
+                            ))
+                        });
                     let mut p = s.progress.lock().unwrap_or_else(|e| e.into_inner());
                     p.done = seq;
                     if let Err(e) = result {
@@ -71,9 +78,17 @@ impl CpuCopyEngine {
     }
 
     fn wait_seq(&self, seq: u64) -> Result<()> {
-        let mut p = self.shared.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self
+            .shared
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         while p.done < seq {
-            p = self.shared.finished.wait(p).unwrap_or_else(|e| e.into_inner());
+            p = self
+                .shared
+                .finished
+                .wait(p)
+                .unwrap_or_else(|e| e.into_inner());
         }
         match p.failed.get(&seq) {
             Some(e) => Err(e.clone()),
@@ -83,10 +98,15 @@ impl CpuCopyEngine {
 }
 
 fn perform(job: Job) -> Result<()> {
-    let Job { src, dst, bytes, .. } = job;
+    let Job {
+        src, dst, bytes, ..
+    } = job;
     match src {
         CopySrc::Host(h) => dst.buffer.write(dst.offset, &h.bytes()[..bytes]),
-        CopySrc::Device { buffer, offset } => dst.buffer.copy_from(dst.offset, buffer.as_ref(), offset, bytes),
+        CopySrc::Device { buffer, offset } => {
+            dst.buffer
+                .copy_from(dst.offset, buffer.as_ref(), offset, bytes)
+        }
     }
 }
 
@@ -98,19 +118,37 @@ impl AsyncCopy for CpuCopyEngine {
         check_copy(&src, &dst, bytes)?;
         let mut issue = self.issue.lock().unwrap_or_else(|e| e.into_inner());
         let seq = issue.0 + 1;
-        let tx = issue.1.as_ref().ok_or_else(|| Error::Device("the copy engine is shut down".into()))?;
-        tx.send(Job { seq, src, dst, bytes }).map_err(|_| Error::Device("the copy thread has stopped".into()))?;
+        let tx = issue
+            .1
+            .as_ref()
+            .ok_or_else(|| Error::Device("the copy engine is shut down".into()))?;
+        tx.send(Job {
+            seq,
+            src,
+            dst,
+            bytes,
+        })
+        .map_err(|_| Error::Device("the copy thread has stopped".into()))?;
         issue.0 = seq;
-        Ok(BarrierToken { engine: self.id, seq })
+        Ok(BarrierToken {
+            engine: self.id,
+            seq,
+        })
     }
 
     fn wait(&self, token: BarrierToken) -> Result<()> {
         if token.engine != self.id {
-            return Err(Error::Device(format!("a barrier token of copy engine {} was waited on engine {}", token.engine, self.id)));
+            return Err(Error::Device(format!(
+                "a barrier token of copy engine {} was waited on engine {}",
+                token.engine, self.id
+            )));
         }
         let issued = self.issue.lock().unwrap_or_else(|e| e.into_inner()).0;
         if token.seq > issued {
-            return Err(Error::Device(format!("barrier token {} was never issued", token.seq)));
+            return Err(Error::Device(format!(
+                "barrier token {} was never issued",
+                token.seq
+            )));
         }
         self.wait_seq(token.seq)
     }
@@ -118,7 +156,11 @@ impl AsyncCopy for CpuCopyEngine {
     fn wait_all(&self) -> Result<()> {
         let issued = self.issue.lock().unwrap_or_else(|e| e.into_inner()).0;
         self.wait_seq(issued)?;
-        let p = self.shared.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let p = self
+            .shared
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         p.failed.values().next().map_or(Ok(()), |e| Err(e.clone()))
     }
 }
@@ -162,17 +204,42 @@ mod tests {
         let mut tokens = Vec::new();
         for i in 0..64u8 {
             let src: Arc<dyn HostBytes> = Arc::new(vec![i; 64]);
-            tokens.push(e.issue(CopySrc::Host(src), CopyDst { buffer: dst.clone(), offset: i as usize * 64 }, 64).unwrap());
+            tokens.push(
+                e.issue(
+                    CopySrc::Host(src),
+                    CopyDst {
+                        buffer: dst.clone(),
+                        offset: i as usize * 64,
+                    },
+                    64,
+                )
+                .unwrap(),
+            );
         }
         e.wait(tokens[63]).unwrap();
         let mut out = vec![0; 4096];
         dst.read(0, &mut out).unwrap();
-        assert!(out.chunks(64).enumerate().all(|(i, c)| c.iter().all(|&b| b == i as u8)));
+        assert!(out
+            .chunks(64)
+            .enumerate()
+            .all(|(i, c)| c.iter().all(|&b| b == i as u8)));
         // Waiting twice and on stale tokens is fine.
         e.wait(tokens[63]).unwrap();
         e.wait(tokens[0]).unwrap();
         // In-arena copy.
-        let t = e.issue(CopySrc::Device { buffer: dst.clone(), offset: 64 }, CopyDst { buffer: dst.clone(), offset: 0 }, 64).unwrap();
+        let t = e
+            .issue(
+                CopySrc::Device {
+                    buffer: dst.clone(),
+                    offset: 64,
+                },
+                CopyDst {
+                    buffer: dst.clone(),
+                    offset: 0,
+                },
+                64,
+            )
+            .unwrap();
         e.wait(t).unwrap();
         dst.read(0, &mut out[..64]).unwrap();
         assert!(out[..64].iter().all(|&b| b == 1));
@@ -183,24 +250,77 @@ mod tests {
         let e = CpuCopyEngine::new().unwrap();
         let dst = buf(128);
         let src: Arc<dyn HostBytes> = Arc::new(vec![1u8; 64]);
-        assert!(e.issue(CopySrc::Host(src.clone()), CopyDst { buffer: dst.clone(), offset: 100 }, 64).is_err());
-        assert!(e.issue(CopySrc::Host(src), CopyDst { buffer: dst.clone(), offset: 0 }, 65).is_err());
+        assert!(e
+            .issue(
+                CopySrc::Host(src.clone()),
+                CopyDst {
+                    buffer: dst.clone(),
+                    offset: 100
+                },
+                64
+            )
+            .is_err());
+        assert!(e
+            .issue(
+                CopySrc::Host(src),
+                CopyDst {
+                    buffer: dst.clone(),
+                    offset: 0
+                },
+                65
+            )
+            .is_err());
         let other = CpuCopyEngine::new().unwrap();
-        let t = other.issue(CopySrc::Host(Arc::new(vec![0u8; 4])), CopyDst { buffer: dst, offset: 0 }, 4).unwrap();
+        let t = other
+            .issue(
+                CopySrc::Host(Arc::new(vec![0u8; 4])),
+                CopyDst {
+                    buffer: dst,
+                    offset: 0,
+                },
+                4,
+            )
+            .unwrap();
         assert!(e.wait(t).is_err());
-        assert!(e.wait(BarrierToken { engine: e.id, seq: 99 }).is_err());
+        assert!(e
+            .wait(BarrierToken {
+                engine: e.id,
+                seq: 99
+            })
+            .is_err());
     }
 
     #[test]
     fn an_error_inside_a_copy_surfaces_at_the_next_wait() {
         let e = CpuCopyEngine::new().unwrap();
         let dst = buf(64);
-        let t = e.issue(CopySrc::Host(Arc::new(Exploding)), CopyDst { buffer: dst.clone(), offset: 0 }, 16).unwrap();
+        let t = e
+            .issue(
+                CopySrc::Host(Arc::new(Exploding)),
+                CopyDst {
+                    buffer: dst.clone(),
+                    offset: 0,
+                },
+                16,
+            )
+            .unwrap();
         let err = e.wait(t).unwrap_err();
         assert!(err.to_string().contains("panicked"), "{err}");
-        assert!(e.wait(t).is_err(), "the error is reported at every wait covering it");
+        assert!(
+            e.wait(t).is_err(),
+            "the error is reported at every wait covering it"
+        );
         // Later copies still run.
-        let t2 = e.issue(CopySrc::Host(Arc::new(vec![7u8; 8])), CopyDst { buffer: dst.clone(), offset: 0 }, 8).unwrap();
+        let t2 = e
+            .issue(
+                CopySrc::Host(Arc::new(vec![7u8; 8])),
+                CopyDst {
+                    buffer: dst.clone(),
+                    offset: 0,
+                },
+                8,
+            )
+            .unwrap();
         e.wait(t2).unwrap();
         let mut out = [0u8; 8];
         dst.read(0, &mut out).unwrap();
@@ -214,7 +334,15 @@ mod tests {
             let e = CpuCopyEngine::new().unwrap();
             for _ in 0..8 {
                 let src: Arc<dyn HostBytes> = Arc::new(vec![3u8; 1 << 20]);
-                e.issue(CopySrc::Host(src), CopyDst { buffer: dst.clone(), offset: 0 }, 1 << 20).unwrap();
+                e.issue(
+                    CopySrc::Host(src),
+                    CopyDst {
+                        buffer: dst.clone(),
+                        offset: 0,
+                    },
+                    1 << 20,
+                )
+                .unwrap();
             }
         }
         let mut out = vec![0; 1 << 20];

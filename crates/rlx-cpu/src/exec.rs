@@ -18,9 +18,17 @@ impl Drop for CpuProgram {
             let total: f64 = p.values().map(|v| v.0).sum();
             let mut rows: Vec<_> = p.iter().collect();
             rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
-            eprintln!("rlx profile: {:.3} ms over {} instruction kinds", total * 1e3, rows.len());
+            eprintln!(
+                "rlx profile: {:.3} ms over {} instruction kinds",
+                total * 1e3,
+                rows.len()
+            );
             for (k, (t, n)) in rows {
-                eprintln!("  {k:<40} {:9.3} ms {:5.1}% {n:8} calls", t * 1e3, 100.0 * t / total.max(1e-12));
+                eprintln!(
+                    "  {k:<40} {:9.3} ms {:5.1}% {n:8} calls",
+                    t * 1e3,
+                    100.0 * t / total.max(1e-12)
+                );
             }
         }
     }
@@ -48,7 +56,13 @@ impl CpuProgram {
                     (ins.iter().collect(), vec![out])
                 }
                 Instr::CountStep { counter } => (vec![], vec![counter]),
-                Instr::Optim { param, grad, state, counter, .. } => {
+                Instr::Optim {
+                    param,
+                    grad,
+                    state,
+                    counter,
+                    ..
+                } => {
                     let mut w = vec![param];
                     w.extend(state.iter());
                     (vec![grad, counter], w)
@@ -59,14 +73,23 @@ impl CpuProgram {
                 check_range("program", t.offset, t.bytes(), len)?;
             }
             for (i, w) in writes.iter().enumerate() {
-                let clash = reads.iter().any(|r| overlaps(w, r)) || writes[i + 1..].iter().any(|o| overlaps(w, o));
+                let clash = reads.iter().any(|r| overlaps(w, r))
+                    || writes[i + 1..].iter().any(|o| overlaps(w, o));
                 if clash && w.bytes() > 0 {
-                    return Err(Error::Graph(format!("internal: an instruction writes over its own operand: {instr:?}")));
+                    return Err(Error::Graph(format!(
+                        "internal: an instruction writes over its own operand: {instr:?}"
+                    )));
                 }
             }
         }
-        let profile = std::env::var("RLX_PROFILE").is_ok_and(|v| v == "1").then(Default::default);
-        Ok(CpuProgram { instrs: program.instrs.clone(), lens: lens.to_vec(), profile })
+        let profile = std::env::var("RLX_PROFILE")
+            .is_ok_and(|v| v == "1")
+            .then(Default::default);
+        Ok(CpuProgram {
+            instrs: program.instrs.clone(),
+            lens: lens.to_vec(),
+            profile,
+        })
     }
 }
 
@@ -91,7 +114,10 @@ fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
         Ok(())
     } else {
         let dts: Vec<&str> = ins.iter().map(|t| t.dtype.name()).collect();
-        Err(Error::unsupported(op.name(), format!("the cpu backend has no kernel for dtypes {dts:?}")))
+        Err(Error::unsupported(
+            op.name(),
+            format!("the cpu backend has no kernel for dtypes {dts:?}"),
+        ))
     }
 }
 
@@ -105,13 +131,29 @@ impl Compiled for CpuProgram {
             match instr {
                 Instr::Op { op, ins, out } => unsafe { run_op(&b, op, ins, out)? },
                 Instr::CountStep { counter } => unsafe { b.get_mut::<i32>(counter)[0] += 1 },
-                Instr::Optim { rule, param, grad, state, counter } => {
-                    let hyper = hyper.ok_or_else(|| Error::Graph("optimizer step without hyper-parameters".into()))?;
+                Instr::Optim {
+                    rule,
+                    param,
+                    grad,
+                    state,
+                    counter,
+                } => {
+                    let hyper = hyper.ok_or_else(|| {
+                        Error::Graph("optimizer step without hyper-parameters".into())
+                    })?;
                     unsafe {
                         let step = b.get::<i32>(counter)[0];
                         let g = b.get::<f32>(grad);
-                        let mut st: Vec<&mut [f32]> = state.iter().map(|s| b.get_mut::<f32>(s)).collect();
-                        kernels::optim::update(*rule, hyper, step, b.get_mut::<f32>(param), g, &mut st);
+                        let mut st: Vec<&mut [f32]> =
+                            state.iter().map(|s| b.get_mut::<f32>(s)).collect();
+                        kernels::optim::update(
+                            *rule,
+                            hyper,
+                            step,
+                            b.get_mut::<f32>(param),
+                            g,
+                            &mut st,
+                        );
                     }
                 }
             }
@@ -141,19 +183,42 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
         Op::Binary(bop) => unsafe {
             let (a, c) = (&ins[0], &ins[1]);
             match (a.dtype, bop.is_comparison()) {
-                (DType::F32, _) => elementwise::binary(*bop, f(0), sh(0), f(1), sh(1), od, b.get_mut(out)),
-                (DType::I32, false) => {
-                    elementwise::binary(*bop, b.get::<i32>(a), sh(0), b.get::<i32>(c), sh(1), od, b.get_mut(out))
+                (DType::F32, _) => {
+                    elementwise::binary(*bop, f(0), sh(0), f(1), sh(1), od, b.get_mut(out))
                 }
-                (DType::I32, true) => {
-                    elementwise::compare_into(*bop, b.get::<i32>(a), sh(0), b.get::<i32>(c), sh(1), od, b.get_mut::<f32>(out))
-                }
+                (DType::I32, false) => elementwise::binary(
+                    *bop,
+                    b.get::<i32>(a),
+                    sh(0),
+                    b.get::<i32>(c),
+                    sh(1),
+                    od,
+                    b.get_mut(out),
+                ),
+                (DType::I32, true) => elementwise::compare_into(
+                    *bop,
+                    b.get::<i32>(a),
+                    sh(0),
+                    b.get::<i32>(c),
+                    sh(1),
+                    od,
+                    b.get_mut::<f32>(out),
+                ),
             }
         },
-        Op::MatMul { trans_a, trans_b } => {
-            matmul::matmul(f(0), sh(0), *trans_a, f(1), sh(1), *trans_b, unsafe { b.get_mut(out) }, od)
+        Op::MatMul { trans_a, trans_b } => matmul::matmul(
+            f(0),
+            sh(0),
+            *trans_a,
+            f(1),
+            sh(1),
+            *trans_b,
+            unsafe { b.get_mut(out) },
+            od,
+        ),
+        Op::Reduce { op: r, axes, .. } => {
+            reduce::reduce(*r, f(0), sh(0), axes, unsafe { b.get_mut(out) })
         }
-        Op::Reduce { op: r, axes, .. } => reduce::reduce(*r, f(0), sh(0), axes, unsafe { b.get_mut(out) }),
         Op::SumTo { .. } => reduce::sum_to(f(0), sh(0), unsafe { b.get_mut(out) }, od),
         Op::BroadcastTo { .. } | Op::Transpose { .. } => {
             let src = match op {
@@ -162,7 +227,9 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             };
             match out.dtype {
                 DType::F32 => layout::gather(f(0), &src, od, unsafe { b.get_mut(out) }),
-                DType::I32 => unsafe { layout::gather(b.get::<i32>(&ins[0]), &src, od, b.get_mut::<i32>(out)) },
+                DType::I32 => unsafe {
+                    layout::gather(b.get::<i32>(&ins[0]), &src, od, b.get_mut::<i32>(out))
+                },
             }
         }
         Op::Softmax { axis } => nn::softmax(f(0), sh(0), *axis, false, unsafe { b.get_mut(out) }),
@@ -173,7 +240,9 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
         }
         Op::SoftmaxCrossEntropyGrad => {
             let g = f(2)[0];
-            nn::cross_entropy_grad(f(0), sh(0), unsafe { b.get::<i32>(&ins[1]) }, g, unsafe { b.get_mut(out) })?
+            nn::cross_entropy_grad(f(0), sh(0), unsafe { b.get::<i32>(&ins[1]) }, g, unsafe {
+                b.get_mut(out)
+            })?
         }
         Op::Mse => unsafe { b.get_mut::<f32>(out)[0] = nn::mse(f(0), f(1)) },
         Op::Where => {
@@ -181,12 +250,17 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             let c = match ins[0].dtype {
                 DType::F32 => f(0),
                 DType::I32 => {
-                    cond = unsafe { b.get::<i32>(&ins[0]) }.iter().map(|&v| (v != 0) as i32 as f32).collect();
+                    cond = unsafe { b.get::<i32>(&ins[0]) }
+                        .iter()
+                        .map(|&v| (v != 0) as i32 as f32)
+                        .collect();
                     &cond
                 }
             };
             match out.dtype {
-                DType::F32 => elementwise::select(c, sh(0), f(1), sh(1), f(2), sh(2), od, unsafe { b.get_mut(out) }),
+                DType::F32 => elementwise::select(c, sh(0), f(1), sh(1), f(2), sh(2), od, unsafe {
+                    b.get_mut(out)
+                }),
                 DType::I32 => unsafe {
                     elementwise::select(
                         c,
@@ -204,41 +278,71 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
         Op::Cast { to } => unsafe {
             match (ins[0].dtype, to) {
                 (DType::F32, DType::F32) => b.get_mut::<f32>(out).copy_from_slice(f(0)),
-                (DType::I32, DType::I32) => b.get_mut::<i32>(out).copy_from_slice(b.get::<i32>(&ins[0])),
-                (DType::F32, DType::I32) => {
-                    b.get_mut::<i32>(out).iter_mut().zip(f(0)).for_each(|(o, &x)| *o = x as i32)
+                (DType::I32, DType::I32) => {
+                    b.get_mut::<i32>(out).copy_from_slice(b.get::<i32>(&ins[0]))
                 }
-                (DType::I32, DType::F32) => {
-                    b.get_mut::<f32>(out).iter_mut().zip(b.get::<i32>(&ins[0])).for_each(|(o, &x)| *o = x as f32)
-                }
+                (DType::F32, DType::I32) => b
+                    .get_mut::<i32>(out)
+                    .iter_mut()
+                    .zip(f(0))
+                    .for_each(|(o, &x)| *o = x as i32),
+                (DType::I32, DType::F32) => b
+                    .get_mut::<f32>(out)
+                    .iter_mut()
+                    .zip(b.get::<i32>(&ins[0]))
+                    .for_each(|(o, &x)| *o = x as f32),
             }
         },
-        Op::Gather => nn::gather(f(0), sh(0)[0], unsafe { b.get::<i32>(&ins[1]) }, unsafe { b.get_mut(out) })?,
+        Op::Gather => nn::gather(f(0), sh(0)[0], unsafe { b.get::<i32>(&ins[1]) }, unsafe {
+            b.get_mut(out)
+        })?,
         Op::ScatterAdd { rows } => {
-            nn::scatter_add(unsafe { b.get::<i32>(&ins[0]) }, f(1), *rows, unsafe { b.get_mut(out) })?
+            nn::scatter_add(unsafe { b.get::<i32>(&ins[0]) }, f(1), *rows, unsafe {
+                b.get_mut(out)
+            })?
         }
         Op::Normalize { eps } => nn::normalize(f(0), last(sh(0)), *eps, unsafe { b.get_mut(out) }),
-        Op::NormalizeGrad { eps } => nn::normalize_grad(f(0), f(1), last(sh(0)), *eps, unsafe { b.get_mut(out) }),
+        Op::NormalizeGrad { eps } => {
+            nn::normalize_grad(f(0), f(1), last(sh(0)), *eps, unsafe { b.get_mut(out) })
+        }
         Op::Slice { axis, start, .. } => match out.dtype {
             DType::F32 => layout::slice(f(0), sh(0), *axis, *start, unsafe { b.get_mut(out) }),
-            DType::I32 => unsafe { layout::slice(b.get::<i32>(&ins[0]), sh(0), *axis, *start, b.get_mut(out)) },
+            DType::I32 => unsafe {
+                layout::slice(b.get::<i32>(&ins[0]), sh(0), *axis, *start, b.get_mut(out))
+            },
         },
         Op::Pad { axis, before, .. } => match out.dtype {
             DType::F32 => layout::pad(f(0), sh(0), *axis, *before, od, unsafe { b.get_mut(out) }),
-            DType::I32 => unsafe { layout::pad(b.get::<i32>(&ins[0]), sh(0), *axis, *before, od, b.get_mut(out)) },
+            DType::I32 => unsafe {
+                layout::pad(
+                    b.get::<i32>(&ins[0]),
+                    sh(0),
+                    *axis,
+                    *before,
+                    od,
+                    b.get_mut(out),
+                )
+            },
         },
         Op::Concat { axis } => match out.dtype {
             DType::F32 => {
-                let parts: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
+                let parts: Vec<(&[f32], &[usize])> =
+                    (0..ins.len()).map(|i| (f(i), sh(i))).collect();
                 layout::concat(&parts, *axis, od, unsafe { b.get_mut(out) })
             }
             DType::I32 => unsafe {
-                let parts: Vec<(&[i32], &[usize])> = ins.iter().map(|t| (b.get::<i32>(t), t.shape.dims())).collect();
+                let parts: Vec<(&[i32], &[usize])> = ins
+                    .iter()
+                    .map(|t| (b.get::<i32>(t), t.shape.dims()))
+                    .collect();
                 layout::concat(&parts, *axis, od, b.get_mut(out))
             },
         },
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } | Op::Reshape { .. } => {
-            return Err(Error::Graph(format!("internal: [{}] is not a kernel", op.name())))
+            return Err(Error::Graph(format!(
+                "internal: [{}] is not a kernel",
+                op.name()
+            )))
         }
     }
     Ok(())

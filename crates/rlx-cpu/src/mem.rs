@@ -21,13 +21,17 @@ unsafe impl Sync for CpuBuffer {}
 impl CpuBuffer {
     pub fn zeroed(len: usize) -> Result<CpuBuffer> {
         if len == 0 {
-            return Ok(CpuBuffer { ptr: NonNull::<[u8; crate::ALIGN]>::dangling().cast(), len: 0 });
+            return Ok(CpuBuffer {
+                ptr: NonNull::<[u8; crate::ALIGN]>::dangling().cast(),
+                len: 0,
+            });
         }
         let layout = Layout::from_size_align(len, crate::ALIGN)
             .map_err(|_| Error::Device(format!("cannot allocate {len} bytes on the cpu")))?;
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(ptr).ok_or_else(|| Error::Device(format!("out of memory allocating {len} bytes")))?;
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| Error::Device(format!("out of memory allocating {len} bytes")))?;
         Ok(CpuBuffer { ptr, len })
     }
 
@@ -40,7 +44,12 @@ impl Drop for CpuBuffer {
     fn drop(&mut self) {
         if self.len > 0 {
             // SAFETY: allocated in `zeroed` with exactly this layout.
-            unsafe { dealloc(self.ptr.as_ptr(), Layout::from_size_align_unchecked(self.len, crate::ALIGN)) }
+            unsafe {
+                dealloc(
+                    self.ptr.as_ptr(),
+                    Layout::from_size_align_unchecked(self.len, crate::ALIGN),
+                )
+            }
         }
     }
 }
@@ -69,7 +78,13 @@ impl DeviceBuffer for CpuBuffer {
         Ok(())
     }
 
-    fn copy_from(&self, offset: usize, src: &dyn DeviceBuffer, src_offset: usize, len: usize) -> Result<()> {
+    fn copy_from(
+        &self,
+        offset: usize,
+        src: &dyn DeviceBuffer,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
         check_range("copy destination", offset, len, self.len)?;
         check_range("copy source", src_offset, len, src.len())?;
         let Some(from) = src.as_any().downcast_ref::<CpuBuffer>() else {
@@ -102,15 +117,21 @@ impl Bases {
                     bufs.push((std::ptr::null_mut(), 0)); // an absent buffer: nothing may point into it
                     continue;
                 }
-                return Err(Error::Device("the cpu backend was given a buffer of another device".into()));
+                return Err(Error::Device(
+                    "the cpu backend was given a buffer of another device".into(),
+                ));
             };
             if expected.get(i).is_some_and(|&e| e != cpu.len) {
-                return Err(Error::Device(format!("buffer {i} changed size since the program was compiled")));
+                return Err(Error::Device(format!(
+                    "buffer {i} changed size since the program was compiled"
+                )));
             }
             bufs.push((cpu.base(), cpu.len));
         }
         if bufs.len() < expected.iter().filter(|&&l| l > 0).count() {
-            return Err(Error::Device("the program needs more buffers than it was given".into()));
+            return Err(Error::Device(
+                "the program needs more buffers than it was given".into(),
+            ));
         }
         Ok(Bases { bufs })
     }

@@ -6,14 +6,29 @@ use crate::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, Shape, 
 /// The result holds every forward node (same ids) followed by the backward nodes; its outputs are
 /// `[loss, d loss / d wrt[0], ...]`. A `wrt` node the loss does not depend on gets a zero gradient.
 pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
-    let l = graph.nodes().get(loss).ok_or_else(|| Error::Graph(format!("loss node {loss} does not exist")))?;
+    let l = graph
+        .nodes()
+        .get(loss)
+        .ok_or_else(|| Error::Graph(format!("loss node {loss} does not exist")))?;
     if l.shape.rank() != 0 || l.dtype != DType::F32 {
-        return Err(Error::shape("grad", format!("the loss must be a float32 scalar, got {} {}", l.dtype, l.shape)));
+        return Err(Error::shape(
+            "grad",
+            format!(
+                "the loss must be a float32 scalar, got {} {}",
+                l.dtype, l.shape
+            ),
+        ));
     }
     for &w in wrt {
-        let n = graph.nodes().get(w).ok_or_else(|| Error::Graph(format!("wrt node {w} does not exist")))?;
+        let n = graph
+            .nodes()
+            .get(w)
+            .ok_or_else(|| Error::Graph(format!("wrt node {w} does not exist")))?;
         if n.dtype != DType::F32 {
-            return Err(Error::dtype("grad", format!("cannot differentiate w.r.t. {} node {w}", n.dtype)));
+            return Err(Error::dtype(
+                "grad",
+                format!("cannot differentiate w.r.t. {} node {w}", n.dtype),
+            ));
         }
     }
     let n = graph.len();
@@ -71,7 +86,12 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
             Some(gw) => gw,
             None => {
                 let z = g.scalar(0.0);
-                g.add(Op::BroadcastTo { shape: graph.node(w).shape.clone() }, &[z])?
+                g.add(
+                    Op::BroadcastTo {
+                        shape: graph.node(w).shape.clone(),
+                    },
+                    &[z],
+                )?
             }
         };
         outputs.push(gw);
@@ -83,17 +103,30 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
 /// The gradient of a tensor of shape `shape` read through slices `(axis, start, grad)`: one
 /// concat (zeros filling the gaps) when the slices share an axis and do not overlap, else the
 /// sum of zero-padded slices.
-fn join_slices(g: &mut Graph, shape: &Shape, mut parts: Vec<(usize, usize, NodeId)>) -> Result<NodeId> {
+fn join_slices(
+    g: &mut Graph,
+    shape: &Shape,
+    mut parts: Vec<(usize, usize, NodeId)>,
+) -> Result<NodeId> {
     parts.sort_by_key(|&(axis, start, _)| (axis, start));
     let len = |g: &Graph, axis: usize, id: NodeId| g.node(id).shape.0[axis];
     let axis = parts[0].0;
     let disjoint = parts.iter().all(|p| p.0 == axis)
-        && parts.windows(2).all(|w| w[0].1 + len(g, axis, w[0].2) <= w[1].1);
+        && parts
+            .windows(2)
+            .all(|w| w[0].1 + len(g, axis, w[0].2) <= w[1].1);
     if !disjoint {
         let mut total: Option<NodeId> = None;
         for (axis, start, gi) in parts {
             let after = shape.0[axis] - start - len(g, axis, gi);
-            let padded = g.add(Op::Pad { axis, before: start, after }, &[gi])?;
+            let padded = g.add(
+                Op::Pad {
+                    axis,
+                    before: start,
+                    after,
+                },
+                &[gi],
+            )?;
             total = Some(match total {
                 None => padded,
                 Some(t) => g.add(Op::Binary(BinaryOp::Add), &[t, padded])?,
@@ -134,7 +167,13 @@ fn differentiable(op: &Op) -> bool {
 }
 
 /// The gradient contribution to each input of node `y` given its upstream gradient `gy`.
-fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<Vec<Option<NodeId>>> {
+fn vjp(
+    g: &mut Graph,
+    y: NodeId,
+    gy: NodeId,
+    op: &Op,
+    ins: &[NodeId],
+) -> Result<Vec<Option<NodeId>>> {
     use BinaryOp::*;
     let shape = |g: &Graph, id: NodeId| g.node(id).shape.clone();
     Ok(match op {
@@ -174,12 +213,19 @@ fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<
                     g.add(Op::Binary(Mul), &[gy, d])?
                 }
                 UnaryOp::Gelu | UnaryOp::GeluTanh => {
-                    let deriv = if *u == UnaryOp::Gelu { UnaryOp::GeluDeriv } else { UnaryOp::GeluTanhDeriv };
+                    let deriv = if *u == UnaryOp::Gelu {
+                        UnaryOp::GeluDeriv
+                    } else {
+                        UnaryOp::GeluTanhDeriv
+                    };
                     let d = g.add(Op::Unary(deriv), &[x])?;
                     g.add(Op::Binary(Mul), &[gy, d])?
                 }
                 UnaryOp::GeluDeriv | UnaryOp::GeluTanhDeriv => {
-                    return Err(Error::unsupported("gelu_grad", "second derivatives are not supported"))
+                    return Err(Error::unsupported(
+                        "gelu_grad",
+                        "second derivatives are not supported",
+                    ))
                 }
             };
             vec![Some(d)]
@@ -189,7 +235,10 @@ fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<
             let (da, db) = match b {
                 Add => (gy, gy),
                 Sub => (gy, g.add(Op::Unary(UnaryOp::Neg), &[gy])?),
-                Mul => (g.add(Op::Binary(Mul), &[gy, bb])?, g.add(Op::Binary(Mul), &[gy, a])?),
+                Mul => (
+                    g.add(Op::Binary(Mul), &[gy, bb])?,
+                    g.add(Op::Binary(Mul), &[gy, a])?,
+                ),
                 Div => {
                     let da = g.add(Op::Binary(Div), &[gy, bb])?;
                     let t = g.add(Op::Binary(Mul), &[da, y])?;
@@ -204,19 +253,47 @@ fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<
             let (a, b) = (ins[0], ins[1]);
             let (ta, tb) = (*trans_a, *trans_b);
             let da = if ta {
-                g.add(Op::MatMul { trans_a: tb, trans_b: true }, &[b, gy])?
+                g.add(
+                    Op::MatMul {
+                        trans_a: tb,
+                        trans_b: true,
+                    },
+                    &[b, gy],
+                )?
             } else {
-                g.add(Op::MatMul { trans_a: false, trans_b: !tb }, &[gy, b])?
+                g.add(
+                    Op::MatMul {
+                        trans_a: false,
+                        trans_b: !tb,
+                    },
+                    &[gy, b],
+                )?
             };
             let db = if tb {
-                g.add(Op::MatMul { trans_a: true, trans_b: ta }, &[gy, a])?
+                g.add(
+                    Op::MatMul {
+                        trans_a: true,
+                        trans_b: ta,
+                    },
+                    &[gy, a],
+                )?
             } else {
-                g.add(Op::MatMul { trans_a: !ta, trans_b: false }, &[a, gy])?
+                g.add(
+                    Op::MatMul {
+                        trans_a: !ta,
+                        trans_b: false,
+                    },
+                    &[a, gy],
+                )?
             };
             let (sa, sb) = (shape(g, a), shape(g, b));
             vec![Some(sum_to(g, da, &sa)?), Some(sum_to(g, db, &sb)?)]
         }
-        Op::Reduce { op: r, axes, keepdims } => {
+        Op::Reduce {
+            op: r,
+            axes,
+            keepdims,
+        } => {
             let x = ins[0];
             let xs = shape(g, x);
             let kept = crate::infer::reduced_shape(&xs, axes, true);
@@ -233,7 +310,14 @@ fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<
                     // Ties share the gradient equally.
                     let yk = reshape(g, y, &kept, *keepdims)?;
                     let mask = g.add(Op::Binary(Eq), &[x, yk])?;
-                    let count = g.add(Op::Reduce { op: ReduceOp::Sum, axes: axes.clone(), keepdims: true }, &[mask])?;
+                    let count = g.add(
+                        Op::Reduce {
+                            op: ReduceOp::Sum,
+                            axes: axes.clone(),
+                            keepdims: true,
+                        },
+                        &[mask],
+                    )?;
                     let share = g.add(Op::Binary(Div), &[gk, count])?;
                     g.add(Op::Binary(Mul), &[mask, share])?
                 }
@@ -261,18 +345,35 @@ fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<
         }
         Op::Softmax { axis } => {
             let gyy = g.add(Op::Binary(Mul), &[gy, y])?;
-            let s = g.add(Op::Reduce { op: ReduceOp::Sum, axes: vec![*axis], keepdims: true }, &[gyy])?;
+            let s = g.add(
+                Op::Reduce {
+                    op: ReduceOp::Sum,
+                    axes: vec![*axis],
+                    keepdims: true,
+                },
+                &[gyy],
+            )?;
             let d = g.add(Op::Binary(Sub), &[gy, s])?;
             vec![Some(g.add(Op::Binary(Mul), &[y, d])?)]
         }
         Op::LogSoftmax { axis } => {
             let p = g.add(Op::Unary(UnaryOp::Exp), &[y])?;
-            let s = g.add(Op::Reduce { op: ReduceOp::Sum, axes: vec![*axis], keepdims: true }, &[gy])?;
+            let s = g.add(
+                Op::Reduce {
+                    op: ReduceOp::Sum,
+                    axes: vec![*axis],
+                    keepdims: true,
+                },
+                &[gy],
+            )?;
             let ps = g.add(Op::Binary(Mul), &[p, s])?;
             vec![Some(g.add(Op::Binary(Sub), &[gy, ps])?)]
         }
         Op::SoftmaxCrossEntropy => {
-            vec![Some(g.add(Op::SoftmaxCrossEntropyGrad, &[ins[0], ins[1], gy])?), None]
+            vec![
+                Some(g.add(Op::SoftmaxCrossEntropyGrad, &[ins[0], ins[1], gy])?),
+                None,
+            ]
         }
         Op::Mse => {
             let n = shape(g, ins[0]).numel().max(1);
@@ -297,26 +398,48 @@ fn vjp(g: &mut Graph, y: NodeId, gy: NodeId, op: &Op, ins: &[NodeId]) -> Result<
         }
         Op::ScatterAdd { .. } => vec![None, Some(g.add(Op::Gather, &[gy, ins[0]])?)],
         Op::Normalize { eps } => vec![Some(g.add(Op::NormalizeGrad { eps: *eps }, &[ins[0], gy])?)],
-        Op::Slice { .. } => unreachable!("`grad` joins the gradients of slices itself (join_slices)"),
+        Op::Slice { .. } => {
+            unreachable!("`grad` joins the gradients of slices itself (join_slices)")
+        }
         Op::Pad { axis, before, .. } => {
             let n = shape(g, ins[0]).0[*axis];
-            vec![Some(g.add(Op::Slice { axis: *axis, start: *before, end: before + n }, &[gy])?)]
+            vec![Some(g.add(
+                Op::Slice {
+                    axis: *axis,
+                    start: *before,
+                    end: before + n,
+                },
+                &[gy],
+            )?)]
         }
         Op::Concat { axis } => {
             let mut start = 0;
             let mut out = Vec::with_capacity(ins.len());
             for &i in ins {
                 let n = shape(g, i).0[*axis];
-                out.push(Some(g.add(Op::Slice { axis: *axis, start, end: start + n }, &[gy])?));
+                out.push(Some(g.add(
+                    Op::Slice {
+                        axis: *axis,
+                        start,
+                        end: start + n,
+                    },
+                    &[gy],
+                )?));
                 start += n;
             }
             out
         }
         Op::NormalizeGrad { .. } => {
-            return Err(Error::unsupported("layer_norm_grad", "second derivatives are not supported"))
+            return Err(Error::unsupported(
+                "layer_norm_grad",
+                "second derivatives are not supported",
+            ))
         }
         Op::SoftmaxCrossEntropyGrad => {
-            return Err(Error::unsupported("cross_entropy_grad", "second derivatives are not supported"))
+            return Err(Error::unsupported(
+                "cross_entropy_grad",
+                "second derivatives are not supported",
+            ))
         }
     })
 }
@@ -325,7 +448,12 @@ fn sum_to(g: &mut Graph, x: NodeId, shape: &Shape) -> Result<NodeId> {
     if &g.node(x).shape == shape {
         return Ok(x);
     }
-    g.add(Op::SumTo { shape: shape.clone() }, &[x])
+    g.add(
+        Op::SumTo {
+            shape: shape.clone(),
+        },
+        &[x],
+    )
 }
 
 /// Re-inserts reduced axes as size 1 when the reduction dropped them.
@@ -333,7 +461,12 @@ fn reshape(g: &mut Graph, x: NodeId, kept: &Shape, keepdims: bool) -> Result<Nod
     if keepdims || &g.node(x).shape == kept {
         return Ok(x);
     }
-    g.add(Op::Reshape { shape: kept.clone() }, &[x])
+    g.add(
+        Op::Reshape {
+            shape: kept.clone(),
+        },
+        &[x],
+    )
 }
 
 #[cfg(test)]
@@ -345,15 +478,52 @@ mod tests {
     fn slice_gradients_are_joined_into_one_concat() {
         let mut g = Graph::new();
         let x = g.param("x", Shape::new([6, 2]), DType::F32).unwrap();
-        let a = g.add(Op::Slice { axis: 0, start: 0, end: 2 }, &[x]).unwrap();
-        let b = g.add(Op::Slice { axis: 0, start: 3, end: 5 }, &[x]).unwrap();
+        let a = g
+            .add(
+                Op::Slice {
+                    axis: 0,
+                    start: 0,
+                    end: 2,
+                },
+                &[x],
+            )
+            .unwrap();
+        let b = g
+            .add(
+                Op::Slice {
+                    axis: 0,
+                    start: 3,
+                    end: 5,
+                },
+                &[x],
+            )
+            .unwrap();
         let ab = g.add(Op::Binary(BinaryOp::Mul), &[a, b]).unwrap();
-        let loss = g.add(Op::Reduce { op: ReduceOp::Sum, axes: vec![0, 1], keepdims: false }, &[ab]).unwrap();
+        let loss = g
+            .add(
+                Op::Reduce {
+                    op: ReduceOp::Sum,
+                    axes: vec![0, 1],
+                    keepdims: false,
+                },
+                &[ab],
+            )
+            .unwrap();
         let bw = grad(&g, loss, &[x]).unwrap();
         let dx = bw.outputs()[1];
-        assert!(matches!(bw.node(dx).op, Op::Concat { axis: 0 }), "{:?}", bw.node(dx).op);
-        assert_eq!(bw.node(dx).inputs.len(), 4, "pieces: dx[0:2], zeros, dx[3:5], zeros");
+        assert!(
+            matches!(bw.node(dx).op, Op::Concat { axis: 0 }),
+            "{:?}",
+            bw.node(dx).op
+        );
+        assert_eq!(
+            bw.node(dx).inputs.len(),
+            4,
+            "pieces: dx[0:2], zeros, dx[3:5], zeros"
+        );
         assert_eq!(bw.node(dx).shape, Shape::new([6, 2]));
-        assert!(!bw.nodes()[g.len()..].iter().any(|n| matches!(n.op, Op::Pad { .. })));
+        assert!(!bw.nodes()[g.len()..]
+            .iter()
+            .any(|n| matches!(n.op, Op::Pad { .. })));
     }
 }

@@ -31,15 +31,27 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub fn shape(op: impl Into<String>, msg: impl Into<String>) -> Error {
-        Error::Shape { op: op.into(), msg: msg.into() }
+        Error::Shape {
+            op: op.into(),
+            msg: msg.into(),
+        }
     }
     pub fn dtype(op: impl Into<String>, msg: impl Into<String>) -> Error {
-        Error::DType { op: op.into(), msg: msg.into() }
+        Error::DType {
+            op: op.into(),
+            msg: msg.into(),
+        }
     }
     pub fn input(name: impl Into<String>, msg: impl Into<String>) -> Error {
-        Error::Input { name: name.into(), msg: msg.into() }
+        Error::Input {
+            name: name.into(),
+            msg: msg.into(),
+        }
     }
     pub fn unsupported(op: impl Into<String>, msg: impl Into<String>) -> Error {
-        Error::Unsupported { op: op.into(), msg: msg.into() }
+        Error::Unsupported {
+            op: op.into(),
+            msg: msg.into(),
+        }
     }
 }

@@ -7,10 +7,16 @@ pub const MAX_TENSOR_BYTES: usize = 1 << 48;
 
 /// Refuses shapes whose byte size overflows or exceeds [`MAX_TENSOR_BYTES`].
 fn check_size(what: &str, shape: &Shape, dtype: DType) -> Result<()> {
-    let bytes = shape.0.iter().try_fold(dtype.size(), |acc, &d| acc.checked_mul(d));
+    let bytes = shape
+        .0
+        .iter()
+        .try_fold(dtype.size(), |acc, &d| acc.checked_mul(d));
     match bytes {
         Some(b) if b <= MAX_TENSOR_BYTES => Ok(()),
-        _ => Err(Error::shape(what, format!("a {dtype} tensor of shape {shape} is too large to allocate"))),
+        _ => Err(Error::shape(
+            what,
+            format!("a {dtype} tensor of shape {shape} is too large to allocate"),
+        )),
     }
 }
 
@@ -74,17 +80,32 @@ impl Graph {
 
     /// Adds an f32 constant of the given shape.
     pub fn constant_f32(&mut self, values: &[f32], shape: Shape) -> Result<NodeId> {
-        self.constant_bits(values.iter().map(|v| v.to_bits()).collect(), shape, DType::F32)
+        self.constant_bits(
+            values.iter().map(|v| v.to_bits()).collect(),
+            shape,
+            DType::F32,
+        )
     }
 
     /// Adds an i32 constant of the given shape.
     pub fn constant_i32(&mut self, values: &[i32], shape: Shape) -> Result<NodeId> {
-        self.constant_bits(values.iter().map(|&v| v as u32).collect(), shape, DType::I32)
+        self.constant_bits(
+            values.iter().map(|&v| v as u32).collect(),
+            shape,
+            DType::I32,
+        )
     }
 
     /// A scalar f32 constant.
     pub fn scalar(&mut self, v: f32) -> NodeId {
-        self.push(Op::Const { data: Arc::new(vec![v.to_bits()]) }, vec![], Shape::scalar(), DType::F32)
+        self.push(
+            Op::Const {
+                data: Arc::new(vec![v.to_bits()]),
+            },
+            vec![],
+            Shape::scalar(),
+            DType::F32,
+        )
     }
 
     fn constant_bits(&mut self, bits: Vec<u32>, shape: Shape, dtype: DType) -> Result<NodeId> {
@@ -94,13 +115,23 @@ impl Graph {
                 format!("{} values given for shape {shape}", bits.len()),
             ));
         }
-        Ok(self.push(Op::Const { data: Arc::new(bits) }, vec![], shape, dtype))
+        Ok(self.push(
+            Op::Const {
+                data: Arc::new(bits),
+            },
+            vec![],
+            shape,
+            dtype,
+        ))
     }
 
     /// Appends an op, inferring and checking its output shape and dtype.
     pub fn add(&mut self, op: Op, inputs: &[NodeId]) -> Result<NodeId> {
         if matches!(op, Op::Input { .. } | Op::Param { .. } | Op::Const { .. }) {
-            return Err(Error::Graph(format!("[{}] use the dedicated constructor", op.name())));
+            return Err(Error::Graph(format!(
+                "[{}] use the dedicated constructor",
+                op.name()
+            )));
         }
         let arity_ok = match op.arity() {
             Some(n) => inputs.len() == n,
@@ -110,12 +141,16 @@ impl Graph {
             return Err(Error::Graph(format!(
                 "[{}] takes {} inputs, got {}",
                 op.name(),
-                op.arity().map_or("at least 1".to_string(), |n| n.to_string()),
+                op.arity()
+                    .map_or("at least 1".to_string(), |n| n.to_string()),
                 inputs.len()
             )));
         }
         if let Some(&bad) = inputs.iter().find(|&&i| i >= self.nodes.len()) {
-            return Err(Error::Graph(format!("[{}] input node {bad} does not exist", op.name())));
+            return Err(Error::Graph(format!(
+                "[{}] input node {bad} does not exist",
+                op.name()
+            )));
         }
         let ins: Vec<&Node> = inputs.iter().map(|&i| &self.nodes[i]).collect();
         let (shape, dtype) = infer::infer(&op, &ins)?;
@@ -162,13 +197,20 @@ impl Graph {
             _ => false,
         });
         if taken {
-            return Err(Error::Graph(format!("the name '{name}' is already used in this graph")));
+            return Err(Error::Graph(format!(
+                "the name '{name}' is already used in this graph"
+            )));
         }
         Ok(())
     }
 
     fn push(&mut self, op: Op, inputs: Vec<NodeId>, shape: Shape, dtype: DType) -> NodeId {
-        self.nodes.push(Node { op, inputs, shape, dtype });
+        self.nodes.push(Node {
+            op,
+            inputs,
+            shape,
+            dtype,
+        });
         self.nodes.len() - 1
     }
 
@@ -176,7 +218,10 @@ impl Graph {
     pub fn verify(&self) -> Result<()> {
         for (id, n) in self.nodes.iter().enumerate() {
             if n.inputs.iter().any(|&i| i >= id) {
-                return Err(Error::Graph(format!("[{}] node {id} uses a later node", n.op.name())));
+                return Err(Error::Graph(format!(
+                    "[{}] node {id} uses a later node",
+                    n.op.name()
+                )));
             }
             if n.op.arity() != Some(0) {
                 let ins: Vec<&Node> = n.inputs.iter().map(|&i| &self.nodes[i]).collect();

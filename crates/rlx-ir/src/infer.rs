@@ -6,14 +6,17 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
     let name = op.name();
     let float = |i: usize| -> Result<()> {
         if ins[i].dtype != DType::F32 {
-            return Err(Error::dtype(name, format!("expects float32, got {}", ins[i].dtype)));
+            return Err(Error::dtype(
+                name,
+                format!("expects float32, got {}", ins[i].dtype),
+            ));
         }
         Ok(())
     };
     match op {
-        Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => {
-            Err(Error::Graph(format!("[{name}] has no inputs to infer from")))
-        }
+        Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => Err(Error::Graph(format!(
+            "[{name}] has no inputs to infer from"
+        ))),
         Op::Unary(_) => {
             float(0)?;
             Ok((ins[0].shape.clone(), DType::F32))
@@ -22,27 +25,44 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             if ins[0].dtype != ins[1].dtype {
                 return Err(Error::dtype(
                     name,
-                    format!("operands have different dtypes: {} and {}", ins[0].dtype, ins[1].dtype),
+                    format!(
+                        "operands have different dtypes: {} and {}",
+                        ins[0].dtype, ins[1].dtype
+                    ),
                 ));
             }
             let shape = broadcast(name, &ins[0].shape, &ins[1].shape)?;
-            let dtype = if b.is_comparison() { DType::F32 } else { ins[0].dtype };
+            let dtype = if b.is_comparison() {
+                DType::F32
+            } else {
+                ins[0].dtype
+            };
             Ok((shape, dtype))
         }
         Op::MatMul { trans_a, trans_b } => matmul(ins[0], ins[1], *trans_a, *trans_b),
-        Op::Reduce { op: r, axes, keepdims } => {
+        Op::Reduce {
+            op: r,
+            axes,
+            keepdims,
+        } => {
             float(0)?;
             let s = &ins[0].shape;
             check_axes(name, s, axes)?;
             if *r == ReduceOp::Max && axes.iter().any(|&a| s.0[a] == 0) {
-                return Err(Error::shape(name, format!("cannot take the max over an empty axis of {s}")));
+                return Err(Error::shape(
+                    name,
+                    format!("cannot take the max over an empty axis of {s}"),
+                ));
             }
             Ok((reduced_shape(s, axes, *keepdims), DType::F32))
         }
         Op::BroadcastTo { shape } => {
             let b = broadcast(name, &ins[0].shape, shape)?;
             if &b != shape {
-                return Err(Error::shape(name, format!("cannot broadcast {} to {shape}", ins[0].shape)));
+                return Err(Error::shape(
+                    name,
+                    format!("cannot broadcast {} to {shape}", ins[0].shape),
+                ));
             }
             Ok((shape.clone(), ins[0].dtype))
         }
@@ -50,7 +70,10 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             float(0)?;
             let b = broadcast(name, &ins[0].shape, shape)?;
             if b != ins[0].shape {
-                return Err(Error::shape(name, format!("cannot sum {} down to {shape}", ins[0].shape)));
+                return Err(Error::shape(
+                    name,
+                    format!("cannot sum {} down to {shape}", ins[0].shape),
+                ));
             }
             Ok((shape.clone(), DType::F32))
         }
@@ -58,7 +81,11 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             if shape.numel() != ins[0].shape.numel() {
                 return Err(Error::shape(
                     name,
-                    format!("cannot reshape {} ({} elements) to {shape}", ins[0].shape, ins[0].shape.numel()),
+                    format!(
+                        "cannot reshape {} ({} elements) to {shape}",
+                        ins[0].shape,
+                        ins[0].shape.numel()
+                    ),
                 ));
             }
             Ok((shape.clone(), ins[0].dtype))
@@ -67,9 +94,14 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             let s = &ins[0].shape;
             let mut seen = vec![false; s.rank()];
             let valid = perm.len() == s.rank()
-                && perm.iter().all(|&p| p < s.rank() && !std::mem::replace(&mut seen[p], true));
+                && perm
+                    .iter()
+                    .all(|&p| p < s.rank() && !std::mem::replace(&mut seen[p], true));
             if !valid {
-                return Err(Error::shape(name, format!("axes {perm:?} are not a permutation for {s}")));
+                return Err(Error::shape(
+                    name,
+                    format!("axes {perm:?} are not a permutation for {s}"),
+                ));
             }
             Ok((Shape(perm.iter().map(|&p| s.0[p]).collect()), ins[0].dtype))
         }
@@ -82,7 +114,10 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             float(0)?;
             let (l, y) = (&ins[0].shape, &ins[1].shape);
             if ins[1].dtype != DType::I32 {
-                return Err(Error::dtype(name, format!("labels must be int32 class ids, got {}", ins[1].dtype)));
+                return Err(Error::dtype(
+                    name,
+                    format!("labels must be int32 class ids, got {}", ins[1].dtype),
+                ));
             }
             if l.rank() != 2 || y.rank() != 1 || l.0[0] != y.0[0] {
                 return Err(Error::shape(
@@ -96,7 +131,10 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             if matches!(op, Op::SoftmaxCrossEntropyGrad) {
                 float(2)?;
                 if ins[2].shape.rank() != 0 {
-                    return Err(Error::shape(name, format!("upstream gradient must be a scalar, got {}", ins[2].shape)));
+                    return Err(Error::shape(
+                        name,
+                        format!("upstream gradient must be a scalar, got {}", ins[2].shape),
+                    ));
                 }
                 return Ok((l.clone(), DType::F32));
             }
@@ -108,7 +146,10 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             if ins[0].shape != ins[1].shape {
                 return Err(Error::shape(
                     name,
-                    format!("prediction {} and target {} must have the same shape", ins[0].shape, ins[1].shape),
+                    format!(
+                        "prediction {} and target {} must have the same shape",
+                        ins[0].shape, ins[1].shape
+                    ),
                 ));
             }
             Ok((Shape::scalar(), DType::F32))
@@ -117,7 +158,10 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             if ins[1].dtype != ins[2].dtype {
                 return Err(Error::dtype(
                     name,
-                    format!("branches have different dtypes: {} and {}", ins[1].dtype, ins[2].dtype),
+                    format!(
+                        "branches have different dtypes: {} and {}",
+                        ins[1].dtype, ins[2].dtype
+                    ),
                 ));
             }
             let s = broadcast(name, &ins[0].shape, &ins[1].shape)?;
@@ -127,10 +171,16 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
         Op::Gather => {
             float(0)?;
             if ins[1].dtype != DType::I32 {
-                return Err(Error::dtype(name, format!("ids must be int32, got {}", ins[1].dtype)));
+                return Err(Error::dtype(
+                    name,
+                    format!("ids must be int32, got {}", ins[1].dtype),
+                ));
             }
             if ins[0].shape.rank() < 1 {
-                return Err(Error::shape(name, format!("the table must have at least 1 dim, got {}", ins[0].shape)));
+                return Err(Error::shape(
+                    name,
+                    format!("the table must have at least 1 dim, got {}", ins[0].shape),
+                ));
             }
             let mut out = ins[1].shape.0.clone();
             out.extend_from_slice(&ins[0].shape.0[1..]);
@@ -139,11 +189,17 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
         Op::ScatterAdd { rows } => {
             float(1)?;
             if ins[0].dtype != DType::I32 {
-                return Err(Error::dtype(name, format!("ids must be int32, got {}", ins[0].dtype)));
+                return Err(Error::dtype(
+                    name,
+                    format!("ids must be int32, got {}", ins[0].dtype),
+                ));
             }
             let (ids, g) = (&ins[0].shape, &ins[1].shape);
             if g.rank() < ids.rank() || g.0[..ids.rank()] != ids.0[..] {
-                return Err(Error::shape(name, format!("gradient {g} does not start with the ids shape {ids}")));
+                return Err(Error::shape(
+                    name,
+                    format!("gradient {g} does not start with the ids shape {ids}"),
+                ));
             }
             let mut out = vec![*rows];
             out.extend_from_slice(&g.0[ids.rank()..]);
@@ -153,12 +209,18 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             float(0)?;
             let s = &ins[0].shape;
             if s.rank() < 1 || s.0[s.rank() - 1] == 0 {
-                return Err(Error::shape(name, format!("needs a non-empty last axis, got {s}")));
+                return Err(Error::shape(
+                    name,
+                    format!("needs a non-empty last axis, got {s}"),
+                ));
             }
             if ins.len() == 2 {
                 float(1)?;
                 if ins[1].shape != *s {
-                    return Err(Error::shape(name, format!("gradient {} must match input {s}", ins[1].shape)));
+                    return Err(Error::shape(
+                        name,
+                        format!("gradient {} must match input {s}", ins[1].shape),
+                    ));
                 }
             }
             Ok((s.clone(), DType::F32))
@@ -167,13 +229,20 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             let s = &ins[0].shape;
             check_axes(name, s, &[*axis])?;
             if start > end || *end > s.0[*axis] {
-                return Err(Error::shape(name, format!("[{start}:{end}] is out of range for axis {axis} of {s}")));
+                return Err(Error::shape(
+                    name,
+                    format!("[{start}:{end}] is out of range for axis {axis} of {s}"),
+                ));
             }
             let mut out = s.0.clone();
             out[*axis] = end - start;
             Ok((Shape(out), ins[0].dtype))
         }
-        Op::Pad { axis, before, after } => {
+        Op::Pad {
+            axis,
+            before,
+            after,
+        } => {
             let s = &ins[0].shape;
             check_axes(name, s, &[*axis])?;
             let mut out = s.0.clone();
@@ -187,12 +256,25 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             for n in ins {
                 let s = &n.shape;
                 let fits = s.rank() == first.rank()
-                    && s.0.iter().zip(&first.0).enumerate().all(|(d, (a, b))| d == *axis || a == b);
+                    && s.0
+                        .iter()
+                        .zip(&first.0)
+                        .enumerate()
+                        .all(|(d, (a, b))| d == *axis || a == b);
                 if !fits {
-                    return Err(Error::shape(name, format!("cannot join {s} to {first} along axis {axis}")));
+                    return Err(Error::shape(
+                        name,
+                        format!("cannot join {s} to {first} along axis {axis}"),
+                    ));
                 }
                 if n.dtype != ins[0].dtype {
-                    return Err(Error::dtype(name, format!("inputs have different dtypes: {} and {}", n.dtype, ins[0].dtype)));
+                    return Err(Error::dtype(
+                        name,
+                        format!(
+                            "inputs have different dtypes: {} and {}",
+                            n.dtype, ins[0].dtype
+                        ),
+                    ));
                 }
                 total += s.0[*axis];
             }
@@ -204,13 +286,17 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
 }
 
 fn broadcast(op: &str, a: &Shape, b: &Shape) -> Result<Shape> {
-    Shape::broadcast(a, b).ok_or_else(|| Error::shape(op, format!("shapes {a} and {b} do not broadcast")))
+    Shape::broadcast(a, b)
+        .ok_or_else(|| Error::shape(op, format!("shapes {a} and {b} do not broadcast")))
 }
 
 fn check_axes(op: &str, s: &Shape, axes: &[usize]) -> Result<()> {
     let sorted = axes.windows(2).all(|w| w[0] < w[1]);
     if !sorted || axes.iter().any(|&a| a >= s.rank()) {
-        return Err(Error::shape(op, format!("axes {axes:?} are invalid for a tensor of shape {s}")));
+        return Err(Error::shape(
+            op,
+            format!("axes {axes:?} are invalid for a tensor of shape {s}"),
+        ));
     }
     Ok(())
 }
@@ -231,10 +317,16 @@ pub fn reduced_shape(s: &Shape, axes: &[usize], keepdims: bool) -> Shape {
 fn matmul(a: &Node, b: &Node, ta: bool, tb: bool) -> Result<(Shape, DType)> {
     let (sa, sb) = (&a.shape, &b.shape);
     if a.dtype != DType::F32 || b.dtype != DType::F32 {
-        return Err(Error::dtype("matmul", format!("expects float32 operands, got {} and {}", a.dtype, b.dtype)));
+        return Err(Error::dtype(
+            "matmul",
+            format!("expects float32 operands, got {} and {}", a.dtype, b.dtype),
+        ));
     }
     if sa.rank() < 2 || sb.rank() < 2 {
-        return Err(Error::shape("matmul", format!("operands need at least 2 dims, got {sa} and {sb}")));
+        return Err(Error::shape(
+            "matmul",
+            format!("operands need at least 2 dims, got {sa} and {sb}"),
+        ));
     }
     let (m, ka) = mat_dims(sa, ta);
     let (kb, n) = mat_dims(sb, tb);
@@ -247,7 +339,10 @@ fn matmul(a: &Node, b: &Node, ta: bool, tb: bool) -> Result<(Shape, DType)> {
     let batch_a = Shape(sa.0[..sa.rank() - 2].to_vec());
     let batch_b = Shape(sb.0[..sb.rank() - 2].to_vec());
     let batch = Shape::broadcast(&batch_a, &batch_b).ok_or_else(|| {
-        Error::shape("matmul", format!("batch dimensions of {sa} and {sb} do not broadcast"))
+        Error::shape(
+            "matmul",
+            format!("batch dimensions of {sa} and {sb} do not broadcast"),
+        )
     })?;
     let mut out = batch.0;
     out.extend([m, n]);
@@ -273,10 +368,21 @@ mod tests {
         let mut g = Graph::new();
         let a = g.input("a", Shape::new([3, 4]), DType::F32).unwrap();
         let b = g.input("b", Shape::new([5, 6]), DType::F32).unwrap();
-        let e = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[a, b]).unwrap_err();
+        let e = g
+            .add(
+                Op::MatMul {
+                    trans_a: false,
+                    trans_b: false,
+                },
+                &[a, b],
+            )
+            .unwrap_err();
         assert!(matches!(e, Error::Shape { .. }));
         let msg = e.to_string();
-        assert!(msg.starts_with("[matmul]") && msg.contains("(3, 4)") && msg.contains("(5, 6)"), "{msg}");
+        assert!(
+            msg.starts_with("[matmul]") && msg.contains("(3, 4)") && msg.contains("(5, 6)"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -284,9 +390,25 @@ mod tests {
         let mut g = Graph::new();
         let a = g.input("a", Shape::new([2, 3, 4]), DType::F32).unwrap();
         let b = g.input("b", Shape::new([4, 5]), DType::F32).unwrap();
-        let c = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[a, b]).unwrap();
+        let c = g
+            .add(
+                Op::MatMul {
+                    trans_a: false,
+                    trans_b: false,
+                },
+                &[a, b],
+            )
+            .unwrap();
         assert_eq!(g.node(c).shape, Shape::new([2, 3, 5]));
-        let d = g.add(Op::MatMul { trans_a: true, trans_b: false }, &[a, a]).unwrap();
+        let d = g
+            .add(
+                Op::MatMul {
+                    trans_a: true,
+                    trans_b: false,
+                },
+                &[a, a],
+            )
+            .unwrap();
         assert_eq!(g.node(d).shape, Shape::new([2, 4, 4]));
     }
 

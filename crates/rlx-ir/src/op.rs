@@ -41,7 +41,10 @@ pub enum BinaryOp {
 
 impl BinaryOp {
     pub fn is_comparison(self) -> bool {
-        !matches!(self, BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div)
+        !matches!(
+            self,
+            BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div
+        )
     }
 }
 
@@ -57,27 +60,52 @@ pub enum ReduceOp {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
     /// A value supplied on every call (or bound once as a resident input).
-    Input { name: String },
+    Input {
+        name: String,
+    },
     /// A trainable weight, resident in the executable's parameter store.
-    Param { name: String },
+    Param {
+        name: String,
+    },
     /// Constant data baked into the graph (little-endian f32 or i32 values).
-    Const { data: Arc<Vec<u32>> },
+    Const {
+        data: Arc<Vec<u32>>,
+    },
     Unary(UnaryOp),
     Binary(BinaryOp),
     /// `a @ b` over the last two dims, leading dims broadcast; `trans_*` transposes that operand.
-    MatMul { trans_a: bool, trans_b: bool },
+    MatMul {
+        trans_a: bool,
+        trans_b: bool,
+    },
     /// Reduce over `axes` (sorted, unique); `keepdims` keeps them as size 1.
-    Reduce { op: ReduceOp, axes: Vec<usize>, keepdims: bool },
+    Reduce {
+        op: ReduceOp,
+        axes: Vec<usize>,
+        keepdims: bool,
+    },
     /// Broadcasts the input up to `shape` (numpy rules).
-    BroadcastTo { shape: Shape },
+    BroadcastTo {
+        shape: Shape,
+    },
     /// Sums a broadcast value back down to `shape` (the VJP of broadcasting).
-    SumTo { shape: Shape },
+    SumTo {
+        shape: Shape,
+    },
     /// Same data, new shape (element count preserved). Costs nothing: an alias in the arena.
-    Reshape { shape: Shape },
+    Reshape {
+        shape: Shape,
+    },
     /// Permutes dimensions: output dim `i` is input dim `perm[i]`.
-    Transpose { perm: Vec<usize> },
-    Softmax { axis: usize },
-    LogSoftmax { axis: usize },
+    Transpose {
+        perm: Vec<usize>,
+    },
+    Softmax {
+        axis: usize,
+    },
+    LogSoftmax {
+        axis: usize,
+    },
     /// Mean softmax cross-entropy of logits `[N, C]` against int32 labels `[N]`; a scalar.
     SoftmaxCrossEntropy,
     /// Gradient of `SoftmaxCrossEntropy` w.r.t. the logits: `(softmax - onehot) * g / N`.
@@ -87,22 +115,40 @@ pub enum Op {
     /// `cond != 0 ? a : b`, all three broadcast.
     Where,
     /// Element type conversion.
-    Cast { to: DType },
+    Cast {
+        to: DType,
+    },
     /// Rows of `table` (first input, `[V, ...]`) picked by int32 `ids` (any shape): `[*ids, ...]`.
     Gather,
     /// The VJP of `Gather`: sums rows of `g` (`[*ids, ...]`) into a zero `[rows, ...]` by `ids`.
     /// Inputs: `(ids, g)`.
-    ScatterAdd { rows: usize },
+    ScatterAdd {
+        rows: usize,
+    },
     /// `(x - mean) / sqrt(var + eps)` over the last axis (layer norm without the affine part).
-    Normalize { eps: f32 },
+    Normalize {
+        eps: f32,
+    },
     /// The VJP of `Normalize` w.r.t. `x`. Inputs: `(x, g)`.
-    NormalizeGrad { eps: f32 },
+    NormalizeGrad {
+        eps: f32,
+    },
     /// `x[..., start:end, ...]` along `axis`.
-    Slice { axis: usize, start: usize, end: usize },
+    Slice {
+        axis: usize,
+        start: usize,
+        end: usize,
+    },
     /// Zero padding along `axis`: `before` zeros, the input, `after` zeros.
-    Pad { axis: usize, before: usize, after: usize },
+    Pad {
+        axis: usize,
+        before: usize,
+        after: usize,
+    },
     /// Joins its inputs (any number, at least one) along `axis`.
-    Concat { axis: usize },
+    Concat {
+        axis: usize,
+    },
 }
 
 impl Op {

@@ -12,7 +12,11 @@ pub struct Interval {
 impl Interval {
     /// Live from before the first step to after the last: never shares space.
     pub fn pinned(size: usize) -> Interval {
-        Interval { size, start: 0, end: usize::MAX }
+        Interval {
+            size,
+            start: 0,
+            end: usize::MAX,
+        }
     }
     fn overlaps_in_time(&self, o: &Interval) -> bool {
         self.start <= o.end && o.start <= self.end
@@ -41,7 +45,11 @@ pub fn plan(items: &[Interval], align: usize) -> Plan {
     assert!(align.is_power_of_two(), "alignment must be a power of two");
     let sizes: Vec<usize> = items.iter().map(|i| align_up(i.size, align)).collect();
     let mut order: Vec<usize> = (0..items.len()).collect();
-    order.sort_by(|&a, &b| sizes[b].cmp(&sizes[a]).then(items[a].start.cmp(&items[b].start)));
+    order.sort_by(|&a, &b| {
+        sizes[b]
+            .cmp(&sizes[a])
+            .then(items[a].start.cmp(&items[b].start))
+    });
     let mut offsets = vec![0; items.len()];
     let mut placed: Vec<usize> = Vec::with_capacity(items.len());
     let mut arena = 0;
@@ -71,7 +79,11 @@ pub fn plan(items: &[Interval], align: usize) -> Plan {
         arena = arena.max(offsets[i] + size);
         placed.push(i);
     }
-    Plan { offsets, arena_bytes: arena, naive_bytes: sizes.iter().sum() }
+    Plan {
+        offsets,
+        arena_bytes: arena,
+        naive_bytes: sizes.iter().sum(),
+    }
 }
 
 /// How a node's storage is provided.
@@ -130,7 +142,11 @@ pub fn plan_graph(graph: &Graph, storage: impl Fn(NodeId) -> Storage, align: usi
         let size = node.shape.numel() * node.dtype.size();
         items.push(match storage(id) {
             Storage::Pinned => Interval::pinned(size),
-            _ => Interval { size, start: id, end: last_use[id] },
+            _ => Interval {
+                size,
+                start: id,
+                end: last_use[id],
+            },
         });
         owners.push(id);
     }
@@ -144,7 +160,12 @@ pub fn plan_graph(graph: &Graph, storage: impl Fn(NodeId) -> Storage, align: usi
             offset[id] = offset[root[id]];
         }
     }
-    GraphPlan { root, offset, arena_bytes: p.arena_bytes, naive_bytes: p.naive_bytes }
+    GraphPlan {
+        root,
+        offset,
+        arena_bytes: p.arena_bytes,
+        naive_bytes: p.naive_bytes,
+    }
 }
 
 #[cfg(test)]
@@ -162,7 +183,10 @@ mod tests {
                     continue;
                 }
                 let (ao, bo) = (p.offsets[i], p.offsets[j]);
-                assert!(ao + a.size <= bo || bo + b.size <= ao, "{i} {a:?}@{ao} overlaps {j} {b:?}@{bo}");
+                assert!(
+                    ao + a.size <= bo || bo + b.size <= ao,
+                    "{i} {a:?}@{ao} overlaps {j} {b:?}@{bo}"
+                );
             }
             assert!(p.offsets[i] + items[i].size <= p.arena_bytes || items[i].size == 0);
         }
@@ -241,7 +265,13 @@ mod tests {
     #[test]
     fn dead_buffers_are_reused() {
         // A chain: each buffer dies when the next is made, so two slots suffice.
-        let items: Vec<Interval> = (0..10).map(|i| Interval { size: 100, start: i, end: i + 1 }).collect();
+        let items: Vec<Interval> = (0..10)
+            .map(|i| Interval {
+                size: 100,
+                start: i,
+                end: i + 1,
+            })
+            .collect();
         let p = plan(&items, 64);
         check_no_overlap(&items, &p, 64);
         assert_eq!(p.arena_bytes, 2 * 128);

@@ -23,7 +23,11 @@ impl ArenaView {
     pub fn new(buffer: Arc<dyn DeviceBuffer>, offset: usize, len: usize) -> Option<ArenaView> {
         buffer.host_ptr()?;
         let end = offset.checked_add(len)?;
-        (end <= buffer.len()).then_some(ArenaView { buffer, offset, len: len as isize })
+        (end <= buffer.len()).then_some(ArenaView {
+            buffer,
+            offset,
+            len: len as isize,
+        })
     }
 }
 
@@ -31,12 +35,19 @@ impl ArenaView {
 impl ArenaView {
     /// # Safety
     /// Called by CPython with a valid `view` to fill.
-    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
         if view.is_null() {
             return Err(PyBufferError::new_err("null Py_buffer"));
         }
         let me = slf.get();
-        let base = me.buffer.host_ptr().ok_or_else(|| PyBufferError::new_err("memory is not host-visible"))?;
+        let base = me
+            .buffer
+            .host_ptr()
+            .ok_or_else(|| PyBufferError::new_err("memory is not host-visible"))?;
         // SAFETY: `new` checked `offset + len` lies inside the buffer; the buffer never moves or
         // frees while this object lives, and `view.obj` below holds a strong reference to it.
         // `shape` points into this frozen object, which outlives the view for the same reason.
@@ -46,10 +57,17 @@ impl ArenaView {
             (*view).len = me.len;
             (*view).readonly = 0;
             (*view).itemsize = 1;
-            (*view).format =
-                if flags & ffi::PyBUF_FORMAT != 0 { c"B".as_ptr() as *mut _ } else { std::ptr::null_mut() };
+            (*view).format = if flags & ffi::PyBUF_FORMAT != 0 {
+                c"B".as_ptr() as *mut _
+            } else {
+                std::ptr::null_mut()
+            };
             (*view).ndim = 1;
-            (*view).shape = if flags & ffi::PyBUF_ND != 0 { &me.len as *const isize as *mut isize } else { std::ptr::null_mut() };
+            (*view).shape = if flags & ffi::PyBUF_ND != 0 {
+                &me.len as *const isize as *mut isize
+            } else {
+                std::ptr::null_mut()
+            };
             (*view).strides = std::ptr::null_mut();
             (*view).suboffsets = std::ptr::null_mut();
             (*view).internal = std::ptr::null_mut();
@@ -71,7 +89,9 @@ impl Bytes {
     pub fn get(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Bytes> {
         let buf = PyUntypedBuffer::get(obj)?;
         if !buf.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!("[{what}] the array must be C-contiguous")));
+            return Err(PyValueError::new_err(format!(
+                "[{what}] the array must be C-contiguous"
+            )));
         }
         Ok(Bytes { buf })
     }

@@ -18,8 +18,14 @@ fn class_name(e: &Error) -> &'static str {
 /// Converts an rlx error into an instance of the matching `rlx.errors` class.
 pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let msg = e.to_string();
-    match py.import("rlx.errors").and_then(|m| m.getattr(class_name(&e))) {
-        Ok(cls) => PyErr::from_type(cls.cast_into().expect("rlx.errors holds exception classes"), msg),
+    match py
+        .import("rlx.errors")
+        .and_then(|m| m.getattr(class_name(&e)))
+    {
+        Ok(cls) => PyErr::from_type(
+            cls.cast_into().expect("rlx.errors holds exception classes"),
+            msg,
+        ),
         Err(import_err) => import_err,
     }
 }
@@ -44,6 +50,8 @@ pub fn guard<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
             .map(|s| s.to_string())
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic".into());
-        Err(Error::Graph(format!("internal error (a bug in rlx, please report it): {msg}")))
+        Err(Error::Graph(format!(
+            "internal error (a bug in rlx, please report it): {msg}"
+        )))
     })
 }

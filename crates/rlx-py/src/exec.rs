@@ -30,12 +30,17 @@ impl PyExecutable {
     ) -> PyResult<PyExecutable> {
         let b = backend(device).py_err(py)?;
         let optimizer = match optimizer {
-            Some((rule, state)) => Some(OptimizerSetup { rule: parse_rule(&rule).py_err(py)?, state: state.store.clone() }),
+            Some((rule, state)) => Some(OptimizerSetup {
+                rule: parse_rule(&rule).py_err(py)?,
+                state: state.store.clone(),
+            }),
             None => None,
         };
         let g = graph.graph.clone();
         let store = params.store.clone();
-        let exe = py.detach(|| guard(|| Executable::new(b, &g, store, optimizer))).py_err(py)?;
+        let exe = py
+            .detach(|| guard(|| Executable::new(b, &g, store, optimizer)))
+            .py_err(py)?;
         Ok(PyExecutable { exe })
     }
 
@@ -56,16 +61,23 @@ impl PyExecutable {
             let bytes = Bytes::get(&v, &name)?;
             held.push((name, bytes));
         }
-        let views: Vec<(&str, &[u8])> = held.iter().map(|(n, b)| (n.as_str(), b.as_slice())).collect();
-        let hyper = hyper.map(|(lr, momentum, weight_decay, beta1, beta2, eps)| OptimHyper {
-            lr,
-            momentum,
-            weight_decay,
-            beta1,
-            beta2,
-            eps,
-        });
-        let outs = py.detach(|| guard(|| self.exe.run(&views, hyper.as_ref(), &read))).py_err(py)?;
+        let views: Vec<(&str, &[u8])> = held
+            .iter()
+            .map(|(n, b)| (n.as_str(), b.as_slice()))
+            .collect();
+        let hyper = hyper.map(
+            |(lr, momentum, weight_decay, beta1, beta2, eps)| OptimHyper {
+                lr,
+                momentum,
+                weight_decay,
+                beta1,
+                beta2,
+                eps,
+            },
+        );
+        let outs = py
+            .detach(|| guard(|| self.exe.run(&views, hyper.as_ref(), &read)))
+            .py_err(py)?;
         Ok(outs.iter().map(|o| PyByteArray::new(py, o)).collect())
     }
 
@@ -90,11 +102,19 @@ impl PyExecutable {
     fn bind(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let bytes = Bytes::get(data, name)?;
         let slice = bytes.as_slice();
-        py.detach(|| guard(|| self.exe.bind(name, slice))).py_err(py)
+        py.detach(|| guard(|| self.exe.bind(name, slice)))
+            .py_err(py)
     }
 
     /// Writes whole rows along `axis` of input `name` from row `start`, in place.
-    fn write_rows(&self, py: Python<'_>, name: &str, axis: usize, start: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn write_rows(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        axis: usize,
+        start: usize,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let bytes = Bytes::get(data, name)?;
         guard(|| self.exe.write_rows(name, axis, start, bytes.as_slice())).py_err(py)
     }
@@ -112,25 +132,44 @@ impl PyExecutable {
 
     /// `[(name, shape, dtype, bound)]` of the inputs the program reads.
     fn input_slots(&self) -> Vec<(String, Vec<usize>, &'static str, bool)> {
-        self.exe.inputs().into_iter().map(|s| (s.name, s.at.shape.0, s.at.dtype.name(), s.bound)).collect()
+        self.exe
+            .inputs()
+            .into_iter()
+            .map(|s| (s.name, s.at.shape.0, s.at.dtype.name(), s.bound))
+            .collect()
     }
 
     /// `[(shape, dtype)]` of the outputs.
     fn outputs(&self) -> Vec<(Vec<usize>, &'static str)> {
-        self.exe.outputs().iter().map(|t| (t.shape.0.clone(), t.dtype.name())).collect()
+        self.exe
+            .outputs()
+            .iter()
+            .map(|t| (t.shape.0.clone(), t.dtype.name()))
+            .collect()
     }
 
     /// A zero-copy view of input `name`'s slot (None when not host-visible).
     fn input_view(&self, py: Python<'_>, name: &str) -> PyResult<Option<ArenaView>> {
         let slot = self.exe.inputs().into_iter().find(|s| s.name == name);
         let slot = slot.ok_or_else(|| to_py(py, Error::input(name, "unknown input")))?;
-        Ok(ArenaView::new(self.exe.arena().clone(), slot.at.offset, slot.at.bytes()))
+        Ok(ArenaView::new(
+            self.exe.arena().clone(),
+            slot.at.offset,
+            slot.at.bytes(),
+        ))
     }
 
     /// A zero-copy view of output `i` (None when not host-visible).
     fn output_view(&self, py: Python<'_>, i: usize) -> PyResult<Option<ArenaView>> {
-        let t = self.exe.outputs().get(i).ok_or_else(|| to_py(py, Error::Graph(format!("no output {i}"))))?;
-        let buf = self.exe.buffer(t.buf).ok_or_else(|| to_py(py, Error::Graph("output buffer missing".into())))?;
+        let t = self
+            .exe
+            .outputs()
+            .get(i)
+            .ok_or_else(|| to_py(py, Error::Graph(format!("no output {i}"))))?;
+        let buf = self
+            .exe
+            .buffer(t.buf)
+            .ok_or_else(|| to_py(py, Error::Graph("output buffer missing".into())))?;
         Ok(ArenaView::new(buf.clone(), t.offset, t.bytes()))
     }
 }

@@ -11,7 +11,12 @@ pub struct PyGraph {
 }
 
 pub fn parse_dtype(name: &str) -> Result<DType, Error> {
-    DType::parse(name).ok_or_else(|| Error::dtype("dtype", format!("unsupported dtype '{name}' (use 'float32' or 'int32')")))
+    DType::parse(name).ok_or_else(|| {
+        Error::dtype(
+            "dtype",
+            format!("unsupported dtype '{name}' (use 'float32' or 'int32')"),
+        )
+    })
 }
 
 impl PyGraph {
@@ -24,17 +29,25 @@ impl PyGraph {
     }
 
     fn node_checked(&self, id: NodeId) -> Result<&rlx_ir::Node, Error> {
-        self.graph.nodes().get(id).ok_or_else(|| Error::Graph(format!("node {id} does not exist in this graph")))
+        self.graph
+            .nodes()
+            .get(id)
+            .ok_or_else(|| Error::Graph(format!("node {id} does not exist in this graph")))
     }
 
     /// Normalises possibly negative axes for `op` on `shape`; `None` means every axis.
     fn axes(op: &str, shape: &Shape, axes: Option<Vec<i64>>) -> Result<Vec<usize>, Error> {
-        let Some(axes) = axes else { return Ok((0..shape.rank()).collect()) };
+        let Some(axes) = axes else {
+            return Ok((0..shape.rank()).collect());
+        };
         let mut out = Vec::with_capacity(axes.len());
         for a in axes {
-            let n = shape
-                .axis(a)
-                .ok_or_else(|| Error::shape(op, format!("axis {a} is out of range for a tensor of shape {shape}")))?;
+            let n = shape.axis(a).ok_or_else(|| {
+                Error::shape(
+                    op,
+                    format!("axis {a} is out of range for a tensor of shape {shape}"),
+                )
+            })?;
             if out.contains(&n) {
                 return Err(Error::shape(op, format!("axis {a} is repeated")));
             }
@@ -56,25 +69,52 @@ impl PyGraph {
         self.graph.len()
     }
 
-    fn input(&mut self, py: Python<'_>, name: &str, shape: Vec<usize>, dtype: &str) -> PyResult<NodeId> {
+    fn input(
+        &mut self,
+        py: Python<'_>,
+        name: &str,
+        shape: Vec<usize>,
+        dtype: &str,
+    ) -> PyResult<NodeId> {
         let dt = parse_dtype(dtype).py_err(py)?;
         self.graph.input(name, Shape(shape), dt).py_err(py)
     }
 
-    fn param(&mut self, py: Python<'_>, name: &str, shape: Vec<usize>, dtype: &str) -> PyResult<NodeId> {
+    fn param(
+        &mut self,
+        py: Python<'_>,
+        name: &str,
+        shape: Vec<usize>,
+        dtype: &str,
+    ) -> PyResult<NodeId> {
         let dt = parse_dtype(dtype).py_err(py)?;
         self.graph.param(name, Shape(shape), dt).py_err(py)
     }
 
     /// A constant from the little-endian bytes of a C-contiguous array.
-    fn constant(&mut self, py: Python<'_>, data: &Bound<'_, PyAny>, shape: Vec<usize>, dtype: &str) -> PyResult<NodeId> {
+    fn constant(
+        &mut self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        shape: Vec<usize>,
+        dtype: &str,
+    ) -> PyResult<NodeId> {
         let dt = parse_dtype(dtype).py_err(py)?;
         let bytes = Bytes::get(data, "constant")?;
-        let words: Vec<u32> =
-            bytes.as_slice().chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let words: Vec<u32> = bytes
+            .as_slice()
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
         let r = match dt {
-            DType::F32 => self.graph.constant_f32(&words.iter().map(|&w| f32::from_bits(w)).collect::<Vec<_>>(), Shape(shape)),
-            DType::I32 => self.graph.constant_i32(&words.iter().map(|&w| w as i32).collect::<Vec<_>>(), Shape(shape)),
+            DType::F32 => self.graph.constant_f32(
+                &words.iter().map(|&w| f32::from_bits(w)).collect::<Vec<_>>(),
+                Shape(shape),
+            ),
+            DType::I32 => self.graph.constant_i32(
+                &words.iter().map(|&w| w as i32).collect::<Vec<_>>(),
+                Shape(shape),
+            ),
         };
         r.py_err(py)
     }
@@ -90,7 +130,12 @@ impl PyGraph {
             "sqrt" => UnaryOp::Sqrt,
             "gelu" => UnaryOp::Gelu,
             "gelu_tanh" => UnaryOp::GeluTanh,
-            k => return Err(crate::errors::to_py(py, Error::unsupported(k, "unknown unary op"))),
+            k => {
+                return Err(crate::errors::to_py(
+                    py,
+                    Error::unsupported(k, "unknown unary op"),
+                ))
+            }
         };
         self.add(py, Op::Unary(u), &[x])
     }
@@ -111,23 +156,47 @@ impl PyGraph {
             "ge" => BinaryOp::Ge,
             "eq" => BinaryOp::Eq,
             "ne" => BinaryOp::Ne,
-            k => return Err(crate::errors::to_py(py, Error::unsupported(k, "unknown binary op"))),
+            k => {
+                return Err(crate::errors::to_py(
+                    py,
+                    Error::unsupported(k, "unknown binary op"),
+                ))
+            }
         };
         self.add(py, Op::Binary(op), &[a, b])
     }
 
     #[pyo3(signature = (a, b, trans_a=false, trans_b=false))]
-    fn matmul(&mut self, py: Python<'_>, a: NodeId, b: NodeId, trans_a: bool, trans_b: bool) -> PyResult<NodeId> {
+    fn matmul(
+        &mut self,
+        py: Python<'_>,
+        a: NodeId,
+        b: NodeId,
+        trans_a: bool,
+        trans_b: bool,
+    ) -> PyResult<NodeId> {
         self.add(py, Op::MatMul { trans_a, trans_b }, &[a, b])
     }
 
     #[pyo3(signature = (kind, x, axes=None, keepdims=false))]
-    fn reduce(&mut self, py: Python<'_>, kind: &str, x: NodeId, axes: Option<Vec<i64>>, keepdims: bool) -> PyResult<NodeId> {
+    fn reduce(
+        &mut self,
+        py: Python<'_>,
+        kind: &str,
+        x: NodeId,
+        axes: Option<Vec<i64>>,
+        keepdims: bool,
+    ) -> PyResult<NodeId> {
         let op = match kind {
             "sum" => ReduceOp::Sum,
             "mean" => ReduceOp::Mean,
             "max" => ReduceOp::Max,
-            k => return Err(crate::errors::to_py(py, Error::unsupported(k, "unknown reduction"))),
+            k => {
+                return Err(crate::errors::to_py(
+                    py,
+                    Error::unsupported(k, "unknown reduction"),
+                ))
+            }
         };
         let shape = self.shape_of(py, x)?.clone();
         let axes = Self::axes(kind, &shape, axes).py_err(py)?;
@@ -135,7 +204,13 @@ impl PyGraph {
     }
 
     fn broadcast_to(&mut self, py: Python<'_>, x: NodeId, shape: Vec<usize>) -> PyResult<NodeId> {
-        self.add(py, Op::BroadcastTo { shape: Shape(shape) }, &[x])
+        self.add(
+            py,
+            Op::BroadcastTo {
+                shape: Shape(shape),
+            },
+            &[x],
+        )
     }
 
     /// Reshape; one dimension may be -1 (inferred).
@@ -143,12 +218,29 @@ impl PyGraph {
         let from = self.shape_of(py, x)?.clone();
         let known: i64 = shape.iter().filter(|&&d| d != -1).product();
         let holes = shape.iter().filter(|&&d| d == -1).count();
-        let bad = shape.iter().any(|&d| d < -1) || holes > 1 || (holes == 1 && (known == 0 || from.numel() as i64 % known != 0));
+        let bad = shape.iter().any(|&d| d < -1)
+            || holes > 1
+            || (holes == 1 && (known == 0 || from.numel() as i64 % known != 0));
         if bad {
-            let e = Error::shape("reshape", format!("cannot reshape {from} ({} elements) to {shape:?}", from.numel()));
+            let e = Error::shape(
+                "reshape",
+                format!(
+                    "cannot reshape {from} ({} elements) to {shape:?}",
+                    from.numel()
+                ),
+            );
             return Err(crate::errors::to_py(py, e));
         }
-        let dims = shape.iter().map(|&d| if d == -1 { from.numel() / known as usize } else { d as usize }).collect();
+        let dims = shape
+            .iter()
+            .map(|&d| {
+                if d == -1 {
+                    from.numel() / known as usize
+                } else {
+                    d as usize
+                }
+            })
+            .collect();
         self.add(py, Op::Reshape { shape: Shape(dims) }, &[x])
     }
 
@@ -163,7 +255,10 @@ impl PyGraph {
                     match shape.axis(*a) {
                         Some(n) => out.push(n),
                         None => {
-                            let e = Error::shape("transpose", format!("axes {p:?} are not a permutation for {shape}"));
+                            let e = Error::shape(
+                                "transpose",
+                                format!("axes {p:?} are not a permutation for {shape}"),
+                            );
                             return Err(crate::errors::to_py(py, e));
                         }
                     }
@@ -179,11 +274,20 @@ impl PyGraph {
         let name = if log { "log_softmax" } else { "softmax" };
         let shape = self.shape_of(py, x)?.clone();
         let axis = Self::axes(name, &shape, Some(vec![axis])).py_err(py)?[0];
-        let op = if log { Op::LogSoftmax { axis } } else { Op::Softmax { axis } };
+        let op = if log {
+            Op::LogSoftmax { axis }
+        } else {
+            Op::Softmax { axis }
+        };
         self.add(py, op, &[x])
     }
 
-    fn cross_entropy(&mut self, py: Python<'_>, logits: NodeId, labels: NodeId) -> PyResult<NodeId> {
+    fn cross_entropy(
+        &mut self,
+        py: Python<'_>,
+        logits: NodeId,
+        labels: NodeId,
+    ) -> PyResult<NodeId> {
         self.add(py, Op::SoftmaxCrossEntropy, &[logits, labels])
     }
 
@@ -212,14 +316,23 @@ impl PyGraph {
     }
 
     /// `x[start:end]` along `axis` (negative axis allowed; start/end already clamped).
-    fn slice(&mut self, py: Python<'_>, x: NodeId, axis: i64, start: usize, end: usize) -> PyResult<NodeId> {
+    fn slice(
+        &mut self,
+        py: Python<'_>,
+        x: NodeId,
+        axis: i64,
+        start: usize,
+        end: usize,
+    ) -> PyResult<NodeId> {
         let shape = self.shape_of(py, x)?.clone();
         let axis = Self::axes("slice", &shape, Some(vec![axis])).py_err(py)?[0];
         self.add(py, Op::Slice { axis, start, end }, &[x])
     }
 
     fn concat(&mut self, py: Python<'_>, xs: Vec<NodeId>, axis: i64) -> PyResult<NodeId> {
-        let first = *xs.first().ok_or_else(|| to_py(py, Error::shape("concat", "needs at least one tensor")))?;
+        let first = *xs
+            .first()
+            .ok_or_else(|| to_py(py, Error::shape("concat", "needs at least one tensor")))?;
         let shape = self.shape_of(py, first)?.clone();
         let axis = Self::axes("concat", &shape, Some(vec![axis])).py_err(py)?[0];
         self.add(py, Op::Concat { axis }, &xs)
@@ -253,12 +366,19 @@ impl PyGraph {
 
     /// Node id of the input or param called `name`.
     fn find(&self, name: &str) -> Option<NodeId> {
-        self.graph.inputs().into_iter().chain(self.graph.params()).find(|(_, n)| *n == name).map(|(id, _)| id)
+        self.graph
+            .inputs()
+            .into_iter()
+            .chain(self.graph.params())
+            .find(|(_, n)| *n == name)
+            .map(|(id, _)| id)
     }
 
     /// The backward graph: outputs `[loss, d loss / d wrt...]`.
     fn grad(&self, py: Python<'_>, loss: NodeId, wrt: Vec<NodeId>) -> PyResult<PyGraph> {
-        crate::errors::guard(|| rlx_ir::grad(&self.graph, loss, &wrt)).py_err(py).map(|graph| PyGraph { graph })
+        crate::errors::guard(|| rlx_ir::grad(&self.graph, loss, &wrt))
+            .py_err(py)
+            .map(|graph| PyGraph { graph })
     }
 
     fn verify(&self, py: Python<'_>) -> PyResult<()> {

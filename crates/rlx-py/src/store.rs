@@ -21,7 +21,10 @@ pub fn parse_rule(rule: &str) -> Result<OptimRule, Error> {
         "sgd_momentum" => Ok(OptimRule::Sgd { momentum: true }),
         "adam" => Ok(OptimRule::Adam),
         "adamw" => Ok(OptimRule::AdamW),
-        r => Err(Error::unsupported("optimizer", format!("unknown update rule '{r}'"))),
+        r => Err(Error::unsupported(
+            "optimizer",
+            format!("unknown update rule '{r}'"),
+        )),
     }
 }
 
@@ -29,14 +32,20 @@ pub fn parse_rule(rule: &str) -> Result<OptimRule, Error> {
 impl PyStore {
     /// A zeroed store on `device` holding `[(name, shape, dtype)]`.
     #[new]
-    fn new(py: Python<'_>, device: &str, specs: Vec<(String, Vec<usize>, String)>) -> PyResult<PyStore> {
+    fn new(
+        py: Python<'_>,
+        device: &str,
+        specs: Vec<(String, Vec<usize>, String)>,
+    ) -> PyResult<PyStore> {
         let b = backend(device).py_err(py)?;
         let specs = specs
             .into_iter()
             .map(|(n, s, d)| parse_dtype(&d).map(|d| (n, Shape(s), d)))
             .collect::<Result<Vec<_>, _>>()
             .py_err(py)?;
-        Ok(PyStore { store: Arc::new(Store::new(b.as_ref(), &specs).py_err(py)?) })
+        Ok(PyStore {
+            store: Arc::new(Store::new(b.as_ref(), &specs).py_err(py)?),
+        })
     }
 
     /// The state store of optimizer `rule` for the weights in `params`.
@@ -44,7 +53,9 @@ impl PyStore {
     fn for_optimizer(py: Python<'_>, rule: &str, params: &PyStore) -> PyResult<PyStore> {
         let b = backend(params.store.device()).py_err(py)?;
         let rule = parse_rule(rule).py_err(py)?;
-        Ok(PyStore { store: Arc::new(Store::for_optimizer(b.as_ref(), rule, &params.store).py_err(py)?) })
+        Ok(PyStore {
+            store: Arc::new(Store::for_optimizer(b.as_ref(), rule, &params.store).py_err(py)?),
+        })
     }
 
     #[getter]
@@ -59,7 +70,11 @@ impl PyStore {
 
     /// `[(name, shape, dtype)]` in layout order.
     fn entries(&self) -> Vec<(String, Vec<usize>, &'static str)> {
-        self.store.entries().iter().map(|e| (e.name.clone(), e.shape.0.clone(), e.dtype.name())).collect()
+        self.store
+            .entries()
+            .iter()
+            .map(|e| (e.name.clone(), e.shape.0.clone(), e.dtype.name()))
+            .collect()
     }
 
     /// Overwrites tensor `name` with the bytes of a C-contiguous array.
@@ -76,21 +91,44 @@ impl PyStore {
 
     /// A zero-copy view of tensor `name`, or None when the device memory is not host-visible.
     fn view(&self, py: Python<'_>, name: &str) -> PyResult<Option<ArenaView>> {
-        let e = self.store.entry(name).ok_or_else(|| to_py(py, Error::input(name, "no such tensor")))?;
-        Ok(ArenaView::new(self.store.buffer().clone(), e.offset, e.bytes()))
+        let e = self
+            .store
+            .entry(name)
+            .ok_or_else(|| to_py(py, Error::input(name, "no such tensor")))?;
+        Ok(ArenaView::new(
+            self.store.buffer().clone(),
+            e.offset,
+            e.bytes(),
+        ))
     }
 }
 
 /// Writes `[(name, dtype, shape, array)]` to `path` atomically in the safetensors format.
 #[pyfunction]
-pub fn save_checkpoint(py: Python<'_>, path: PathBuf, tensors: Vec<(String, String, Vec<usize>, Bound<'_, PyAny>)>) -> PyResult<()> {
+pub fn save_checkpoint(
+    py: Python<'_>,
+    path: PathBuf,
+    tensors: Vec<(String, String, Vec<usize>, Bound<'_, PyAny>)>,
+) -> PyResult<()> {
     let mut owned = Vec::with_capacity(tensors.len());
     for (name, dtype, shape, data) in &tensors {
-        owned.push((name.as_str(), parse_dtype(dtype).py_err(py)?, shape.as_slice(), Bytes::get(data, name)?));
+        owned.push((
+            name.as_str(),
+            parse_dtype(dtype).py_err(py)?,
+            shape.as_slice(),
+            Bytes::get(data, name)?,
+        ));
     }
-    let views: Vec<_> = owned.iter().map(|(n, d, s, b)| (*n, *d, *s, b.as_slice())).collect();
-    py.detach(|| guard(|| checkpoint::save(&path, &views))).py_err(py)
+    let views: Vec<_> = owned
+        .iter()
+        .map(|(n, d, s, b)| (*n, *d, *s, b.as_slice()))
+        .collect();
+    py.detach(|| guard(|| checkpoint::save(&path, &views)))
+        .py_err(py)
 }
+
+/// One loaded tensor as Python sees it: (name, dtype, shape, bytes).
+type LoadedTensor<'py> = (String, &'static str, Vec<usize>, Bound<'py, PyBytes>);
 
 /// Reads and validates a safetensors file: `[(name, dtype, shape, bytes)]` sorted by name.
 /// Files holding more than `max_bytes` of tensor data are refused before their data is read.
@@ -100,7 +138,12 @@ pub fn load_checkpoint<'py>(
     py: Python<'py>,
     path: PathBuf,
     max_bytes: Option<u64>,
-) -> PyResult<Vec<(String, &'static str, Vec<usize>, Bound<'py, PyBytes>)>> {
-    let tensors = py.detach(|| guard(|| checkpoint::load(&path, max_bytes))).py_err(py)?;
-    Ok(tensors.into_iter().map(|t| (t.name, t.dtype.name(), t.shape, PyBytes::new(py, &t.data))).collect())
+) -> PyResult<Vec<LoadedTensor<'py>>> {
+    let tensors = py
+        .detach(|| guard(|| checkpoint::load(&path, max_bytes)))
+        .py_err(py)?;
+    Ok(tensors
+        .into_iter()
+        .map(|t| (t.name, t.dtype.name(), t.shape, PyBytes::new(py, &t.data)))
+        .collect())
 }

@@ -35,7 +35,10 @@ impl HostBytes for Vec<u8> {
 #[derive(Clone)]
 pub enum CopySrc {
     Host(Arc<dyn HostBytes>),
-    Device { buffer: Arc<dyn DeviceBuffer>, offset: usize },
+    Device {
+        buffer: Arc<dyn DeviceBuffer>,
+        offset: usize,
+    },
 }
 
 /// Where a copy writes to.
@@ -52,7 +55,9 @@ pub type CopyEngine = dyn rlx_ir::AsyncCopy<Src = CopySrc, Dst = CopyDst>;
 pub fn check_copy(src: &CopySrc, dst: &CopyDst, bytes: usize) -> Result<()> {
     match src {
         CopySrc::Host(h) => check_range("copy source", 0, bytes, h.bytes().len())?,
-        CopySrc::Device { buffer, offset } => check_range("copy source", *offset, bytes, buffer.len())?,
+        CopySrc::Device { buffer, offset } => {
+            check_range("copy source", *offset, bytes, buffer.len())?
+        }
     }
     check_range("copy destination", dst.offset, bytes, dst.buffer.len())
 }
@@ -71,7 +76,13 @@ pub trait DeviceBuffer: Send + Sync + Any {
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()>;
     /// Copies `len` bytes from `src` at `src_offset` to `offset` here (bounds-checked). The
     /// default stages through the host; backends override it with a direct copy.
-    fn copy_from(&self, offset: usize, src: &dyn DeviceBuffer, src_offset: usize, len: usize) -> Result<()> {
+    fn copy_from(
+        &self,
+        offset: usize,
+        src: &dyn DeviceBuffer,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<()> {
         let mut tmp = vec![0; len];
         src.read(src_offset, &mut tmp)?;
         self.write(offset, &tmp)
@@ -82,7 +93,11 @@ pub trait DeviceBuffer: Send + Sync + Any {
 /// A program prepared for one backend.
 pub trait Compiled: Send {
     /// Runs every instruction in order over `buffers` (indexed by [`crate::Buf`]).
-    fn run(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&crate::OptimHyper>) -> Result<()>;
+    fn run(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&crate::OptimHyper>,
+    ) -> Result<()>;
 }
 
 /// Checks that `offset..offset+len` lies inside a buffer of `size` bytes.

@@ -33,7 +33,9 @@ pub fn save(path: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) -> Result<(
     let views = tensors
         .iter()
         .map(|(name, dtype, shape, data)| {
-            TensorView::new(to_st(*dtype), shape.to_vec(), data).map(|v| (name.to_string(), v)).map_err(|e| err(path, e))
+            TensorView::new(to_st(*dtype), shape.to_vec(), data)
+                .map(|v| (name.to_string(), v))
+                .map_err(|e| err(path, e))
         })
         .collect::<Result<Vec<_>>>()?;
     let bytes = safetensors::serialize(views, None).map_err(|e| err(path, e))?;
@@ -41,11 +43,17 @@ pub fn save(path: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) -> Result<(
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => std::path::PathBuf::from("."),
     };
-    let file_name = path.file_name().ok_or_else(|| err(path, "not a file path"))?;
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| err(path, "not a file path"))?;
     // Unique per process and per call, so concurrent saves never share a temporary file.
     static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = dir.join(format!(".{}.tmp-{}-{n}", file_name.to_string_lossy(), std::process::id()));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}-{n}",
+        file_name.to_string_lossy(),
+        std::process::id()
+    ));
     let write = || -> std::io::Result<()> {
         let mut f = fs::File::create(&tmp)?;
         f.write_all(&bytes)?;
@@ -69,11 +77,17 @@ pub fn save(path: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) -> Result<(
 /// mid-write (`.NAME.tmp-PID-N` whose PID no longer runs). Linux only; best effort.
 fn remove_stale_temporaries(dir: &Path, file_name: &str) {
     let prefix = format!(".{file_name}.tmp-");
-    let Ok(entries) = fs::read_dir(dir) else { return };
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix(&prefix) else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(rest) = name.strip_prefix(&prefix) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
         let gone = cfg!(target_os = "linux") && !Path::new("/proc").join(pid.to_string()).exists();
         if pid != std::process::id() && gone {
             let _ = fs::remove_file(entry.path());
@@ -95,7 +109,10 @@ impl<'de> serde::Deserialize<'de> for Keys {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> std::result::Result<Keys, A::Error> {
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> std::result::Result<Keys, A::Error> {
                 let mut keys = Vec::new();
                 while let Some(k) = m.next_key::<String>()? {
                     m.next_value::<serde::de::IgnoredAny>()?;
@@ -125,17 +142,24 @@ pub fn load(path: &Path, max_bytes: Option<u64>) -> Result<Vec<Tensor>> {
         return Err(err(path, "not a regular file"));
     }
     let file_len = meta.len();
-    let mut f = fs::File::open(path).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
+    let mut f =
+        fs::File::open(path).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
     let mut len8 = [0u8; 8];
-    f.read_exact(&mut len8).map_err(|_| err(path, "truncated: no header length"))?;
+    f.read_exact(&mut len8)
+        .map_err(|_| err(path, "truncated: no header length"))?;
     let n = u64::from_le_bytes(len8);
     if n > MAX_HEADER || n.saturating_add(8) > file_len {
-        return Err(err(path, format!("header length {n} does not fit a file of {file_len} bytes")));
+        return Err(err(
+            path,
+            format!("header length {n} does not fit a file of {file_len} bytes"),
+        ));
     }
     let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header).map_err(|_| err(path, "truncated header"))?;
+    f.read_exact(&mut header)
+        .map_err(|_| err(path, "truncated header"))?;
     let text = std::str::from_utf8(&header).map_err(|_| err(path, "the header is not UTF-8"))?;
-    let keys: Keys = serde_json::from_str(text).map_err(|e| err(path, format!("bad header: {e}")))?;
+    let keys: Keys =
+        serde_json::from_str(text).map_err(|e| err(path, format!("bad header: {e}")))?;
     let mut seen = std::collections::HashSet::new();
     if let Some(dup) = keys.0.iter().find(|k| !seen.insert(k.as_str())) {
         return Err(err(path, format!("the header names '{dup}' twice")));
@@ -147,34 +171,54 @@ pub fn load(path: &Path, max_bytes: Option<u64>) -> Result<Vec<Tensor>> {
         if name == "__metadata__" {
             continue;
         }
-        let e: Entry = serde_json::from_value(v.clone()).map_err(|e| err(path, format!("bad entry '{name}': {e}")))?;
+        let e: Entry = serde_json::from_value(v.clone())
+            .map_err(|e| err(path, format!("bad entry '{name}': {e}")))?;
         data_end = data_end.max(e.data_offsets.1);
     }
     let data_len = file_len - 8 - n;
     if data_end != data_len {
-        return Err(err(path, format!("the header describes {data_end} bytes of data but the file holds {data_len}")));
+        return Err(err(
+            path,
+            format!("the header describes {data_end} bytes of data but the file holds {data_len}"),
+        ));
     }
     if let Some(limit) = max_bytes {
         if data_len > limit {
-            return Err(err(path, format!("the checkpoint holds {data_len} bytes of tensors; the model has {limit}")));
+            return Err(err(
+                path,
+                format!("the checkpoint holds {data_len} bytes of tensors; the model has {limit}"),
+            ));
         }
     }
     let mut bytes = Vec::with_capacity((8 + n + data_len) as usize);
     bytes.extend_from_slice(&len8);
     bytes.extend_from_slice(&header);
-    f.take(data_len).read_to_end(&mut bytes).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
+    f.take(data_len)
+        .read_to_end(&mut bytes)
+        .map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
     if bytes.len() as u64 != 8 + n + data_len {
         return Err(err(path, "the file changed while it was read"));
     }
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| err(path, format!("not a valid safetensors file: {e}")))?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| err(path, format!("not a valid safetensors file: {e}")))?;
     let mut out = Vec::new();
     for (name, view) in st.iter() {
         let dtype = match view.dtype() {
             Dtype::F32 => DType::F32,
             Dtype::I32 => DType::I32,
-            other => return Err(err(path, format!("tensor '{name}' has unsupported dtype {other:?}"))),
+            other => {
+                return Err(err(
+                    path,
+                    format!("tensor '{name}' has unsupported dtype {other:?}"),
+                ))
+            }
         };
-        out.push(Tensor { name: name.to_string(), dtype, shape: view.shape().to_vec(), data: view.data().to_vec() });
+        out.push(Tensor {
+            name: name.to_string(),
+            dtype,
+            shape: view.shape().to_vec(),
+            data: view.data().to_vec(),
+        });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
@@ -189,17 +233,34 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("rlx-ckpt-{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let path = dir.join("m.safetensors");
-        let w: Vec<u8> = [1.0f32, 2.0, 3.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let w: Vec<u8> = [1.0f32, 2.0, 3.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         save(&path, &[("w", DType::F32, &[3], &w)]).unwrap();
         let t = load(&path, None).unwrap();
-        assert_eq!(t, vec![Tensor { name: "w".into(), dtype: DType::F32, shape: vec![3], data: w.clone() }]);
-        let names: Vec<_> = fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(
+            t,
+            vec![Tensor {
+                name: "w".into(),
+                dtype: DType::F32,
+                shape: vec![3],
+                data: w.clone()
+            }]
+        );
+        let names: Vec<_> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(names.len(), 1, "no temporary file is left: {names:?}");
         // A temporary file of a dead writer (a PID above any pid_max) is cleaned up.
         let stale = dir.join(".m.safetensors.tmp-4000000000-0");
         fs::write(&stale, b"partial").unwrap();
         save(&path, &[("w", DType::F32, &[3], &w)]).unwrap();
-        assert!(!stale.exists() || !cfg!(target_os = "linux"), "a dead writer's temporary file is removed");
+        assert!(
+            !stale.exists() || !cfg!(target_os = "linux"),
+            "a dead writer's temporary file is removed"
+        );
         let full = fs::read(&path).unwrap();
         fs::write(&path, &full[..full.len() - 3]).unwrap();
         assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));

@@ -9,13 +9,18 @@ fn f32s(v: &[f32]) -> Vec<u8> {
 }
 
 fn from_bytes(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 fn close(got: &[f32], want: &[f64], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((*g as f64 - w).abs() <= 1e-5 + 1e-4 * w.abs(), "{what}[{i}]: got {g}, want {w}");
+        assert!(
+            (*g as f64 - w).abs() <= 1e-5 + 1e-4 * w.abs(),
+            "{what}[{i}]: got {g}, want {w}"
+        );
     }
 }
 
@@ -33,37 +38,81 @@ fn linear_model(backend: &Arc<dyn Backend>) -> (Executable, Arc<Store>) {
     let y = g.input("y", Shape::new([4]), DType::I32).unwrap();
     let w = g.param("w", Shape::new([3, 2]), DType::F32).unwrap();
     let b = g.param("b", Shape::new([2]), DType::F32).unwrap();
-    let xw = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[x, w]).unwrap();
+    let xw = g
+        .add(
+            Op::MatMul {
+                trans_a: false,
+                trans_b: false,
+            },
+            &[x, w],
+        )
+        .unwrap();
     let logits = g.add(Op::Binary(rlx_ir::BinaryOp::Add), &[xw, b]).unwrap();
     let loss = g.add(Op::SoftmaxCrossEntropy, &[logits, y]).unwrap();
     let bw = rlx_ir::grad(&g, loss, &[w, b]).unwrap();
-    let specs = [("w".to_string(), Shape::new([3, 2]), DType::F32), ("b".to_string(), Shape::new([2]), DType::F32)];
+    let specs = [
+        ("w".to_string(), Shape::new([3, 2]), DType::F32),
+        ("b".to_string(), Shape::new([2]), DType::F32),
+    ];
     let params = Arc::new(Store::new(backend.as_ref(), &specs).unwrap());
     params.write("w", &f32s(&W0)).unwrap();
     params.write("b", &f32s(&B0)).unwrap();
-    let state = Arc::new(Store::for_optimizer(backend.as_ref(), OptimRule::Sgd { momentum: false }, &params).unwrap());
-    let opt = OptimizerSetup { rule: OptimRule::Sgd { momentum: false }, state };
-    (Executable::new(backend.clone(), &bw, params.clone(), Some(opt)).unwrap(), params)
+    let state = Arc::new(
+        Store::for_optimizer(
+            backend.as_ref(),
+            OptimRule::Sgd { momentum: false },
+            &params,
+        )
+        .unwrap(),
+    );
+    let opt = OptimizerSetup {
+        rule: OptimRule::Sgd { momentum: false },
+        state,
+    };
+    (
+        Executable::new(backend.clone(), &bw, params.clone(), Some(opt)).unwrap(),
+        params,
+    )
 }
 
 const W0: [f32; 6] = [0.1, -0.2, 0.3, 0.05, -0.4, 0.25];
 const B0: [f32; 2] = [0.01, -0.02];
-const X: [f32; 12] = [1.0, 2.0, -1.0, 0.5, 0.0, 1.5, -0.3, 0.7, 2.0, 1.1, -1.2, 0.4];
+const X: [f32; 12] = [
+    1.0, 2.0, -1.0, 0.5, 0.0, 1.5, -0.3, 0.7, 2.0, 1.1, -1.2, 0.4,
+];
 const Y: [i32; 4] = [0, 1, 1, 0];
 
 fn hyper(lr: f32) -> OptimHyper {
-    OptimHyper { lr, momentum: 0.0, weight_decay: 0.0, beta1: 0.9, beta2: 0.999, eps: 1e-8 }
+    OptimHyper {
+        lr,
+        momentum: 0.0,
+        weight_decay: 0.0,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    }
 }
 
 fn linear_softmax_training_step(backend: &Arc<dyn Backend>) {
     let (exe, params) = linear_model(backend);
     let yb: Vec<u8> = Y.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let out = exe.run(&[("x", &f32s(&X)), ("y", &yb)], Some(&hyper(0.5)), &[0, 1, 2]).unwrap();
+    let out = exe
+        .run(
+            &[("x", &f32s(&X)), ("y", &yb)],
+            Some(&hyper(0.5)),
+            &[0, 1, 2],
+        )
+        .unwrap();
     // Reference in f64.
     let (mut loss, mut gw, mut gb) = (0.0f64, [0.0f64; 6], [0.0f64; 2]);
     for r in 0..4 {
         let l: Vec<f64> = (0..2)
-            .map(|j| B0[j] as f64 + (0..3).map(|k| X[r * 3 + k] as f64 * W0[k * 2 + j] as f64).sum::<f64>())
+            .map(|j| {
+                B0[j] as f64
+                    + (0..3)
+                        .map(|k| X[r * 3 + k] as f64 * W0[k * 2 + j] as f64)
+                        .sum::<f64>()
+            })
             .collect();
         let m = l[0].max(l[1]);
         let z: f64 = l.iter().map(|v| (v - m).exp()).sum();
@@ -79,7 +128,11 @@ fn linear_softmax_training_step(backend: &Arc<dyn Backend>) {
     close(&from_bytes(&out[0]), &[loss], "loss");
     close(&from_bytes(&out[1]), &gw, "grad w");
     close(&from_bytes(&out[2]), &gb, "grad b");
-    let w1: Vec<f64> = W0.iter().zip(&gw).map(|(w, g)| *w as f64 - 0.5 * g).collect();
+    let w1: Vec<f64> = W0
+        .iter()
+        .zip(&gw)
+        .map(|(w, g)| *w as f64 - 0.5 * g)
+        .collect();
     close(&from_bytes(&params.read("w").unwrap()), &w1, "updated w");
     assert!(exe.memory().arena_bytes <= exe.memory().naive_bytes);
 }
@@ -87,27 +140,65 @@ fn linear_softmax_training_step(backend: &Arc<dyn Backend>) {
 fn resident_inputs(backend: &Arc<dyn Backend>) {
     let mut g = Graph::new();
     let cache = g.input("cache", Shape::new([4, 2]), DType::F32).unwrap();
-    let s = g.add(Op::Reduce { op: rlx_ir::ReduceOp::Sum, axes: vec![0], keepdims: false }, &[cache]).unwrap();
+    let s = g
+        .add(
+            Op::Reduce {
+                op: rlx_ir::ReduceOp::Sum,
+                axes: vec![0],
+                keepdims: false,
+            },
+            &[cache],
+        )
+        .unwrap();
     g.set_outputs(vec![s]).unwrap();
     let params = Arc::new(Store::new(backend.as_ref(), &[]).unwrap());
     let exe = Executable::new(backend.clone(), &g, params, None).unwrap();
-    assert!(exe.run(&[], None, &[0]).is_err(), "an unbound input must be given");
+    assert!(
+        exe.run(&[], None, &[0]).is_err(),
+        "an unbound input must be given"
+    );
     exe.bind("cache", &f32s(&[1.0; 8])).unwrap();
-    close(&from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]), &[4.0, 4.0], "bound sum");
+    close(
+        &from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]),
+        &[4.0, 4.0],
+        "bound sum",
+    );
     exe.write_rows("cache", 0, 3, &f32s(&[10.0, 20.0])).unwrap();
-    close(&from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]), &[13.0, 23.0], "after write_rows");
-    assert!(exe.write_rows("cache", 0, 4, &f32s(&[1.0, 1.0])).is_err(), "writing past the end must fail");
+    close(
+        &from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]),
+        &[13.0, 23.0],
+        "after write_rows",
+    );
+    assert!(
+        exe.write_rows("cache", 0, 4, &f32s(&[1.0, 1.0])).is_err(),
+        "writing past the end must fail"
+    );
     exe.write_rows("cache", 1, 0, &f32s(&[0.0; 4])).unwrap();
-    close(&from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]), &[0.0, 23.0], "column write");
+    close(
+        &from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]),
+        &[0.0, 23.0],
+        "column write",
+    );
 }
 
 fn bad_feeds_change_nothing(backend: &Arc<dyn Backend>) {
     let (exe, params) = linear_model(backend);
     let before = params.read("w").unwrap();
-    let bad_labels: Vec<u8> = [0i32, 1, 7, 0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let bad_labels: Vec<u8> = [0i32, 1, 7, 0]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     let x = f32s(&X);
-    assert!(exe.run(&[("x", &x), ("y", &bad_labels)], Some(&hyper(0.5)), &[0]).is_err());
+    assert!(exe
+        .run(&[("x", &x), ("y", &bad_labels)], Some(&hyper(0.5)), &[0])
+        .is_err());
     assert!(exe.run(&[("x", &x[..8])], Some(&hyper(0.5)), &[0]).is_err());
-    assert!(exe.run(&[("x", &x), ("z", &x)], Some(&hyper(0.5)), &[0]).is_err());
-    assert_eq!(params.read("w").unwrap(), before, "a rejected run changed the weights");
+    assert!(exe
+        .run(&[("x", &x), ("z", &x)], Some(&hyper(0.5)), &[0])
+        .is_err());
+    assert_eq!(
+        params.read("w").unwrap(),
+        before,
+        "a rejected run changed the weights"
+    );
 }

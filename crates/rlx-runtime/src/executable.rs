@@ -2,8 +2,8 @@
 use crate::backend::check_range;
 use crate::lower::lower;
 use crate::{
-    Backend, Buf, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, Error, HostBytes, Instr, OptimHyper, OptimRule,
-    Program, Result, Store, TRef,
+    Backend, Buf, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, Error, HostBytes, Instr,
+    OptimHyper, OptimRule, Program, Result, Store, TRef,
 };
 use rlx_ir::{planner::align_up, BarrierToken, DType, Graph, Op};
 use std::collections::VecDeque;
@@ -96,10 +96,16 @@ impl Executable {
         let low = lower(graph, &params, backend.alignment())?;
         let backend_ref = backend.as_ref();
         let mut program = low.program;
-        let outputs: Vec<TRef> = graph.outputs().iter().map(|&o| low.loc[o].clone().expect("outputs are live")).collect();
+        let outputs: Vec<TRef> = graph
+            .outputs()
+            .iter()
+            .map(|&o| low.loc[o].clone().expect("outputs are live"))
+            .collect();
         if let Some(opt) = &optimizer {
             let counter = state_ref(&opt.state, "step")?;
-            program.instrs.push(Instr::CountStep { counter: counter.clone() });
+            program.instrs.push(Instr::CountStep {
+                counter: counter.clone(),
+            });
             let graph_params = graph.params();
             if outputs.len() != graph_params.len() + 1 {
                 return Err(Error::Graph(format!(
@@ -111,14 +117,22 @@ impl Executable {
             for ((id, name), grad) in graph_params.iter().zip(&outputs[1..]) {
                 let param = low.loc[*id].clone().unwrap_or_else(|| {
                     let e = params.entry(name).expect("checked by lower");
-                    TRef { buf: Buf::Params, offset: e.offset, shape: e.shape.clone(), dtype: e.dtype }
+                    TRef {
+                        buf: Buf::Params,
+                        offset: e.offset,
+                        shape: e.shape.clone(),
+                        dtype: e.dtype,
+                    }
                 });
                 let slots: &[&str] = match opt.rule {
                     OptimRule::Sgd { momentum: false } => &[],
                     OptimRule::Sgd { momentum: true } => &["momentum_buffer"],
                     OptimRule::Adam | OptimRule::AdamW => &["exp_avg", "exp_avg_sq"],
                 };
-                let state = slots.iter().map(|s| state_ref(&opt.state, &format!("{name}.{s}"))).collect::<Result<_>>()?;
+                let state = slots
+                    .iter()
+                    .map(|s| state_ref(&opt.state, &format!("{name}.{s}")))
+                    .collect::<Result<_>>()?;
                 program.instrs.push(Instr::Optim {
                     rule: opt.rule,
                     param,
@@ -137,7 +151,12 @@ impl Executable {
         let mut inputs = Vec::new();
         for (id, name) in graph.inputs() {
             if let Some(at) = low.loc[id].clone() {
-                inputs.push(InputSlot { name: name.to_string(), at, bound: false, limit: index_limit(graph, id) });
+                inputs.push(InputSlot {
+                    name: name.to_string(),
+                    at,
+                    bound: false,
+                    limit: index_limit(graph, id),
+                });
             }
         }
         let memory = MemoryReport {
@@ -153,7 +172,11 @@ impl Executable {
             params,
             state: optimizer.map(|o| o.state),
             input_names: inputs.iter().map(|s| s.name.clone()).collect(),
-            inner: Mutex::new(Inner { compiled, inputs, prefetch: None }),
+            inner: Mutex::new(Inner {
+                compiled,
+                inputs,
+                prefetch: None,
+            }),
             outputs,
             memory,
         })
@@ -209,14 +232,28 @@ impl Executable {
             }
             let slot = find_slot(&inner.inputs, name)?;
             if slot.bound {
-                return Err(Error::input(name, "is a bound (resident) input; prefetch only the per-call inputs"));
+                return Err(Error::input(
+                    name,
+                    "is a bound (resident) input; prefetch only the per-call inputs",
+                ));
             }
             check_feed(slot, data.bytes())?;
         }
-        if let Some(missing) = inner.inputs.iter().find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name)) {
-            return Err(Error::input(&missing.name, "missing input in prefetch (every per-call input is needed)"));
+        if let Some(missing) = inner
+            .inputs
+            .iter()
+            .find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name))
+        {
+            return Err(Error::input(
+                &missing.name,
+                "missing input in prefetch (every per-call input is needed)",
+            ));
         }
-        if inner.prefetch.as_ref().is_some_and(|p| p.queue.len() >= PREFETCH_DEPTH) {
+        if inner
+            .prefetch
+            .as_ref()
+            .is_some_and(|p| p.queue.len() >= PREFETCH_DEPTH)
+        {
             return Err(Error::Graph(format!(
                 "[prefetch] {PREFETCH_DEPTH} prefetched batches are already waiting; run a step first"
             )));
@@ -225,12 +262,22 @@ impl Executable {
             inner.prefetch = Some(self.make_prefetch(&inner.inputs)?);
         }
         let pf = inner.prefetch.as_mut().expect("made above");
-        let set = (0..PREFETCH_DEPTH).find(|s| !pf.queue.iter().any(|q| q.set == *s)).expect("a set is free");
+        let set = (0..PREFETCH_DEPTH)
+            .find(|s| !pf.queue.iter().any(|q| q.set == *s))
+            .expect("a set is free");
         let mut token = None;
         let mut keep = Vec::with_capacity(feeds.len());
         for (name, data) in feeds {
-            let offset = pf.layout.iter().find(|(n, _)| *n == name).map(|(_, o)| *o).expect("unbound input");
-            let dst = CopyDst { buffer: pf.stage.clone(), offset: set * pf.set_bytes + offset };
+            let offset = pf
+                .layout
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, o)| *o)
+                .expect("unbound input");
+            let dst = CopyDst {
+                buffer: pf.stage.clone(),
+                offset: set * pf.set_bytes + offset,
+            };
             let len = data.bytes().len();
             token = Some(pf.engine.issue(CopySrc::Host(data.clone()), dst, len)?);
             keep.push(data);
@@ -238,9 +285,20 @@ impl Executable {
         // FIFO engine: the last copy's token covers the whole batch.
         let token = match token {
             Some(t) => t,
-            None => pf.engine.issue(CopySrc::Host(Arc::new(Vec::new())), CopyDst { buffer: pf.stage.clone(), offset: 0 }, 0)?,
+            None => pf.engine.issue(
+                CopySrc::Host(Arc::new(Vec::new())),
+                CopyDst {
+                    buffer: pf.stage.clone(),
+                    offset: 0,
+                },
+                0,
+            )?,
         };
-        pf.queue.push_back(Queued { set, token, _keep: keep });
+        pf.queue.push_back(Queued {
+            set,
+            token,
+            _keep: keep,
+        });
         Ok(())
     }
 
@@ -259,14 +317,26 @@ impl Executable {
         }
         let set_bytes = at;
         let stage = self.backend.alloc(set_bytes * PREFETCH_DEPTH)?;
-        let lens = [self.arena.len(), self.params.bytes(), self.state_len(), stage.len()];
+        let lens = [
+            self.arena.len(),
+            self.params.bytes(),
+            self.state_len(),
+            stage.len(),
+        ];
         let variants = (0..PREFETCH_DEPTH)
             .map(|set| {
                 let program = retarget(&self.program, &remap, set * set_bytes);
                 self.backend.compile(&program, &lens)
             })
             .collect::<Result<_>>()?;
-        Ok(Prefetch { engine: self.backend.copy_engine()?, stage, variants, layout, set_bytes, queue: VecDeque::new() })
+        Ok(Prefetch {
+            engine: self.backend.copy_engine()?,
+            stage,
+            variants,
+            layout,
+            set_bytes,
+            queue: VecDeque::new(),
+        })
     }
 
     /// Names of the inputs the graph reads (dead inputs are left out), in declaration order.
@@ -289,11 +359,18 @@ impl Executable {
         let slot = find_slot(&inner.inputs, name)?;
         check_feed(slot, data)?;
         if !slot.bound && inner.prefetch.as_ref().is_some_and(|p| !p.queue.is_empty()) {
-            return Err(Error::input(name, "cannot bind an input while prefetched batches wait; run them first"));
+            return Err(Error::input(
+                name,
+                "cannot bind an input while prefetched batches wait; run them first",
+            ));
         }
         let _params = self.params.lock();
         self.arena.write(slot.at.offset, data)?;
-        let slot = inner.inputs.iter_mut().find(|s| s.name == name).expect("found above");
+        let slot = inner
+            .inputs
+            .iter_mut()
+            .find(|s| s.name == name)
+            .expect("found above");
         if !slot.bound {
             slot.bound = true;
             inner.prefetch = None; // the staging layout depends on which inputs are bound
@@ -307,15 +384,22 @@ impl Executable {
         let slot = find_slot(&inner.inputs, name)?;
         let dims = slot.at.shape.dims();
         if axis >= dims.len() {
-            return Err(Error::shape(name, format!("axis {axis} is out of range for shape {}", slot.at.shape)));
+            return Err(Error::shape(
+                name,
+                format!("axis {axis} is out of range for shape {}", slot.at.shape),
+            ));
         }
         let outer: usize = dims[..axis].iter().product();
         let inner_len: usize = dims[axis + 1..].iter().product::<usize>() * slot.at.dtype.size();
         let row_block = inner_len * outer;
-        if row_block == 0 || data.len() % row_block != 0 {
+        if row_block == 0 || !data.len().is_multiple_of(row_block) {
             return Err(Error::shape(
                 name,
-                format!("rows of {} bytes do not fit whole rows of shape {} along axis {axis}", data.len(), slot.at.shape),
+                format!(
+                    "rows of {} bytes do not fit whole rows of shape {} along axis {axis}",
+                    data.len(),
+                    slot.at.shape
+                ),
             ));
         }
         let count = data.len() / row_block;
@@ -342,7 +426,12 @@ impl Executable {
     /// Copies the feeds into their slots, runs the program (and the optimizer update when there
     /// is one) and reads back the outputs listed in `read`. Every feed is checked before anything
     /// is written, so a bad call changes nothing.
-    pub fn run(&self, feeds: &[(&str, &[u8])], hyper: Option<&OptimHyper>, read: &[usize]) -> Result<Vec<Vec<u8>>> {
+    pub fn run(
+        &self,
+        feeds: &[(&str, &[u8])],
+        hyper: Option<&OptimHyper>,
+        read: &[usize],
+    ) -> Result<Vec<Vec<u8>>> {
         let mut inner = self.lock();
         for (i, (name, data)) in feeds.iter().enumerate() {
             if feeds[..i].iter().any(|(n, _)| n == name) {
@@ -350,17 +439,30 @@ impl Executable {
             }
             check_feed(find_slot(&inner.inputs, name)?, data)?;
         }
-        let queued = feeds.is_empty() && inner.prefetch.as_ref().is_some_and(|p| !p.queue.is_empty());
+        let queued =
+            feeds.is_empty() && inner.prefetch.as_ref().is_some_and(|p| !p.queue.is_empty());
         if !queued {
-            if let Some(missing) = inner.inputs.iter().find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name)) {
-                return Err(Error::input(&missing.name, "missing input (neither given, bound, nor prefetched)"));
+            if let Some(missing) = inner
+                .inputs
+                .iter()
+                .find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name))
+            {
+                return Err(Error::input(
+                    &missing.name,
+                    "missing input (neither given, bound, nor prefetched)",
+                ));
             }
         }
         if self.state.is_some() && hyper.is_none() {
-            return Err(Error::Graph("a training executable needs optimizer hyper-parameters".into()));
+            return Err(Error::Graph(
+                "a training executable needs optimizer hyper-parameters".into(),
+            ));
         }
         if let Some(&bad) = read.iter().find(|&&i| i >= self.outputs.len()) {
-            return Err(Error::Graph(format!("output {bad} does not exist ({} outputs)", self.outputs.len())));
+            return Err(Error::Graph(format!(
+                "output {bad} does not exist ({} outputs)",
+                self.outputs.len()
+            )));
         }
         let _params = self.params.lock();
         let _state = self.state.as_ref().map(|s| s.lock());
@@ -376,7 +478,11 @@ impl Executable {
                 &empty
             }
         };
-        let mut bufs: Vec<&dyn DeviceBuffer> = vec![self.arena.as_ref(), self.params.buffer().as_ref(), state_buf];
+        let mut bufs: Vec<&dyn DeviceBuffer> = vec![
+            self.arena.as_ref(),
+            self.params.buffer().as_ref(),
+            state_buf,
+        ];
         if queued {
             let pf = inner.prefetch.as_mut().expect("queued");
             let batch = pf.queue.pop_front().expect("queued");
@@ -431,8 +537,15 @@ impl DeviceBuffer for EmptyBuffer {
 /// The program with every reference to a remapped input slot moved into the staging buffer.
 fn retarget(program: &Program, remap: &[(usize, usize)], base: usize) -> Program {
     let fix = |t: &TRef| -> TRef {
-        match remap.iter().find(|(from, _)| t.buf == Buf::Arena && *from == t.offset) {
-            Some((_, to)) => TRef { buf: Buf::Stage, offset: base + to, ..t.clone() },
+        match remap
+            .iter()
+            .find(|(from, _)| t.buf == Buf::Arena && *from == t.offset)
+        {
+            Some((_, to)) => TRef {
+                buf: Buf::Stage,
+                offset: base + to,
+                ..t.clone()
+            },
             None => t.clone(),
         }
     };
@@ -440,7 +553,11 @@ fn retarget(program: &Program, remap: &[(usize, usize)], base: usize) -> Program
         .instrs
         .iter()
         .map(|i| match i {
-            Instr::Op { op, ins, out } => Instr::Op { op: op.clone(), ins: ins.iter().map(fix).collect(), out: fix(out) },
+            Instr::Op { op, ins, out } => Instr::Op {
+                op: op.clone(),
+                ins: ins.iter().map(fix).collect(),
+                out: fix(out),
+            },
             other => other.clone(),
         })
         .collect();
@@ -448,14 +565,24 @@ fn retarget(program: &Program, remap: &[(usize, usize)], base: usize) -> Program
 }
 
 fn state_ref(state: &Store, name: &str) -> Result<TRef> {
-    let e = state.entry(name).ok_or_else(|| Error::Graph(format!("optimizer state has no '{name}'")))?;
-    Ok(TRef { buf: Buf::State, offset: e.offset, shape: e.shape.clone(), dtype: e.dtype })
+    let e = state
+        .entry(name)
+        .ok_or_else(|| Error::Graph(format!("optimizer state has no '{name}'")))?;
+    Ok(TRef {
+        buf: Buf::State,
+        offset: e.offset,
+        shape: e.shape.clone(),
+        dtype: e.dtype,
+    })
 }
 
 fn find_slot<'a>(slots: &'a [InputSlot], name: &str) -> Result<&'a InputSlot> {
     slots.iter().find(|s| s.name == name).ok_or_else(|| {
         let known: Vec<&str> = slots.iter().map(|s| s.name.as_str()).collect();
-        Error::input(name, format!("unknown input; this function takes {known:?}"))
+        Error::input(
+            name,
+            format!("unknown input; this function takes {known:?}"),
+        )
     })
 }
 
@@ -476,13 +603,18 @@ fn check_feed(slot: &InputSlot, data: &[u8]) -> Result<()> {
 }
 
 fn check_limit(slot: &InputSlot, data: &[u8]) -> Result<()> {
-    let Some((limit, what)) = slot.limit else { return Ok(()) };
+    let Some((limit, what)) = slot.limit else {
+        return Ok(());
+    };
     let bad = data
         .chunks_exact(4)
         .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
         .find(|&v| v < 0 || v >= limit);
     match bad {
-        Some(v) => Err(Error::input(&slot.name, format!("{what} {v} is out of range [0, {limit})"))),
+        Some(v) => Err(Error::input(
+            &slot.name,
+            format!("{what} {v} is out of range [0, {limit})"),
+        )),
         None => Ok(()),
     }
 }

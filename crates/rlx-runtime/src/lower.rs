@@ -18,14 +18,17 @@ pub struct Lowered {
 pub fn lower(graph: &Graph, params: &Store, align: usize) -> Result<Lowered> {
     graph.verify()?;
     for (id, name) in graph.params() {
-        let e = params
-            .entry(name)
-            .ok_or_else(|| Error::input(name, "the graph uses a parameter the model does not have"))?;
+        let e = params.entry(name).ok_or_else(|| {
+            Error::input(name, "the graph uses a parameter the model does not have")
+        })?;
         let n = graph.node(id);
         if e.shape != n.shape || e.dtype != n.dtype {
             return Err(Error::shape(
                 name,
-                format!("parameter is {} {} in the model but {} {} in the graph", e.shape, e.dtype, n.shape, n.dtype),
+                format!(
+                    "parameter is {} {} in the model but {} {} in the graph",
+                    e.shape, e.dtype, n.shape, n.dtype
+                ),
             ));
         }
     }
@@ -45,10 +48,21 @@ pub fn lower(graph: &Graph, params: &Store, align: usize) -> Result<Lowered> {
         }
         let root = plan.root[id];
         let (buf, offset) = match &graph.node(root).op {
-            Op::Param { name } => (Buf::Params, params.entry(name).map(|e| e.offset).unwrap_or_default()),
-            _ => (Buf::Arena, plan.offset[id].expect("live arena node has an offset")),
+            Op::Param { name } => (
+                Buf::Params,
+                params.entry(name).map(|e| e.offset).unwrap_or_default(),
+            ),
+            _ => (
+                Buf::Arena,
+                plan.offset[id].expect("live arena node has an offset"),
+            ),
         };
-        let here = TRef { buf, offset, shape: node.shape.clone(), dtype: node.dtype };
+        let here = TRef {
+            buf,
+            offset,
+            shape: node.shape.clone(),
+            dtype: node.dtype,
+        };
         match &node.op {
             Op::Input { .. } | Op::Param { .. } => {}
             Op::Const { data } => {
@@ -56,11 +70,25 @@ pub fn lower(graph: &Graph, params: &Store, align: usize) -> Result<Lowered> {
             }
             op if op.is_alias() => {}
             op => {
-                let ins = node.inputs.iter().map(|&i| loc[i].clone().expect("inputs are live")).collect();
-                program.instrs.push(Instr::Op { op: op.clone(), ins, out: here.clone() });
+                let ins = node
+                    .inputs
+                    .iter()
+                    .map(|&i| loc[i].clone().expect("inputs are live"))
+                    .collect();
+                program.instrs.push(Instr::Op {
+                    op: op.clone(),
+                    ins,
+                    out: here.clone(),
+                });
             }
         }
         loc[id] = Some(here);
     }
-    Ok(Lowered { program, loc, consts, arena_bytes: plan.arena_bytes, naive_bytes: plan.naive_bytes })
+    Ok(Lowered {
+        program,
+        loc,
+        consts,
+        arena_bytes: plan.arena_bytes,
+        naive_bytes: plan.naive_bytes,
+    })
 }

@@ -63,7 +63,13 @@ pub enum Instr {
     /// Adds one to the int32 step counter.
     CountStep { counter: TRef },
     /// Updates `param` in place from `grad` and its `state` buffers.
-    Optim { rule: OptimRule, param: TRef, grad: TRef, state: Vec<TRef>, counter: TRef },
+    Optim {
+        rule: OptimRule,
+        param: TRef,
+        grad: TRef,
+        state: Vec<TRef>,
+        counter: TRef,
+    },
 }
 
 /// A whole program.

@@ -37,12 +37,22 @@ impl Store {
             if entries.iter().any(|e: &StoreEntry| &e.name == name) {
                 return Err(Error::Graph(format!("the name '{name}' appears twice")));
             }
-            let e = StoreEntry { name: name.clone(), offset, shape: shape.clone(), dtype: *dtype };
+            let e = StoreEntry {
+                name: name.clone(),
+                offset,
+                shape: shape.clone(),
+                dtype: *dtype,
+            };
             offset = align_up(offset + e.bytes(), align);
             entries.push(e);
         }
         let buffer = backend.alloc(offset)?;
-        Ok(Store { buffer, entries, device: backend.name(), run_lock: Mutex::new(()) })
+        Ok(Store {
+            buffer,
+            entries,
+            device: backend.name(),
+            run_lock: Mutex::new(()),
+        })
     }
 
     /// The state an optimizer with `rule` keeps for the parameters of `params`.
@@ -87,7 +97,8 @@ impl Store {
     }
 
     fn named(&self, name: &str) -> Result<&StoreEntry> {
-        self.entry(name).ok_or_else(|| Error::input(name, "no such tensor in this store"))
+        self.entry(name)
+            .ok_or_else(|| Error::input(name, "no such tensor in this store"))
     }
 
     /// Overwrites the tensor `name` with `data` (its exact byte size).
@@ -96,7 +107,13 @@ impl Store {
         if data.len() != e.bytes() {
             return Err(Error::shape(
                 name,
-                format!("expected {} bytes for shape {} {}, got {}", e.bytes(), e.shape, e.dtype, data.len()),
+                format!(
+                    "expected {} bytes for shape {} {}, got {}",
+                    e.bytes(),
+                    e.shape,
+                    e.dtype,
+                    data.len()
+                ),
             ));
         }
         check_range(name, e.offset, data.len(), self.buffer.len())?;

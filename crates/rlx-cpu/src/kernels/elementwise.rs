@@ -48,7 +48,10 @@ fn gelu_tanh(x: f32) -> (f32, f32) {
     let u = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
     let t = math::tanh(u);
     let du = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * x * x);
-    (0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du)
+    (
+        0.5 * x * (1.0 + t),
+        0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du,
+    )
 }
 
 /// Numbers the binary kernels work on.
@@ -110,7 +113,15 @@ impl Num for i32 {
 /// `out = a (op) b` with numpy broadcasting. Each op is its own monomorphic loop so the
 /// compiler can vectorise it; comparisons give 0/1 in the operand type.
 #[allow(clippy::too_many_arguments)]
-pub fn binary<T: Num>(op: BinaryOp, a: &[T], ash: &[usize], b: &[T], bsh: &[usize], od: &[usize], out: &mut [T]) {
+pub fn binary<T: Num>(
+    op: BinaryOp,
+    a: &[T],
+    ash: &[usize],
+    b: &[T],
+    bsh: &[usize],
+    od: &[usize],
+    out: &mut [T],
+) {
     match op {
         BinaryOp::Add => zip_with(a, ash, b, bsh, od, out, T::add),
         BinaryOp::Sub => zip_with(a, ash, b, bsh, od, out, T::sub),
@@ -122,7 +133,15 @@ pub fn binary<T: Num>(op: BinaryOp, a: &[T], ash: &[usize], b: &[T], bsh: &[usiz
 
 /// Comparisons as 0/1 masks of type `O` (float32 masks from int32 operands, for instance).
 #[allow(clippy::too_many_arguments)]
-pub fn compare_into<T: Num, O: Num>(op: BinaryOp, a: &[T], ash: &[usize], b: &[T], bsh: &[usize], od: &[usize], out: &mut [O]) {
+pub fn compare_into<T: Num, O: Num>(
+    op: BinaryOp,
+    a: &[T],
+    ash: &[usize],
+    b: &[T],
+    bsh: &[usize],
+    od: &[usize],
+    out: &mut [O],
+) {
     match op {
         BinaryOp::Lt => zip_with(a, ash, b, bsh, od, out, |x, y| O::from_bool(x < y)),
         BinaryOp::Le => zip_with(a, ash, b, bsh, od, out, |x, y| O::from_bool(x <= y)),
@@ -149,7 +168,11 @@ fn zip_with<A: Copy + Sync, B: Copy + Sync, O: Send>(
         let n = row.len();
         match (sp[0], sp[1]) {
             (1, 1) => {
-                for ((o, &x), &y) in row.iter_mut().zip(&a[st[0]..st[0] + n]).zip(&b[st[1]..st[1] + n]) {
+                for ((o, &x), &y) in row
+                    .iter_mut()
+                    .zip(&a[st[0]..st[0] + n])
+                    .zip(&b[st[1]..st[1] + n])
+                {
                     *o = f(x, y);
                 }
             }
@@ -186,26 +209,41 @@ pub fn select<T: Copy + Send + Sync>(
     od: &[usize],
     out: &mut [T],
 ) {
-    let (sc, sa, sb) = (Strided::broadcast(csh, od), Strided::broadcast(ash, od), Strided::broadcast(bsh, od));
+    let (sc, sa, sb) = (
+        Strided::broadcast(csh, od),
+        Strided::broadcast(ash, od),
+        Strided::broadcast(bsh, od),
+    );
     map_rows(out, od, &[&sc, &sa, &sb], |row, st, sp| {
         let n = row.len();
         match (sp[0], sp[1], sp[2]) {
             // The causal-mask pattern: contiguous condition and values, a scalar fill.
             (1, 1, 0) => {
                 let fill = b[st[2]];
-                for ((o, &m), &v) in row.iter_mut().zip(&c[st[0]..st[0] + n]).zip(&a[st[1]..st[1] + n]) {
+                for ((o, &m), &v) in row
+                    .iter_mut()
+                    .zip(&c[st[0]..st[0] + n])
+                    .zip(&a[st[1]..st[1] + n])
+                {
                     *o = if m != 0.0 { v } else { fill };
                 }
             }
             (1, 1, 1) => {
-                let rows = c[st[0]..st[0] + n].iter().zip(&a[st[1]..st[1] + n]).zip(&b[st[2]..st[2] + n]);
+                let rows = c[st[0]..st[0] + n]
+                    .iter()
+                    .zip(&a[st[1]..st[1] + n])
+                    .zip(&b[st[2]..st[2] + n]);
                 for (o, ((&m, &x), &y)) in row.iter_mut().zip(rows) {
                     *o = if m != 0.0 { x } else { y };
                 }
             }
             (pc, pa, pb) => {
                 for (i, o) in row.iter_mut().enumerate() {
-                    *o = if c[st[0] + i * pc] != 0.0 { a[st[1] + i * pa] } else { b[st[2] + i * pb] };
+                    *o = if c[st[0] + i * pc] != 0.0 {
+                        a[st[1] + i * pa]
+                    } else {
+                        b[st[2] + i * pb]
+                    };
                 }
             }
         }

@@ -17,13 +17,17 @@ pub fn gather<T: Copy + Send + Sync>(src: &[T], how: &Strided, od: &[usize], out
 
 /// Splits `dims` around `axis` into (outer count, axis length, inner count).
 fn around(dims: &[usize], axis: usize) -> (usize, usize, usize) {
-    (dims[..axis].iter().product(), dims[axis], dims[axis + 1..].iter().product())
+    (
+        dims[..axis].iter().product(),
+        dims[axis],
+        dims[axis + 1..].iter().product(),
+    )
 }
 
 /// `out = x[..., start:start+len, ...]` along `axis`.
 pub fn slice<T: Copy>(x: &[T], xd: &[usize], axis: usize, start: usize, out: &mut [T]) {
     let (outer, n, inner) = around(xd, axis);
-    let len = if outer * inner == 0 { 0 } else { out.len() / (outer * inner) };
+    let len = out.len().checked_div(outer * inner).unwrap_or(0);
     for o in 0..outer {
         let src = (o * n + start) * inner;
         out[o * len * inner..(o + 1) * len * inner].copy_from_slice(&x[src..src + len * inner]);
@@ -31,7 +35,14 @@ pub fn slice<T: Copy>(x: &[T], xd: &[usize], axis: usize, start: usize, out: &mu
 }
 
 /// `out` = `x` with `before` zero rows in front along `axis` (and zeros after).
-pub fn pad<T: Copy + Default>(x: &[T], xd: &[usize], axis: usize, before: usize, od: &[usize], out: &mut [T]) {
+pub fn pad<T: Copy + Default>(
+    x: &[T],
+    xd: &[usize],
+    axis: usize,
+    before: usize,
+    od: &[usize],
+    out: &mut [T],
+) {
     out.fill(T::default());
     let (outer, n, inner) = around(xd, axis);
     let m = od[axis];

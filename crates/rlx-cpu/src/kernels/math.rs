@@ -13,7 +13,9 @@ pub fn exp(x: f32) -> f32 {
     // exp(r) on |r| <= ln2/2: degree-6 polynomial.
     let p = 1.0
         + r * (1.0
-            + r * (0.5 + r * (0.166_666_67 + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
+            + r * (0.5
+                + r * (0.166_666_67
+                    + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
     let y = p * f32::from_bits(((n as i32 + 127) as u32) << 23);
     if x < -87.336_55 {
         0.0
@@ -60,7 +62,9 @@ pub fn max(xs: &[f32]) -> f32 {
             *a = nan_max(*a, v);
         }
     }
-    acc.iter().chain(rest).fold(f32::NEG_INFINITY, |a, &b| nan_max(a, b))
+    acc.iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, |a, &b| nan_max(a, b))
 }
 
 /// The error function (Abramowitz & Stegun 7.1.26 with the fast `exp`).
@@ -74,7 +78,9 @@ pub fn erf(x: f32) -> f32 {
 pub fn erf_with_exp(x: f32, e: f32) -> f32 {
     let a = x.abs();
     let t = 1.0 / (1.0 + 0.327_591_1 * a);
-    let poly = t * (0.254_829_6 + t * (-0.284_496_72 + t * (1.421_413_8 + t * (-1.453_152_1 + t * 1.061_405_4))));
+    let poly = t
+        * (0.254_829_6
+            + t * (-0.284_496_72 + t * (1.421_413_8 + t * (-1.453_152_1 + t * 1.061_405_4))));
     let y = 1.0 - poly * e;
     y.copysign(x)
 }

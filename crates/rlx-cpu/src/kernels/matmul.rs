@@ -18,7 +18,16 @@ struct Mat<'a> {
 
 /// `out = op(a) @ op(b)` where `op` transposes the last two dims when asked.
 #[allow(clippy::too_many_arguments)]
-pub fn matmul(a: &[f32], ad: &[usize], ta: bool, b: &[f32], bd: &[usize], tb: bool, out: &mut [f32], od: &[usize]) {
+pub fn matmul(
+    a: &[f32],
+    ad: &[usize],
+    ta: bool,
+    b: &[f32],
+    bd: &[usize],
+    tb: bool,
+    out: &mut [f32],
+    od: &[usize],
+) {
     let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
     let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
     let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
@@ -38,8 +47,16 @@ pub fn matmul(a: &[f32], ad: &[usize], ta: bool, b: &[f32], bd: &[usize], tb: bo
     let b_batch: usize = bd[..bd.len() - 2].iter().product();
     // A stack of row-major matrices times one shared matrix is one tall GEMM.
     if b_batch == 1 && !ta && a_batch == batch {
-        let am = Mat { data: a, rs: a_rs, cs: a_cs };
-        let bm = Mat { data: b, rs: b_rs, cs: b_cs };
+        let am = Mat {
+            data: a,
+            rs: a_rs,
+            cs: a_cs,
+        };
+        let bm = Mat {
+            data: b,
+            rs: b_rs,
+            cs: b_cs,
+        };
         return gemm_into(out, batch * m, n, k, am, bm, batch * m * n * k >= PAR_FLOPS);
     }
     let sa = Strided::broadcast(&ad[..ad.len() - 2], ob);
@@ -53,14 +70,26 @@ pub fn matmul(a: &[f32], ad: &[usize], ta: bool, b: &[f32], bd: &[usize], tb: bo
         off * size
     };
     let one = |(bi, o): (usize, &mut [f32]), par: bool| {
-        let am = Mat { data: &a[offset(&sa, bi, ra * ca)..], rs: a_rs, cs: a_cs };
-        let bm = Mat { data: &b[offset(&sb, bi, rb * cb)..], rs: b_rs, cs: b_cs };
+        let am = Mat {
+            data: &a[offset(&sa, bi, ra * ca)..],
+            rs: a_rs,
+            cs: a_cs,
+        };
+        let bm = Mat {
+            data: &b[offset(&sb, bi, rb * cb)..],
+            rs: b_rs,
+            cs: b_cs,
+        };
         gemm_into(o, m, n, k, am, bm, par);
     };
     if m * n * k >= PAR_FLOPS || batch == 1 {
-        out.chunks_mut(m * n).enumerate().for_each(|c| one(c, m * n * k >= PAR_FLOPS));
+        out.chunks_mut(m * n)
+            .enumerate()
+            .for_each(|c| one(c, m * n * k >= PAR_FLOPS));
     } else {
-        out.par_chunks_mut(m * n).enumerate().for_each(|c| one(c, false));
+        out.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|c| one(c, false));
     }
 }
 
@@ -69,7 +98,11 @@ fn gemm_into(out: &mut [f32], m: usize, n: usize, k: usize, a: Mat, b: Mat, para
     // Every element the GEMM reads must be inside the slices it was given.
     let last = |x: Mat, r: usize, c: usize| (r - 1) * x.rs + (c - 1) * x.cs;
     assert!(out.len() >= m * n && last(a, m, k) < a.data.len() && last(b, k, n) < b.data.len());
-    let par = if parallel { Parallelism::Rayon(0) } else { Parallelism::None };
+    let par = if parallel {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
     // SAFETY: the assert above proves every index the GEMM touches (row/col strides as given)
     // lies inside `out`, `a.data` and `b.data`; `out` is a unique borrow, so it aliases neither
     // input; `read_dst = false` means `out` is never read before it is written.
@@ -113,7 +146,9 @@ mod tests {
     }
 
     fn transpose(x: &[f32], r: usize, c: usize) -> Vec<f32> {
-        (0..c).flat_map(|j| (0..r).map(move |i| x[i * c + j])).collect()
+        (0..c)
+            .flat_map(|j| (0..r).map(move |i| x[i * c + j]))
+            .collect()
     }
 
     #[test]
@@ -136,10 +171,28 @@ mod tests {
         // Batched with a broadcast right operand, and with both batched.
         let a2: Vec<f32> = a.iter().chain(&a).map(|v| v * 2.0).collect();
         let mut out = vec![0.0; 2 * m * n];
-        matmul(&a2, &[2, m, k], false, &b, &[k, n], false, &mut out, &[2, m, n]);
+        matmul(
+            &a2,
+            &[2, m, k],
+            false,
+            &b,
+            &[k, n],
+            false,
+            &mut out,
+            &[2, m, n],
+        );
         let mut out2 = vec![0.0; 2 * m * n];
         let b2: Vec<f32> = b.iter().chain(&b).copied().collect();
-        matmul(&a2, &[2, m, k], false, &b2, &[2, k, n], false, &mut out2, &[2, m, n]);
+        matmul(
+            &a2,
+            &[2, m, k],
+            false,
+            &b2,
+            &[2, k, n],
+            false,
+            &mut out2,
+            &[2, m, n],
+        );
         for i in 0..2 * m * n {
             assert!((out[i] - 2.0 * want[i % (m * n)]).abs() < 1e-5);
             assert!((out2[i] - out[i]).abs() < 1e-5);

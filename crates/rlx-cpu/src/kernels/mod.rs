@@ -38,7 +38,9 @@ impl Strided {
     /// Reading `src` through a permutation: output dim `i` is source dim `perm[i]`.
     pub fn permuted(src: &[usize], perm: &[usize]) -> Strided {
         let contiguous = rlx_ir::Shape::from(src).strides();
-        Strided { strides: perm.iter().map(|&p| contiguous[p]).collect() }
+        Strided {
+            strides: perm.iter().map(|&p| contiguous[p]).collect(),
+        }
     }
 }
 
@@ -51,7 +53,10 @@ fn collapse(dims: &[usize], ops: &[&Strided]) -> (Vec<usize>, Vec<Vec<usize>>) {
             continue;
         }
         let mergeable = !cd.is_empty()
-            && ops.iter().enumerate().all(|(k, o)| *cs[k].last().unwrap() == o.strides[d] * n);
+            && ops
+                .iter()
+                .enumerate()
+                .all(|(k, o)| *cs[k].last().unwrap() == o.strides[d] * n);
         if mergeable {
             *cd.last_mut().unwrap() *= n;
             for (k, o) in ops.iter().enumerate() {
@@ -90,8 +95,10 @@ pub fn map_rows<O: Send>(
             idx[d] = r % outer[d];
             r /= outer[d];
         }
-        let mut starts: Vec<usize> =
-            cs.iter().map(|s| idx.iter().zip(s).map(|(i, st)| i * st).sum()).collect();
+        let mut starts: Vec<usize> = cs
+            .iter()
+            .map(|s| idx.iter().zip(s).map(|(i, st)| i * st).sum())
+            .collect();
         for rowslice in chunk.chunks_mut(row) {
             body(rowslice, &starts, &steps);
             for d in (0..outer.len()).rev() {
@@ -112,7 +119,9 @@ pub fn map_rows<O: Send>(
     let rows = out.len() / row;
     if out.len() >= PAR_MIN && rows > 1 {
         let per = rows.div_ceil(rayon::current_num_threads() * 4).max(1);
-        out.par_chunks_mut(per * row).enumerate().for_each(|(c, ch)| work(c * per, ch));
+        out.par_chunks_mut(per * row)
+            .enumerate()
+            .for_each(|(c, ch)| work(c * per, ch));
     } else {
         work(0, out);
     }
@@ -122,7 +131,9 @@ pub fn map_rows<O: Send>(
 pub fn par_zip<O: Send, I: Sync>(out: &mut [O], src: &[I], f: impl Fn(&mut O, &I) + Sync) {
     if out.len() >= PAR_MIN {
         let per = out.len().div_ceil(rayon::current_num_threads() * 4);
-        out.par_chunks_mut(per).zip(src.par_chunks(per)).for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, s)| f(o, s)));
+        out.par_chunks_mut(per)
+            .zip(src.par_chunks(per))
+            .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, s)| f(o, s)));
     } else {
         out.iter_mut().zip(src).for_each(|(o, s)| f(o, s));
     }

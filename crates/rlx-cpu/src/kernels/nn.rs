@@ -70,7 +70,10 @@ fn logsumexp_shifted(row: &[f32], max: f32) -> f32 {
 
 fn check_label(y: i32, classes: usize) -> Result<usize> {
     if y < 0 || y as usize >= classes {
-        return Err(Error::input("labels", format!("[cross_entropy] label {y} is out of range [0, {classes})")));
+        return Err(Error::input(
+            "labels",
+            format!("[cross_entropy] label {y} is out of range [0, {classes})"),
+        ));
     }
     Ok(y as usize)
 }
@@ -86,7 +89,11 @@ pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32
         (max + logsumexp_shifted(row, max).ln() - row[y as usize]) as f64
     };
     let total: f64 = if logits.len() >= PAR_MIN {
-        logits.par_chunks(c).zip(labels.par_iter()).map(row_loss).sum()
+        logits
+            .par_chunks(c)
+            .zip(labels.par_iter())
+            .map(row_loss)
+            .sum()
     } else {
         logits.chunks(c).zip(labels).map(row_loss).sum()
     };
@@ -94,7 +101,13 @@ pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32
 }
 
 /// `(softmax(logits) - onehot(labels)) * g / N`.
-pub fn cross_entropy_grad(logits: &[f32], ld: &[usize], labels: &[i32], g: f32, out: &mut [f32]) -> Result<()> {
+pub fn cross_entropy_grad(
+    logits: &[f32],
+    ld: &[usize],
+    labels: &[i32],
+    g: f32,
+    out: &mut [f32],
+) -> Result<()> {
     let c = ld[1];
     for &y in labels {
         check_label(y, c)?;
@@ -107,29 +120,44 @@ pub fn cross_entropy_grad(logits: &[f32], ld: &[usize], labels: &[i32], g: f32, 
         o.iter_mut().for_each(|v| *v *= scale);
     };
     if out.len() >= PAR_MIN {
-        logits.par_chunks(c).zip(out.par_chunks_mut(c)).zip(labels.par_iter()).for_each(row);
+        logits
+            .par_chunks(c)
+            .zip(out.par_chunks_mut(c))
+            .zip(labels.par_iter())
+            .for_each(row);
     } else {
-        logits.chunks(c).zip(out.chunks_mut(c)).zip(labels).for_each(row);
+        logits
+            .chunks(c)
+            .zip(out.chunks_mut(c))
+            .zip(labels)
+            .for_each(row);
     }
     Ok(())
 }
 
 /// Mean of squared differences.
 pub fn mse(p: &[f32], t: &[f32]) -> f32 {
-    let s: f64 = p.iter().zip(t).map(|(&a, &b)| ((a - b) as f64).powi(2)).sum();
+    let s: f64 = p
+        .iter()
+        .zip(t)
+        .map(|(&a, &b)| ((a - b) as f64).powi(2))
+        .sum();
     (s / p.len().max(1) as f64) as f32
 }
 
 fn check_id(id: i32, rows: usize) -> Result<usize> {
     if id < 0 || id as usize >= rows {
-        return Err(Error::input("ids", format!("[embedding] id {id} is out of range [0, {rows})")));
+        return Err(Error::input(
+            "ids",
+            format!("[embedding] id {id} is out of range [0, {rows})"),
+        ));
     }
     Ok(id as usize)
 }
 
 /// `out[i] = table[ids[i]]` (rows of `width` elements).
 pub fn gather(table: &[f32], rows: usize, ids: &[i32], out: &mut [f32]) -> Result<()> {
-    let width = if rows == 0 { 0 } else { table.len() / rows };
+    let width = table.len().checked_div(rows).unwrap_or(0);
     for (o, &id) in out.chunks_mut(width.max(1)).zip(ids) {
         let r = check_id(id, rows)?;
         o.copy_from_slice(&table[r * width..(r + 1) * width]);
@@ -139,11 +167,14 @@ pub fn gather(table: &[f32], rows: usize, ids: &[i32], out: &mut [f32]) -> Resul
 
 /// `out = 0; out[ids[i]] += g[i]`.
 pub fn scatter_add(ids: &[i32], g: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
-    let width = if rows == 0 { 0 } else { out.len() / rows };
+    let width = out.len().checked_div(rows).unwrap_or(0);
     out.fill(0.0);
     for (gi, &id) in g.chunks(width.max(1)).zip(ids) {
         let r = check_id(id, rows)?;
-        out[r * width..(r + 1) * width].iter_mut().zip(gi).for_each(|(o, v)| *o += v);
+        out[r * width..(r + 1) * width]
+            .iter_mut()
+            .zip(gi)
+            .for_each(|(o, v)| *o += v);
     }
     Ok(())
 }
@@ -154,7 +185,11 @@ fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
     let mean = math::sum(row) / n;
     let mut acc = [0.0f32; 8];
     let chunks = row.chunks_exact(8);
-    let rest: f32 = chunks.remainder().iter().map(|v| (v - mean) * (v - mean)).sum();
+    let rest: f32 = chunks
+        .remainder()
+        .iter()
+        .map(|v| (v - mean) * (v - mean))
+        .sum();
     for c in chunks {
         for (a, v) in acc.iter_mut().zip(c) {
             *a += (v - mean) * (v - mean);
@@ -168,10 +203,14 @@ fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
 pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
     let row = |(row, o): (&[f32], &mut [f32])| {
         let (mean, rstd) = row_stats(row, eps);
-        row.iter().zip(o.iter_mut()).for_each(|(v, o)| *o = (v - mean) * rstd);
+        row.iter()
+            .zip(o.iter_mut())
+            .for_each(|(v, o)| *o = (v - mean) * rstd);
     };
     if out.len() >= PAR_MIN {
-        x.par_chunks(width).zip(out.par_chunks_mut(width)).for_each(row);
+        x.par_chunks(width)
+            .zip(out.par_chunks_mut(width))
+            .for_each(row);
     } else {
         x.chunks(width).zip(out.chunks_mut(width)).for_each(row);
     }
@@ -192,8 +231,14 @@ pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f
         }
     };
     if out.len() >= PAR_MIN {
-        x.par_chunks(width).zip(g.par_chunks(width)).zip(out.par_chunks_mut(width)).for_each(row);
+        x.par_chunks(width)
+            .zip(g.par_chunks(width))
+            .zip(out.par_chunks_mut(width))
+            .for_each(row);
     } else {
-        x.chunks(width).zip(g.chunks(width)).zip(out.chunks_mut(width)).for_each(row);
+        x.chunks(width)
+            .zip(g.chunks(width))
+            .zip(out.chunks_mut(width))
+            .for_each(row);
     }
 }

@@ -2,7 +2,14 @@
 use rlx_runtime::{OptimHyper, OptimRule};
 
 /// Applies one update. `step` is the 1-based step count (already incremented for this step).
-pub fn update(rule: OptimRule, h: &OptimHyper, step: i32, p: &mut [f32], g: &[f32], state: &mut [&mut [f32]]) {
+pub fn update(
+    rule: OptimRule,
+    h: &OptimHyper,
+    step: i32,
+    p: &mut [f32],
+    g: &[f32],
+    state: &mut [&mut [f32]],
+) {
     let (lr, wd) = (h.lr, h.weight_decay);
     match rule {
         OptimRule::Sgd { momentum: false } => {
@@ -25,7 +32,11 @@ pub fn update(rule: OptimRule, h: &OptimHyper, step: i32, p: &mut [f32], g: &[f3
             let inv_bc2_sqrt = 1.0 / (1.0 - h.beta2.powi(t)).sqrt();
             let step_size = lr / bc1;
             // Decoupled decay scales p first (AdamW); L2 decay adds wd * p to the gradient (Adam).
-            let (decay, l2) = if rule == OptimRule::AdamW { (1.0 - lr * wd, 0.0) } else { (1.0, wd) };
+            let (decay, l2) = if rule == OptimRule::AdamW {
+                (1.0 - lr * wd, 0.0)
+            } else {
+                (1.0, wd)
+            };
             let (b1, b2, eps) = (h.beta1, h.beta2, h.eps);
             let (m, v) = state.split_at_mut(1);
             let (m, v) = (&mut *m[0], &mut *v[0]);

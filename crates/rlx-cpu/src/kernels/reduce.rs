@@ -28,7 +28,10 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
 ) {
     let count: usize = axes.iter().map(|&a| xd[a]).product();
     let rank = xd.len();
-    let is_suffix = axes.iter().enumerate().all(|(i, &a)| a == rank - axes.len() + i);
+    let is_suffix = axes
+        .iter()
+        .enumerate()
+        .all(|(i, &a)| a == rank - axes.len() + i);
     let is_prefix = axes.iter().enumerate().all(|(i, &a)| a == i);
     if out.is_empty() {
         return;
@@ -48,12 +51,16 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
         let accumulate = |o: &mut [f32], j0: usize| {
             for i in 0..count {
                 let src = &x[i * inner + j0..i * inner + j0 + o.len()];
-                o.iter_mut().zip(src).for_each(|(a, &v)| *a = combine(*a, v));
+                o.iter_mut()
+                    .zip(src)
+                    .for_each(|(a, &v)| *a = combine(*a, v));
             }
         };
         if x.len() >= PAR_MIN && inner >= 64 {
             let per = inner.div_ceil(rayon::current_num_threads() * 2).max(16);
-            out.par_chunks_mut(per).enumerate().for_each(|(c, o)| accumulate(o, c * per));
+            out.par_chunks_mut(per)
+                .enumerate()
+                .for_each(|(c, o)| accumulate(o, c * per));
         } else {
             accumulate(out, 0);
         }
@@ -81,7 +88,14 @@ fn fold_row<F: Fn(f32, f32) -> f32>(r: &[f32], init: f32, combine: F) -> f32 {
     total
 }
 
-fn general<F: Fn(f32, f32) -> f32>(x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32], init: f32, combine: F) {
+fn general<F: Fn(f32, f32) -> f32>(
+    x: &[f32],
+    xd: &[usize],
+    axes: &[usize],
+    out: &mut [f32],
+    init: f32,
+    combine: F,
+) {
     let strides = rlx_ir::Shape::from(xd).strides();
     let kept: Vec<usize> = (0..xd.len()).filter(|d| !axes.contains(d)).collect();
     let rd: Vec<usize> = axes.iter().map(|&a| xd[a]).collect();
@@ -114,8 +128,9 @@ fn general<F: Fn(f32, f32) -> f32>(x: &[f32], xd: &[usize], axes: &[usize], out:
 /// Sums `x` (shape `xd`) down to the broadcast-compatible shape `od`.
 pub fn sum_to(x: &[f32], xd: &[usize], out: &mut [f32], od: &[usize]) {
     let lead = xd.len() - od.len();
-    let axes: Vec<usize> =
-        (0..xd.len()).filter(|&d| d < lead || (od[d - lead] == 1 && xd[d] != 1)).collect();
+    let axes: Vec<usize> = (0..xd.len())
+        .filter(|&d| d < lead || (od[d - lead] == 1 && xd[d] != 1))
+        .collect();
     reduce(ReduceOp::Sum, x, xd, &axes, out);
 }
 
@@ -137,6 +152,12 @@ mod tests {
         assert_eq!(out, vec![5.5, 17.5]);
         let mut out = vec![0.0; 3];
         sum_to(&x, &[2, 3, 4], &mut out, &[3, 1]);
-        assert_eq!(out, vec![60.0 + 0.0, 92.0, 124.0].iter().map(|v| v + 0.0).collect::<Vec<_>>());
+        assert_eq!(
+            out,
+            [60.0 + 0.0, 92.0, 124.0]
+                .iter()
+                .map(|v| v + 0.0)
+                .collect::<Vec<_>>()
+        );
     }
 }
