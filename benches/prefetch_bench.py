@@ -17,7 +17,6 @@ import statistics
 import time
 
 import numpy as np
-
 import rlx
 
 

@@ -11,11 +11,10 @@ import statistics
 import time
 
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-
 import rlx
 from rlx.utils import progress
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
 
 
 def digits_split():

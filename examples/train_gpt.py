@@ -11,9 +11,8 @@ import argparse
 import statistics
 import time
 
-import numpy as np
-
 import gpt_data
+import numpy as np
 import rlx
 from rlx.utils import progress
 

@@ -7,10 +7,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from . import _rlx
+from . import _check, _rlx
 from ._arrays import contiguous
 from ._tensor import Tensor, Trace
-from . import _check
 from .errors import DTypeError, InputError, RlxError, ShapeError
 from .nn import Module
 from .optim import Optimizer

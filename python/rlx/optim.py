@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _rlx
-from . import _check
+from . import _check, _rlx
 from .errors import InputError, RlxError
 
 
