@@ -1,6 +1,8 @@
 //! The conformance suite every backend runs: each check takes a `&dyn Backend` and panics with a
 //! message on failure. A backend's test file calls [`run_all`] (see `rlx-cpu/tests/conformance.rs`).
-use crate::{Backend, Executable, OptimHyper, OptimRule, OptimizerSetup, Store};
+use crate::{
+    Backend, CopyDst, CopySrc, Executable, HostBytes, OptimHyper, OptimRule, OptimizerSetup, Store,
+};
 use rlx_ir::{DType, Graph, Op, Shape};
 use std::sync::Arc;
 
@@ -29,6 +31,114 @@ pub fn run_all(backend: &Arc<dyn Backend>) {
     linear_softmax_training_step(backend);
     resident_inputs(backend);
     bad_feeds_change_nothing(backend);
+    copy_engine_contract(backend);
+    prefetch_consumes_batches_in_order(backend);
+}
+
+/// FIFO completion, tokens covering earlier copies, idempotent waits, bounds checked at issue.
+fn copy_engine_contract(backend: &Arc<dyn Backend>) {
+    let engine = backend.copy_engine().unwrap();
+    let dst = backend.alloc(64 * 16).unwrap();
+    let mut last = None;
+    for i in 0..16u8 {
+        let src: Arc<dyn HostBytes> = Arc::new(vec![i; 64]);
+        last = Some(
+            engine
+                .issue(
+                    CopySrc::Host(src),
+                    CopyDst {
+                        buffer: dst.clone(),
+                        offset: i as usize * 64,
+                    },
+                    64,
+                )
+                .unwrap(),
+        );
+    }
+    let last = last.unwrap();
+    engine.wait(last).unwrap();
+    engine.wait(last).unwrap();
+    let mut out = vec![0u8; 64 * 16];
+    dst.read(0, &mut out).unwrap();
+    assert!(
+        out.chunks(64)
+            .enumerate()
+            .all(|(i, c)| c.iter().all(|&b| b == i as u8)),
+        "copies landed out of order"
+    );
+    let src: Arc<dyn HostBytes> = Arc::new(vec![1u8; 64]);
+    assert!(engine
+        .issue(
+            CopySrc::Host(src),
+            CopyDst {
+                buffer: dst.clone(),
+                offset: 64 * 16 - 8
+            },
+            64
+        )
+        .is_err());
+    let t = engine
+        .issue(
+            CopySrc::Device {
+                buffer: dst.clone(),
+                offset: 64,
+            },
+            CopyDst {
+                buffer: dst.clone(),
+                offset: 0,
+            },
+            64,
+        )
+        .unwrap();
+    engine.wait(t).unwrap();
+    dst.read(0, &mut out[..64]).unwrap();
+    assert!(out[..64].iter().all(|&b| b == 1), "in-buffer copy");
+}
+
+/// y = 2x; two prefetched batches are consumed in order; a third prefetch is refused.
+fn prefetch_consumes_batches_in_order(backend: &Arc<dyn Backend>) {
+    let mut g = Graph::new();
+    let x = g.input("x", Shape::new([4]), DType::F32).unwrap();
+    let two = g.scalar(2.0);
+    let y = g.add(Op::Binary(rlx_ir::BinaryOp::Mul), &[x, two]).unwrap();
+    g.set_outputs(vec![y]).unwrap();
+    let params = Arc::new(Store::new(backend.as_ref(), &[]).unwrap());
+    let exe = Executable::new(backend.clone(), &g, params, None).unwrap();
+    let batch = |v: f32| -> Vec<(String, Arc<dyn HostBytes>)> {
+        vec![("x".into(), Arc::new(f32s(&[v; 4])))]
+    };
+    exe.prefetch(batch(1.0)).unwrap();
+    exe.prefetch(batch(2.0)).unwrap();
+    assert!(
+        exe.prefetch(batch(3.0)).is_err(),
+        "a third prefetch while two wait"
+    );
+    // Explicit feeds bypass the queue.
+    close(
+        &from_bytes(&exe.run(&[("x", &f32s(&[5.0; 4]))], None, &[0]).unwrap()[0]),
+        &[10.0; 4],
+        "explicit",
+    );
+    close(
+        &from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]),
+        &[2.0; 4],
+        "first prefetched batch",
+    );
+    exe.prefetch(batch(3.0)).unwrap();
+    close(
+        &from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]),
+        &[4.0; 4],
+        "second prefetched batch",
+    );
+    close(
+        &from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]),
+        &[6.0; 4],
+        "third prefetched batch",
+    );
+    assert!(
+        exe.run(&[], None, &[0]).is_err(),
+        "nothing prefetched and nothing given"
+    );
 }
 
 /// logits = x @ w + b; loss = CE(logits, y); one SGD step. Checked against an f64 reference.
