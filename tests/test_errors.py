@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import rlx
-from conftest import assert_close
+from conftest import Empty, assert_close
 
 N, D, C = 6, 4, 3
 
@@ -294,3 +294,13 @@ def test_explicit_cpu_device():
     x = _x()
     p = {k: v.numpy().astype(np.float64) for k, v in model.parameters().items()}
     assert_close(fn(x=x), x @ p["fc.weight"] + p["fc.bias"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_rust_panic_becomes_an_rlx_error_and_the_process_lives_on():
+    from rlx import _rlx
+
+    with pytest.raises(rlx.RlxError, match="internal error.*deliberate panic"):
+        _rlx._panic_for_tests()
+    # the interpreter and the library keep working afterwards
+    fn = rlx.compile(lambda m, x: x * 2.0, Empty(), {"x": rlx.InputSpec((2,))})
+    np.testing.assert_array_equal(fn(x=np.ones(2, np.float32)), [2.0, 2.0])

@@ -55,3 +55,10 @@ pub fn guard<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
         )))
     })
 }
+
+/// Panics inside `guard` on purpose, so tests can check that a panic reaches Python as an
+/// `RlxError` (not an abort, not a `PanicException`).
+#[pyo3::pyfunction]
+pub fn _panic_for_tests(py: Python<'_>) -> PyResult<()> {
+    guard(|| -> Result<(), Error> { panic!("deliberate panic for the test suite") }).py_err(py)
+}
