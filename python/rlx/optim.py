@@ -26,12 +26,20 @@ class Optimizer:
         return self._rule
 
     def _hyper(self) -> tuple[float, float, float, float, float, float]:
-        """The settings, checked (they may have been changed since construction)."""
+        """The settings, checked (they may have been changed since construction); the check is
+        skipped while they equal, type for type, the settings last checked."""
+        b = self.betas
+        raw = (self.lr, self.momentum, self.weight_decay, self.eps, *(b if isinstance(b, (tuple, list)) else (b,)))
+        cached = self.__dict__.get("_checked")
+        if cached is not None and len(cached[0]) == len(raw) and all(
+            type(x) is type(y) and x == y for x, y in zip(cached[0], raw)
+        ):
+            return cached[1]
         where = type(self).__name__
         betas = self.betas
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise InputError(f"[{where}] betas must be a pair (beta1, beta2), got {betas!r}")
-        return (
+        hyper = (
             _check.number(where, "lr", self.lr, lo=0.0),
             _check.number(where, "momentum", self.momentum, lo=0.0),
             _check.number(where, "weight_decay", self.weight_decay, lo=0.0),
@@ -39,6 +47,8 @@ class Optimizer:
             _check.number(where, "beta2", betas[1], lo=0.0, hi=1.0, hi_open=True),
             _check.number(where, "eps", self.eps, lo=0.0),
         )
+        self._checked = (raw, hyper)
+        return hyper
 
     def _state_for(self, params: Any) -> Any:
         """This optimizer's state store for the weight store ``params`` (made once, then shared)."""
