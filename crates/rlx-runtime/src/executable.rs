@@ -226,24 +226,10 @@ impl Executable {
     pub fn prefetch(&self, feeds: Vec<(String, Arc<dyn HostBytes>)>) -> Result<()> {
         let mut inner = self.lock();
         let inner = &mut *inner;
-        for (i, (name, data)) in feeds.iter().enumerate() {
-            if feeds[..i].iter().any(|(n, _)| n == name) {
-                return Err(Error::input(name, "given twice"));
-            }
-            let slot = find_slot(&inner.inputs, name)?;
-            if slot.bound {
-                return Err(Error::input(
-                    name,
-                    "is a bound (resident) input; prefetch only the per-call inputs",
-                ));
-            }
-            check_feed(slot, data.bytes())?;
-        }
-        if let Some(missing) = inner
-            .inputs
-            .iter()
-            .find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name))
-        {
+        let views: Vec<(&str, &[u8])> =
+            feeds.iter().map(|(n, d)| (n.as_str(), d.bytes())).collect();
+        check_feeds(&inner.inputs, &views, "prefetch only the per-call inputs")?;
+        if let Some(missing) = missing_input(&inner.inputs, &views) {
             return Err(Error::input(
                 &missing.name,
                 "missing input in prefetch (every per-call input is needed)",
@@ -433,25 +419,14 @@ impl Executable {
         read: &[usize],
     ) -> Result<Vec<Vec<u8>>> {
         let mut inner = self.lock();
-        for (i, (name, data)) in feeds.iter().enumerate() {
-            if feeds[..i].iter().any(|(n, _)| n == name) {
-                return Err(Error::input(*name, "given twice"));
-            }
-            check_feed(find_slot(&inner.inputs, name)?, data)?;
-        }
+        check_feeds(&inner.inputs, feeds, "")?;
         let queued =
             feeds.is_empty() && inner.prefetch.as_ref().is_some_and(|p| !p.queue.is_empty());
-        if !queued {
-            if let Some(missing) = inner
-                .inputs
-                .iter()
-                .find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name))
-            {
-                return Err(Error::input(
-                    &missing.name,
-                    "missing input (neither given, bound, nor prefetched)",
-                ));
-            }
+        if let Some(missing) = missing_input(&inner.inputs, feeds).filter(|_| !queued) {
+            return Err(Error::input(
+                &missing.name,
+                "missing input (neither given, bound, nor prefetched)",
+            ));
         }
         if self.state.is_some() && hyper.is_none() {
             return Err(Error::Graph(
@@ -584,6 +559,32 @@ fn find_slot<'a>(slots: &'a [InputSlot], name: &str) -> Result<&'a InputSlot> {
             format!("unknown input; this function takes {known:?}"),
         )
     })
+}
+
+/// Checks every feed before anything runs: a known name given once, the exact byte size, ids in
+/// range. With `bound_refusal` non-empty, feeding a bound (resident) input is an error saying so.
+fn check_feeds(slots: &[InputSlot], feeds: &[(&str, &[u8])], bound_refusal: &str) -> Result<()> {
+    for (i, (name, data)) in feeds.iter().enumerate() {
+        if feeds[..i].iter().any(|(n, _)| n == name) {
+            return Err(Error::input(*name, "given twice"));
+        }
+        let slot = find_slot(slots, name)?;
+        if slot.bound && !bound_refusal.is_empty() {
+            return Err(Error::input(
+                *name,
+                format!("is a bound (resident) input; {bound_refusal}"),
+            ));
+        }
+        check_feed(slot, data)?;
+    }
+    Ok(())
+}
+
+/// The first unbound input the feeds do not supply.
+fn missing_input<'a>(slots: &'a [InputSlot], feeds: &[(&str, &[u8])]) -> Option<&'a InputSlot> {
+    slots
+        .iter()
+        .find(|s| !s.bound && !feeds.iter().any(|(n, _)| *n == s.name))
 }
 
 fn check_feed(slot: &InputSlot, data: &[u8]) -> Result<()> {
