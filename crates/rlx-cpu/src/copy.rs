@@ -197,7 +197,8 @@ impl Drop for CpuCopyEngine {
         if self.is_inherited() {
             // A forked child: the worker thread is the parent's. Its handle cannot be joined
             // and the channel may have been mid-operation at the fork, so neither is touched.
-            let sender = std::mem::take(&mut self.issue.get_mut().unwrap_or_else(|e| e.into_inner()).1);
+            let sender =
+                std::mem::take(&mut self.issue.get_mut().unwrap_or_else(|e| e.into_inner()).1);
             std::mem::forget(sender);
             std::mem::forget(self.worker.take());
             return;

@@ -130,7 +130,11 @@ impl Compiled for CpuProgram {
 }
 
 impl CpuProgram {
-    fn run_on_pool(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&OptimHyper>) -> Result<()> {
+    fn run_on_pool(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&OptimHyper>,
+    ) -> Result<()> {
         let b = &Bases::new(buffers, &self.lens)?;
         for instr in &self.instrs {
             let t0 = self.profile.is_some().then(std::time::Instant::now);

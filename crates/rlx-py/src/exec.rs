@@ -11,6 +11,9 @@ use rlx_ir::Error;
 use rlx_runtime::{Executable, HostBytes, OptimHyper, OptimizerSetup};
 use std::sync::Arc;
 
+/// An input slot as Python sees it: (name, shape, dtype, bound).
+type SlotInfo = (String, Vec<usize>, &'static str, bool);
+
 #[pyclass(name = "Executable", module = "rlx._rlx", frozen)]
 pub struct PyExecutable {
     exe: Executable,
@@ -141,7 +144,7 @@ impl PyExecutable {
     }
 
     /// `[(name, shape, dtype, bound)]` of the inputs the program reads.
-    fn input_slots(&self, py: Python<'_>) -> PyResult<Vec<(String, Vec<usize>, &'static str, bool)>> {
+    fn input_slots(&self, py: Python<'_>) -> PyResult<Vec<SlotInfo>> {
         let slots = native(py, || Ok(self.exe.inputs()))?;
         Ok(slots
             .into_iter()

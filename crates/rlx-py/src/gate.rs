@@ -43,10 +43,7 @@ impl Drop for InCall {
 }
 
 /// Runs `f` with the GIL released, inside the fork gate, with panics turned into errors.
-pub fn native<T: Send>(
-    py: Python<'_>,
-    f: impl FnOnce() -> Result<T, Error> + Send,
-) -> PyResult<T> {
+pub fn native<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T, Error> + Send) -> PyResult<T> {
     py.detach(|| {
         let _in = InCall::enter();
         guard(f)

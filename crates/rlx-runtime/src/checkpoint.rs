@@ -35,7 +35,8 @@ fn resolve_links(path: &Path) -> Result<std::path::PathBuf> {
     for _ in 0..40 {
         match fs::symlink_metadata(&at) {
             Ok(m) if m.file_type().is_symlink() => {
-                let target = fs::read_link(&at).map_err(|e| err(path, format!("cannot follow link: {e}")))?;
+                let target = fs::read_link(&at)
+                    .map_err(|e| err(path, format!("cannot follow link: {e}")))?;
                 at = match at.parent() {
                     Some(dir) if target.is_relative() => dir.join(target),
                     _ => target,
@@ -212,8 +213,7 @@ fn read_header(path: &Path) -> Result<(String, [u8; 8], u64, fs::File)> {
     let mut header = vec![0u8; n as usize];
     f.read_exact(&mut header)
         .map_err(|_| err(path, "truncated header"))?;
-    let text =
-        String::from_utf8(header).map_err(|_| err(path, "the header is not UTF-8"))?;
+    let text = String::from_utf8(header).map_err(|_| err(path, "the header is not UTF-8"))?;
     let keys: Keys =
         serde_json::from_str(&text).map_err(|e| err(path, format!("bad header: {e}")))?;
     let mut seen = std::collections::HashSet::new();
@@ -348,12 +348,19 @@ mod tests {
         let link = dir.join("link.safetensors");
         std::os::unix::fs::symlink("real/m.safetensors", &link).unwrap();
         save(&link, &[("w", DType::F32, &[1], &w)]).unwrap();
-        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert!(fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
         assert_eq!(load(&target, None).unwrap()[0].data, w);
         let long = dir.join("x".repeat(252));
         save(&long, &[("w", DType::F32, &[1], &w)]).unwrap();
         assert_eq!(load(&long, None).unwrap()[0].data, w);
-        assert_eq!(fs::read_dir(&dir).unwrap().count(), 3, "no temporaries left");
+        assert_eq!(
+            fs::read_dir(&dir).unwrap().count(),
+            3,
+            "no temporaries left"
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -47,7 +47,11 @@ impl Inner {
     /// After `fork()`, the prefetch state belongs to the parent (its copy thread does not exist
     /// here): it is dropped, and the batches it held are counted so a run can say so.
     fn forget_parent_prefetch(&mut self) {
-        if self.prefetch.as_ref().is_some_and(|p| p.pid != std::process::id()) {
+        if self
+            .prefetch
+            .as_ref()
+            .is_some_and(|p| p.pid != std::process::id())
+        {
             let pf = self.prefetch.take().expect("checked");
             self.lost_at_fork += pf.queue.len();
             // The engine's own drop is fork-aware; the staging memory is this process's copy.
