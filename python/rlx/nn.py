@@ -83,15 +83,37 @@ class Parameter:
         return getattr(self._t(), name)
 
 
+# Tensor dunders a Parameter does not forward: construction and identity (a Parameter keeps
+# identity hashing, so it stays usable as a dict key or set member), truth value (a Parameter is
+# truthy like any object), and numpy hooks (``np.asarray(parameter)`` must keep working).
+_NOT_FORWARDED = {"__init__", "__repr__", "__hash__", "__bool__", "__array_ufunc__", "__array_priority__",
+                  "__dict__", "__doc__", "__module__", "__weakref__", "__annotations__", "__firstlineno__",
+                  "__static_attributes__", "__getattr__"}
+
+
 def _forward_ops() -> None:
-    for op in ["add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul", "rmatmul",
-               "neg", "pow", "lt", "le", "gt", "ge", "getitem"]:
-        name = f"__{op}__"
+    """Every operator dunder of ``Tensor`` (arithmetic, comparisons ``==``/``!=`` included,
+    indexing) behaves the same on a Parameter inside a traced function. ``==`` and ``!=`` outside
+    a trace compare identity (Python's default), so Parameters in lists and dicts work as before."""
+    from ._tensor import _current
+
+    for name, value in vars(Tensor).items():
+        if not (name.startswith("__") and name.endswith("__")) or name in _NOT_FORWARDED or not callable(value):
+            continue
 
         def method(self: Parameter, *args: Any, _name: str = name) -> Any:
             return getattr(self._t(), _name)(*args)
 
+        if name in ("__eq__", "__ne__"):
+
+            def method(self: Parameter, other: Any, _name: str = name) -> Any:  # noqa: F811
+                if _current() is None and not isinstance(other, Tensor):
+                    return NotImplemented  # identity comparison outside a trace
+                return getattr(self._t(), _name)(other)
+
+        method.__name__ = name
         setattr(Parameter, name, method)
+    Parameter.__hash__ = object.__hash__  # type: ignore[method-assign]  # defining __eq__ would drop it
     Parameter.__array_priority__ = 1000  # type: ignore[attr-defined]
 
 

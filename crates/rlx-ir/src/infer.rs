@@ -1,5 +1,5 @@
 //! Shape and dtype inference: one rule per op, each failure naming the op, shapes and dtypes.
-use crate::{graph::Node, DType, Error, Op, ReduceOp, Result, Shape};
+use crate::{graph::Node, BinaryOp, DType, Error, Op, ReduceOp, Result, Shape};
 
 /// Infers the output shape and dtype of `op` applied to `ins`.
 pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
@@ -32,7 +32,8 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                 ));
             }
             let shape = broadcast(name, &ins[0].shape, &ins[1].shape)?;
-            let dtype = if b.is_comparison() {
+            // Comparisons give masks; true division of integers gives a float quotient.
+            let dtype = if b.is_comparison() || *b == BinaryOp::Div {
                 DType::F32
             } else {
                 ins[0].dtype
