@@ -93,7 +93,9 @@ def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[st
     missing = [n for n in names if n not in arrays and n not in bound]
     if missing:
         raise InputError(f"[{missing[0]}] missing input; expected {sorted(specs)}")
-    return {n: convert(n, specs[n].shape, specs[n].dtype, v) for n, v in arrays.items() if n in names}
+    # Every array is checked against its spec, also one the function does not read (then dropped).
+    checked = {n: convert(n, specs[n].shape, specs[n].dtype, v) for n, v in arrays.items()}
+    return {n: v for n, v in checked.items() if n in names}
 
 
 class _Prefetching:
@@ -112,7 +114,7 @@ class _Prefetching:
         if unknown:
             raise InputError(f"[{unknown[0]}] unknown input; expected {sorted(self._specs)}")
         feeds = {n: convert(n, self._specs[n].shape, self._specs[n].dtype, v) for n, v in arrays.items()}
-        self._exe.prefetch(feeds)
+        self._exe.prefetch({n: v for n, v in feeds.items() if n in self._names})  # checked, unread dropped
 
     @property
     def prefetched(self) -> int:

@@ -414,6 +414,22 @@ mod tests {
     }
 
     #[test]
+    fn int_division_gives_float_and_floor_division_keeps_int() {
+        let mut g = Graph::new();
+        let a = g.input("a", Shape::new([3]), DType::I32).unwrap();
+        let b = g.input("b", Shape::new([2, 1]), DType::I32).unwrap();
+        let d = g.add(Op::Binary(BinaryOp::Div), &[a, b]).unwrap();
+        assert_eq!(
+            (g.node(d).shape.clone(), g.node(d).dtype),
+            (Shape::new([2, 3]), DType::F32)
+        );
+        for op in [BinaryOp::FloorDiv, BinaryOp::Mod] {
+            let q = g.add(Op::Binary(op), &[a, b]).unwrap();
+            assert_eq!(g.node(q).dtype, DType::I32);
+        }
+    }
+
+    #[test]
     fn dtype_mismatch_is_a_dtype_error() {
         let mut g = Graph::new();
         let a = g.input("a", Shape::new([3]), DType::F32).unwrap();

@@ -334,3 +334,52 @@ pub fn select<T: Copy + Send + Sync>(
         }
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Python's `//` and `%` on ints, by brute force over small values and the int32 edges.
+    #[test]
+    fn int_floor_div_and_rem_follow_python() {
+        for a in -20i32..=20 {
+            for b in (-7i32..=7).filter(|&b| b != 0) {
+                let (q, r) = (i32::floor_div(a, b), i32::rem(a, b));
+                assert_eq!(q, (a as f64 / b as f64).floor() as i32, "{a} // {b}");
+                assert_eq!(q * b + r, a, "{a} % {b}");
+                assert!(r == 0 || (r < 0) == (b < 0), "{a} % {b} = {r}");
+            }
+        }
+        assert_eq!(i32::floor_div(i32::MIN, -1), i32::MIN); // wraps, as numpy's
+        assert_eq!(i32::rem(i32::MIN, -1), 0);
+        assert_eq!(i32::floor_div(i32::MAX, i32::MIN), -1);
+        assert_eq!(i32::rem(i32::MAX, i32::MIN), -1);
+        assert!(has_zero(&[3, 0, 1]) && !has_zero(&[3, -1]) && !has_zero(&[]));
+    }
+
+    #[test]
+    fn float_floor_div_and_rem_follow_python() {
+        let cases = [
+            (7.5f32, 2.0f32, 3.0f32, 1.5f32),
+            (-7.5, 2.0, -4.0, 0.5),
+            (7.5, -2.0, -4.0, -0.5),
+            (-7.5, -2.0, 3.0, -1.5),
+            (1.0, f32::INFINITY, 0.0, 1.0),
+            (-1.0, f32::INFINITY, -1.0, f32::INFINITY),
+        ];
+        for (a, b, q, r) in cases {
+            assert_eq!(f32::floor_div(a, b), q, "{a} // {b}");
+            assert_eq!(f32::rem(a, b), r, "{a} % {b}");
+        }
+        assert_eq!(f32::floor_div(1.0, 0.0), f32::INFINITY);
+        assert!(f32::floor_div(0.0, 0.0).is_nan() && f32::rem(1.0, 0.0).is_nan());
+        assert!(f32::floor_div(-0.0, 3.0).is_sign_negative());
+    }
+
+    #[test]
+    fn int_true_division_is_a_float_quotient() {
+        let mut out = [0.0f32; 4];
+        int_true_div(&[7, -7, 1, i32::MIN], &[4], &[2], &[1], &[4], &mut out);
+        assert_eq!(out, [3.5, -3.5, 0.5, -1_073_741_824.0]);
+    }
+}
