@@ -107,10 +107,8 @@ def test_parameters_act_as_tensors_in_a_trace():
 def test_every_tensor_operator_behaves_the_same_on_a_parameter():
     from conftest import make_module
 
-    from rlx.nn import _NOT_FORWARDED
-
     # systematically: each operator dunder of Tensor is also Parameter's (forwarded, not object's)
-    dunders = {n for n, v in vars(rlx.Tensor).items() if n.startswith("__") and callable(v)} - _NOT_FORWARDED
+    dunders = {n for n, v in vars(rlx.Tensor).items() if n.startswith("__") and callable(v)} - rlx.nn._NOT_FORWARDED
     assert {"__eq__", "__ne__", "__floordiv__", "__mod__", "__rmod__", "__getitem__"} <= dunders
     for name in dunders:
         assert getattr(rlx.nn.Parameter, name) is not getattr(object, name, None), name

@@ -24,6 +24,7 @@ import os
 
 import numpy as np
 import pytest
+
 import rlx
 from conftest import Empty
 

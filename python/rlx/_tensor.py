@@ -127,9 +127,21 @@ def _binary(kind: str, a: Any, b: Any) -> "Tensor":
     return Tensor(t, t.graph.binary(kind, a._id, b._id))
 
 
+# Unary functions with float values: int32 arguments are cast to float32 first (numpy and
+# PyTorch give a float for exp/log/... of integers).
+_FLOAT_VALUED = {"tanh", "sigmoid", "exp", "log", "sqrt", "gelu", "gelu_tanh"}
+
+
 def _unary(kind: str, x: Any) -> "Tensor":
     t = _trace_of(x)
     x = _as_tensor(x, t)
+    if x.dtype == "int32":
+        if kind in _FLOAT_VALUED:
+            x = x.astype("float32")
+        elif kind == "relu":
+            return where(x < 0, 0, x)  # stays int32, as PyTorch's relu of an int tensor
+        elif kind == "neg":
+            return _binary("sub", 0, x)  # wraps at INT_MIN, as numpy's
     return Tensor(t, t.graph.unary(kind, x._id))
 
 
@@ -217,8 +229,6 @@ class Tensor:
         return matmul(o, self)
 
     def __neg__(self) -> "Tensor":
-        if self.dtype == "int32":
-            return _binary("sub", 0, self)  # wraps at INT_MIN, as numpy's
         return _unary("neg", self)
 
     def __pow__(self, p: float) -> "Tensor":
