@@ -83,23 +83,26 @@ class Parameter:
         return getattr(self._t(), name)
 
 
-# Tensor dunders a Parameter does not forward: construction and identity (a Parameter keeps
-# identity hashing, so it stays usable as a dict key or set member), truth value (a Parameter is
-# truthy like any object), and numpy hooks (``np.asarray(parameter)`` must keep working).
-_NOT_FORWARDED = {"__init__", "__repr__", "__hash__", "__bool__", "__array_ufunc__", "__array_priority__",
-                  "__dict__", "__doc__", "__module__", "__weakref__", "__annotations__", "__firstlineno__",
-                  "__static_attributes__", "__getattr__"}
+# The Python operator dunders (arithmetic and reflected, unary, comparisons, indexing): those
+# Tensor defines, Parameter forwards. Others (hashing, truth value, numpy hooks, pickling) are
+# not operators and keep Parameter's own behaviour: identity hashing (usable as a dict key or set
+# member), truthiness as any object, ``np.asarray(parameter)``.
+_BINARY_OPS = ["add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "divmod", "pow", "lshift", "rshift",
+               "and", "xor", "or"]
+OPERATOR_DUNDERS = frozenset(
+    [f"__{op}__" for op in _BINARY_OPS] + [f"__r{op}__" for op in _BINARY_OPS]
+    + [f"__{op}__" for op in ["neg", "pos", "abs", "invert", "lt", "le", "eq", "ne", "gt", "ge", "getitem"]]
+)
 
 
 def _forward_ops() -> None:
-    """Every operator dunder of ``Tensor`` (arithmetic, comparisons ``==``/``!=`` included,
-    indexing) behaves the same on a Parameter inside a traced function. ``==`` and ``!=`` outside
-    a trace compare identity (Python's default), so Parameters in lists and dicts work as before."""
+    """Every operator of ``Tensor`` (``==``/``!=`` included) behaves the same on a Parameter
+    inside a traced function. ``==`` and ``!=`` outside a trace compare identity (Python's
+    default), so Parameters in lists and dicts work as before."""
     from ._tensor import _current
 
-    for name, value in vars(Tensor).items():
-        if not (name.startswith("__") and name.endswith("__")) or name in _NOT_FORWARDED or not callable(value):
-            continue
+    own = set(vars(Parameter))
+    for name in sorted(OPERATOR_DUNDERS & set(vars(Tensor)) - own):
 
         def method(self: Parameter, *args: Any, _name: str = name) -> Any:
             return getattr(self._t(), _name)(*args)
