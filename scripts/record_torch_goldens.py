@@ -12,9 +12,10 @@ arithmetic, comparisons and layout entries are recorded again with int32 inputs 
 At most ``MAX_SAMPLES`` per entry are kept, spread evenly over the list. Each recorded sample
 holds the inputs, PyTorch's outputs, a fixed random cotangent per output, and the gradients
 of ``sum(out * cotangent)`` w.r.t. every float input. ``tests/test_torch_goldens.py`` replays
-them through rlx without PyTorch. Re-record when ops are added (add a translator here and the matching spec in the test).
+them through rlx without PyTorch. Re-record when ops are added (add a translator here and the
+matching spec in the test).
 
-Last recording (PyTorch 2.15.0, CPU): 5,927 samples, 1,613 recorded (785 with gradients), 2.5 MB;
+Last recording (PyTorch 2.15.0, CPU): 6,176 samples, 1,779 recorded (880 with gradients), 2.8 MB;
 every count and skip reason is in ``tests/goldens/SUMMARY.txt`` (written by this script).
 """
 
@@ -186,7 +187,7 @@ def tr_pow(c: Call, x: Any, args: tuple, kw: dict) -> dict:
     if isinstance(args[0], torch.Tensor):
         raise Skip("tensor exponent")
     if isinstance(x, torch.Tensor) and isinstance(args[0], (int, float)) and not isinstance(args[0], bool):
-        return {"op": "pow", "x": c.t(x), "p": float(args[0])}
+        return {"op": "pow", "x": c.t(x), "p": args[0]}  # an int stays an int (int32 ** int is int32)
     raise Skip("scalar base")
 
 
@@ -462,7 +463,44 @@ def tr_sdpa(c: Call, q: Any, args: tuple, kw: dict) -> dict:
 INT_OPS = {"add", "sub", "rsub", "mul", "div", "true_divide", "floor_divide", "remainder", "__radd__",
            "__rsub__", "__rmul__", "__rdiv__", "__rmod__", "lt", "le", "gt", "ge", "eq", "ne", "neg",
            "where", "reshape", "view", "transpose", "permute", "t", "mT", "cat", "split", "chunk", "narrow",
-           "__getitem__"}
+           "__getitem__", "square", "squeeze", "unsqueeze", "flatten", "select"}
+
+def power(p: int | float) -> Callable:
+    """An entry that is ``x ** p`` in rlx (square). Not rsqrt: PyTorch's pow and rsqrt give NaN
+    for ``(-inf) ** -0.5`` where rlx's ``**`` gives 0, as numpy and C's ``pow`` (IEEE 754)."""
+
+    def tr(c: Call, x: Any, args: tuple, kw: dict) -> dict:
+        no_kwargs(kw)
+        if args:
+            raise Skip("extra positional arguments")
+        return {"op": "pow", "x": c.t(x), "p": p}
+
+    return tr
+
+
+def tr_reciprocal(c: Call, x: Any, args: tuple, kw: dict) -> dict:
+    no_kwargs(kw)
+    return {"op": "div", "a": 1.0, "b": c.t(x)}
+
+
+def reshaped(shape_of: Callable) -> Callable:
+    """An entry that is a reshape to the shape of PyTorch's result (squeeze, unsqueeze, flatten)."""
+
+    def tr(c: Call, x: Any, args: tuple, kw: dict) -> dict:
+        import torch
+
+        with torch.no_grad():
+            shape = list(shape_of(x, *args, **kw).shape)
+        return {"op": "reshape", "x": c.t(x), "shape": shape}
+
+    return tr
+
+
+def tr_select(c: Call, x: Any, args: tuple, kw: dict) -> dict:
+    no_kwargs(kw)
+    dim, index = int(args[0]) % x.ndim, int(args[1])
+    return {"op": "getitem", "x": c.t(x), "key": [{"slice": [None, None]}] * dim + [index]}
+
 
 TRANSLATE: dict[tuple[str, str], Callable] = {
     ("add", ""): add_sub("add"),
@@ -524,6 +562,12 @@ TRANSLATE: dict[tuple[str, str], Callable] = {
     ("narrow", ""): tr_narrow,
     ("__getitem__", ""): tr_getitem,
     ("nn.functional.scaled_dot_product_attention", ""): tr_sdpa,
+    ("square", ""): power(2),
+    ("reciprocal", ""): tr_reciprocal,
+    ("squeeze", ""): reshaped(lambda x, *a, **k: x.squeeze(*a, **k)),
+    ("unsqueeze", ""): reshaped(lambda x, *a, **k: x.unsqueeze(*a, **k)),
+    ("flatten", ""): reshaped(lambda x, *a, **k: x.flatten(*a, **k)),
+    ("select", ""): tr_select,
 }
 
 

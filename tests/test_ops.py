@@ -289,6 +289,10 @@ PROMOTION = {  # name: (rlx op, numpy reference, result dtype)
     "relu int": (lambda i, f: rlx.relu(i), lambda i, f: np.maximum(i, 0), "int32"),
     "exp int": (lambda i, f: rlx.exp(i // 2**28), lambda i, f: np.exp(i // 2**28), "float32"),
     "sqrt int": (lambda i, f: rlx.sqrt(i * i), lambda i, f: np.sqrt((i * i).astype(np.float64)), "float32"),
+    "int**0": (lambda i, f: i**0, None, "int32"),
+    "int**1": (lambda i, f: i**1, None, "int32"),
+    "int**5": (lambda i, f: i**5, None, "int32"),
+    "int**0.5": (lambda i, f: (i * i) ** 0.5, lambda i, f: ((i * i).astype(np.float32) ** 0.5), "float32"),
 }
 
 
@@ -301,10 +305,23 @@ def test_int_float_promotion_follows_numpy(name):
     assert out.dtype == np.dtype(dtype)
     with np.errstate(over="ignore"):
         expected = np.asarray((ref or op)(i, f))  # numpy's result (float64 where numpy promotes)
-    if name in ("exp int", "sqrt int"):  # transcendental: float32 rounding
+    if name in ("exp int", "sqrt int", "int**0.5"):  # transcendental: float32 rounding
         assert_close(out, expected, rtol=1e-6, atol=0)
     else:
         np.testing.assert_array_equal(out, expected.astype(dtype))
+
+
+def test_int_to_a_negative_int_power_is_a_dtype_error():
+    with pytest.raises(rlx.DTypeError, match=r"\[pow\].*negative int power"):
+        run_forward(lambda i: i**-1, {"i": np.ones(3, np.int32)})
+
+
+def test_pow_of_negative_infinity_follows_c_pow():
+    # C's pow and numpy: (-inf) ** -0.5 is 0 (PyTorch's pow gives NaN here; a documented difference)
+    x = np.array([-np.inf, np.inf, -4.0, 0.0], np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = np.power(x, np.float32(-0.5))
+    np.testing.assert_array_equal(run_forward(lambda x: x**-0.5, {"x": x}), expected)
 
 
 def test_int_constant_out_of_range_is_a_dtype_error():

@@ -232,9 +232,17 @@ class Tensor:
         return _unary("neg", self)
 
     def __pow__(self, p: float) -> "Tensor":
-        if not isinstance(p, (int, float, np.number)):
+        """``x ** p`` for a Python scalar ``p`` (C's ``pow``: ``(-inf) ** -0.5`` is 0, as numpy).
+        An int32 tensor to a non-negative int power stays int32 (wrapping, as numpy); to a float
+        power it is cast to float32 first."""
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.number)):
             raise DTypeError(f"[pow] the exponent must be a Python scalar, got {type(p).__name__}")
-        return Tensor(self._trace, self._trace.graph.pow(self._id, float(p)))
+        x = self
+        if x.dtype == "int32":
+            if isinstance(p, (int, np.integer)):
+                return _int_pow(x, int(p))
+            x = x.astype("float32")
+        return Tensor(x._trace, x._trace.graph.pow(x._id, float(p)))
 
     def __lt__(self, o: Any) -> "Tensor":
         return _binary("lt", self, o)
@@ -330,6 +338,22 @@ class Tensor:
 
     def astype(self, dtype: str) -> "Tensor":
         return Tensor(self._trace, self._trace.graph.cast(self._id, str(dtype)))
+
+
+def _int_pow(x: Tensor, p: int) -> Tensor:
+    """``x ** p`` on int32 by repeated squaring (products wrap, as numpy's)."""
+    if p < 0:
+        raise DTypeError(f"[pow] an int32 tensor to a negative int power ({p}) is not an integer; use a float exponent")
+    result: Tensor | None = None
+    square = x
+    while True:
+        if p & 1:
+            result = square if result is None else result * square
+        p >>= 1
+        if not p:
+            break
+        square = square * square
+    return result if result is not None else x * 0 + 1
 
 
 def matmul(a: Any, b: Any) -> Tensor:
