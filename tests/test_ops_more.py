@@ -114,6 +114,17 @@ def test_sdpa_causal_alignment(tq, tk, align):
                    lambda q, k, v: _np_attention(q, k, v, offset), {"q": q, "k": k, "v": v})
 
 
+def test_sdpa_more_queries_than_keys():
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32)
+    top = run_forward(lambda q, k: rlx.scaled_dot_product_attention(q, k, k, causal=True), {"q": q, "k": k})
+    assert_close(top, _np_attention(q, k, k, 0), rtol=1e-4, atol=1e-5)  # later queries see every key
+    bottom = run_forward(lambda q, k: rlx.scaled_dot_product_attention(q, k, k, causal=True, causal_align="bottom_right"),
+                         {"q": q, "k": k})
+    assert np.isnan(bottom[:2]).all()  # queries that see no key: a softmax over nothing
+    assert_close(bottom[2:], _np_attention(q, k, k, -2)[2:], rtol=1e-4, atol=1e-5)
+
+
 def test_sdpa_bad_alignment_is_an_input_error():
     q = np.zeros((2, 3, 4), np.float32)
     with pytest.raises(rlx.InputError, match=r"\[scaled_dot_product_attention\] causal_align"):

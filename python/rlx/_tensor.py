@@ -235,7 +235,7 @@ class Tensor:
         """``x ** p`` for a Python scalar ``p`` (C's ``pow``: ``(-inf) ** -0.5`` is 0, as numpy).
         An int32 tensor to a non-negative int power stays int32 (wrapping, as numpy); to a float
         power it is cast to float32 first."""
-        if isinstance(p, bool) or not isinstance(p, (int, float, np.number)):
+        if not isinstance(p, (int, float, np.number)):
             raise DTypeError(f"[pow] the exponent must be a Python scalar, got {type(p).__name__}")
         x = self
         if x.dtype == "int32":
