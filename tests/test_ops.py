@@ -249,6 +249,20 @@ def test_int_division_by_zero_raises_at_run_time(name):
     np.testing.assert_array_equal(fn(a=a, b=np.array([2, 2, 2], np.int32)), op(a, np.int32(2)))
 
 
+def test_int_division_by_zero_in_a_train_step_changes_nothing():
+    from conftest import make_module
+
+    model = make_module(w=np.array([1.0, 2.0, 3.0], np.float32))
+    step = rlx.compile_train_step(lambda m, i, d: (m.w * (i // d).astype("float32")).sum(), model,
+                                  rlx.optim.SGD(lr=0.5), {"i": rlx.InputSpec((3,), "int32"), "d": rlx.InputSpec((3,), "int32")})
+    i = np.array([4, 5, 6], np.int32)
+    with pytest.raises(rlx.RlxError, match=r"\[floor_divide\] integer division by zero"):
+        step(i=i, d=np.array([2, 0, 2], np.int32))
+    np.testing.assert_array_equal(model.w.numpy(), [1.0, 2.0, 3.0])  # no update ran
+    assert step(i=i, d=np.array([2, 2, 2], np.int32)) == 1.0 * 2 + 2.0 * 2 + 3.0 * 3
+    np.testing.assert_array_equal(model.w.numpy(), [1.0 - 0.5 * 2, 2.0 - 0.5 * 2, 3.0 - 0.5 * 3])
+
+
 @pytest.mark.parametrize("name", ["//", "%"])
 def test_float_floor_division_and_remainder_match_numpy(name):
     op, ref = ((lambda a, b: a // b), np.floor_divide) if name == "//" else ((lambda a, b: a % b), np.remainder)
