@@ -303,6 +303,8 @@ PROMOTION = {  # name: (rlx op, numpy reference, result dtype)
     "relu int": (lambda i, f: rlx.relu(i), lambda i, f: np.maximum(i, 0), "int32"),
     "exp int": (lambda i, f: rlx.exp(i // 2**28), lambda i, f: np.exp(i // 2**28), "float32"),
     "sqrt int": (lambda i, f: rlx.sqrt(i * i), lambda i, f: np.sqrt((i * i).astype(np.float64)), "float32"),
+    "concat(int, float)": (lambda i, f: rlx.concat([i, f]), lambda i, f: np.concatenate([i, f]), "float32"),
+    "concat(int, int)": (lambda i, f: rlx.concat([i, i]), lambda i, f: np.concatenate([i, i]), "int32"),
     "int**0": (lambda i, f: i**0, None, "int32"),
     "int**1": (lambda i, f: i**1, None, "int32"),
     "int**5": (lambda i, f: i**5, None, "int32"),

@@ -452,11 +452,11 @@ def embedding(table: Any, ids: Any) -> Tensor:
 
 
 def concat(tensors: Sequence[Any], axis: int = 0) -> Tensor:
-    """Joins tensors along ``axis``."""
+    """Joins tensors along ``axis`` (int32 and float32 parts give float32, as numpy's rules)."""
     if not tensors:
         raise ShapeError("[concat] needs at least one tensor")
     t = _trace_of(*tensors)
-    ts = [_as_tensor(x, t) for x in tensors]
+    ts = _promoted(t, *tensors)
     return Tensor(t, t.graph.concat([x._id for x in ts], int(axis)))
 
 
