@@ -691,6 +691,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.path.join(here, "..", "tests", "goldens"))
     args = p.parse_args()
+    try:
+        import torch.testing._internal.common_methods_invocations  # noqa: F401
+    except ImportError as e:
+        sys.exit(f"record_torch_goldens: needs PyTorch and expecttest ({e}); pip install torch expecttest")
     record(os.path.normpath(args.out))
 
 
