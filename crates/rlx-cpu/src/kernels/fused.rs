@@ -184,6 +184,8 @@ fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
         BinaryOp::Sub => zip(a, b, dst, |x, y| x - y),
         BinaryOp::Mul => zip(a, b, dst, |x, y| x * y),
         BinaryOp::Div => zip(a, b, dst, |x, y| x / y),
+        BinaryOp::FloorDiv => zip(a, b, dst, <f32 as elementwise::Num>::floor_div),
+        BinaryOp::Mod => zip(a, b, dst, <f32 as elementwise::Num>::rem),
         BinaryOp::Lt => zip(a, b, dst, |x, y| mask(x < y)),
         BinaryOp::Le => zip(a, b, dst, |x, y| mask(x <= y)),
         BinaryOp::Gt => zip(a, b, dst, |x, y| mask(x > y)),
