@@ -378,7 +378,7 @@ impl Executable {
         let outer: usize = dims[..axis].iter().product();
         let inner_len: usize = dims[axis + 1..].iter().product::<usize>() * slot.at.dtype.size();
         let row_block = inner_len * outer;
-        if row_block == 0 || !data.len().is_multiple_of(row_block) {
+        if row_block == 0 || data.len() % row_block != 0 {
             return Err(Error::shape(
                 name,
                 format!(
