@@ -11,10 +11,11 @@ import statistics
 import time
 
 import numpy as np
-import rlx
-from rlx.utils import progress
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+
+import rlx
+from rlx.utils import progress
 
 
 def digits_split():

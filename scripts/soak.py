@@ -21,6 +21,7 @@ import sys
 import time
 
 import numpy as np
+
 import rlx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
