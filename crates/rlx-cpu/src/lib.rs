@@ -3,6 +3,7 @@
 
 mod copy;
 mod exec;
+pub mod isa;
 mod kernels;
 mod mem;
 

@@ -16,6 +16,7 @@ fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<buffer::ArenaView>()?;
     m.add_function(wrap_pyfunction!(devices::devices, m)?)?;
     m.add_function(wrap_pyfunction!(devices::check_device, m)?)?;
+    m.add_function(wrap_pyfunction!(devices::cpu_isa, m)?)?;
     m.add_function(wrap_pyfunction!(store::save_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(store::load_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_panic_for_tests, m)?)?;

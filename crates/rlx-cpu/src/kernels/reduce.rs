@@ -4,6 +4,7 @@ use rayon::prelude::*;
 use rlx_ir::ReduceOp;
 
 /// Reduces `x` (shape `xd`) over the sorted `axes`; `out` holds the kept dims in order.
+#[inline(always)]
 pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32]) {
     match op {
         ReduceOp::Max => reduce_with(x, xd, axes, out, f32::NEG_INFINITY, super::math::nan_max),
@@ -18,6 +19,7 @@ pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [
 }
 
 /// One monomorphic reduction loop per combine function, so it inlines and vectorises.
+#[inline(always)]
 fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
     x: &[f32],
     xd: &[usize],
@@ -41,7 +43,9 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
     } else if is_suffix {
         let row = |(o, r): (&mut f32, &[f32])| *o = fold_row(r, init, combine);
         if x.len() >= PAR_MIN && out.len() > 1 {
-            out.par_iter_mut().zip(x.par_chunks(count)).for_each(row);
+            out.par_iter_mut()
+                .zip(x.par_chunks(count))
+                .for_each(|r| crate::isa::dispatch_fn(|| row(r)));
         } else {
             out.iter_mut().zip(x.chunks(count)).for_each(row);
         }
@@ -60,7 +64,7 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
             let per = inner.div_ceil(rayon::current_num_threads() * 2).max(16);
             out.par_chunks_mut(per)
                 .enumerate()
-                .for_each(|(c, o)| accumulate(o, c * per));
+                .for_each(|(c, o)| crate::isa::dispatch_fn(|| accumulate(o, c * per)));
         } else {
             accumulate(out, 0);
         }
@@ -88,6 +92,7 @@ fn fold_row<F: Fn(f32, f32) -> f32>(r: &[f32], init: f32, combine: F) -> f32 {
     total
 }
 
+#[inline(always)]
 fn general<F: Fn(f32, f32) -> f32>(
     x: &[f32],
     xd: &[usize],
@@ -126,6 +131,7 @@ fn general<F: Fn(f32, f32) -> f32>(
 }
 
 /// Sums `x` (shape `xd`) down to the broadcast-compatible shape `od`.
+#[inline(always)]
 pub fn sum_to(x: &[f32], xd: &[usize], out: &mut [f32], od: &[usize]) {
     let lead = xd.len() - od.len();
     let axes: Vec<usize> = (0..xd.len())
