@@ -129,7 +129,12 @@ impl Compiled for CpuProgram {
             // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each output is
             // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
             match instr {
-                Instr::Op { op, ins, out } => crate::isa::dispatch(RunOp { b: &b, op, ins, out })?,
+                Instr::Op { op, ins, out } => crate::isa::dispatch(RunOp {
+                    b: &b,
+                    op,
+                    ins,
+                    out,
+                })?,
                 Instr::CountStep { counter } => unsafe { b.get_mut::<i32>(counter)[0] += 1 },
                 Instr::Optim {
                     rule,

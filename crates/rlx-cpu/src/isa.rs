@@ -66,7 +66,11 @@ fn choose() -> Isa {
     };
     // Another thread may have chosen first; both read the same environment and CPU, but a
     // `force` wins over detection, so keep whatever is stored by then.
-    let code = if isa == Isa::Avx2Fma { AVX2_FMA } else { PORTABLE };
+    let code = if isa == Isa::Avx2Fma {
+        AVX2_FMA
+    } else {
+        PORTABLE
+    };
     match CHOSEN.compare_exchange(UNSET, code, Ordering::Relaxed, Ordering::Relaxed) {
         Ok(_) => isa,
         Err(_) => current(),

@@ -22,7 +22,7 @@ impl CpuBuffer {
     pub fn zeroed(len: usize) -> Result<CpuBuffer> {
         if len == 0 {
             return Ok(CpuBuffer {
-                ptr: NonNull::<[u8; crate::ALIGN]>::dangling().cast(),
+                ptr: NonNull::new(dangling()).expect("dangling() is non-null"),
                 len: 0,
             });
         }
@@ -103,6 +103,15 @@ impl DeviceBuffer for CpuBuffer {
     }
 }
 
+/// An address aligned for every element type (`ALIGN` bytes) and non-null, for zero-length
+/// allocations and the empty slices into them; never dereferenced. (`[u8; N]` has alignment 1.)
+fn dangling() -> *mut u8 {
+    #[repr(align(64))]
+    struct Aligned;
+    const _: () = assert!(std::mem::align_of::<Aligned>() == crate::ALIGN);
+    NonNull::<Aligned>::dangling().cast::<u8>().as_ptr()
+}
+
 /// The base addresses and lengths of the buffers one run works on.
 pub struct Bases {
     bufs: Vec<(*mut u8, usize)>,
@@ -114,7 +123,9 @@ impl Bases {
         for (i, b) in buffers.iter().enumerate() {
             let Some(cpu) = b.as_any().downcast_ref::<CpuBuffer>() else {
                 if b.is_empty() {
-                    bufs.push((std::ptr::null_mut(), 0)); // an absent buffer: nothing may point into it
+                    // An absent buffer: no tensor has bytes in it, but empty tensors may still
+                    // point at it, and an empty slice needs an aligned, non-null pointer.
+                    bufs.push((dangling(), 0));
                     continue;
                 }
                 return Err(Error::Device(

@@ -93,7 +93,11 @@ fn unary_ops() {
         check(&format!("{u:?}"), &[rand(&[3, 5], 1)], op1(Op::Unary(u)));
     }
     for u in [Log, Sqrt, PowScalar(0.5), PowScalar(-1.5)] {
-        check(&format!("{u:?}"), &[positive(&[2, 7], 2)], op1(Op::Unary(u)));
+        check(
+            &format!("{u:?}"),
+            &[positive(&[2, 7], 2)],
+            op1(Op::Unary(u)),
+        );
     }
 }
 
@@ -287,18 +291,17 @@ fn softmax_family_and_losses() {
         &[rand(&[4, 5], 25), Value::I32(vec![4], vec![0, 4, 2, 2])],
         op1(Op::SoftmaxCrossEntropy),
     );
-    check(
-        "mse",
-        &[rand(&[3, 4], 26), rand(&[3, 4], 27)],
-        op1(Op::Mse),
-    );
+    check("mse", &[rand(&[3, 4], 26), rand(&[3, 4], 27)], op1(Op::Mse));
 }
 
 #[test]
 fn embedding_and_normalization() {
     check(
         "gather (repeated ids)",
-        &[rand(&[5, 3], 28), Value::I32(vec![2, 3], vec![4, 0, 4, 1, 1, 4])],
+        &[
+            rand(&[5, 3], 28),
+            Value::I32(vec![2, 3], vec![4, 0, 4, 1, 1, 4]),
+        ],
         op1(Op::Gather),
     );
     check(

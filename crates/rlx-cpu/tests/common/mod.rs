@@ -159,6 +159,12 @@ pub fn broadcast_index(idx: &[usize], src: &[usize]) -> usize {
     let lead = idx.len() - src.len();
     let st = strides(src);
     (0..src.len())
-        .map(|d| if src[d] == 1 { 0 } else { idx[lead + d] * st[d] })
+        .map(|d| {
+            if src[d] == 1 {
+                0
+            } else {
+                idx[lead + d] * st[d]
+            }
+        })
         .sum()
 }
