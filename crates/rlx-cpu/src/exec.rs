@@ -129,12 +129,7 @@ impl Compiled for CpuProgram {
             // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each output is
             // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
             match instr {
-                Instr::Op { op, ins, out } => crate::isa::dispatch(RunOp {
-                    b: &b,
-                    op,
-                    ins,
-                    out,
-                })?,
+                Instr::Op { op, ins, out } => unsafe { run_op(&b, op, ins, out)? },
                 Instr::CountStep { counter } => unsafe { b.get_mut::<i32>(counter)[0] += 1 },
                 Instr::Optim {
                     rule,
@@ -146,7 +141,7 @@ impl Compiled for CpuProgram {
                     let hyper = hyper.ok_or_else(|| {
                         Error::Graph("optimizer step without hyper-parameters".into())
                     })?;
-                    crate::isa::dispatch_fn(|| unsafe {
+                    crate::isa::dispatch(|| unsafe {
                         let step = b.get::<i32>(counter)[0];
                         let g = b.get::<f32>(grad);
                         let mut st: Vec<&mut [f32]> =
@@ -172,30 +167,12 @@ impl Compiled for CpuProgram {
     }
 }
 
-/// One op instruction, run by [`crate::isa::dispatch`] (so compiled once per instruction set).
-struct RunOp<'a> {
-    b: &'a Bases,
-    op: &'a Op,
-    ins: &'a [TRef],
-    out: &'a TRef,
-}
-
-impl crate::isa::Kernel for RunOp<'_> {
-    type Out = Result<()>;
-    #[inline(always)]
-    fn run(self) -> Result<()> {
-        // SAFETY: `CpuProgram::new` proved the output is disjoint from the instruction's inputs.
-        unsafe { run_op(self.b, self.op, self.ins, self.out) }
-    }
-}
-
 fn last(dims: &[usize]) -> usize {
     dims.last().copied().unwrap_or(1)
 }
 
 /// # Safety
 /// `out` must not overlap any of `ins` (checked by `CpuProgram::new`).
-#[inline(always)]
 unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
     use kernels::*;
     let f = |i: usize| unsafe { b.get::<f32>(&ins[i]) };

@@ -90,52 +90,28 @@ pub fn force(isa: Isa) -> bool {
     ok
 }
 
-/// Work compiled once per instruction set. `run` must be `#[inline(always)]`, and so must what
-/// it calls (the kernel entry points and their loops): LLVM then inlines all of it into each of
-/// the two callers in [`dispatch`], so each caller's copy is compiled with its own features. (A
-/// plain closure would not do: LLVM declines to inline a large closure into two callers.)
-pub(crate) trait Kernel {
-    type Out;
-    fn run(self) -> Self::Out;
-}
-
-/// Any closure as a [`Kernel`]: its body gets the features only where LLVM inlines it, so this is
-/// for small bodies (a row loop); whole instructions implement [`Kernel`] themselves.
-pub(crate) struct Call<F>(pub F);
-
-impl<R, F: FnOnce() -> R> Kernel for Call<F> {
-    type Out = R;
-    #[inline(always)]
-    fn run(self) -> R {
-        (self.0)()
-    }
-}
-
-/// Runs `k` compiled for the chosen instruction set.
+/// Runs `f` compiled for the chosen instruction set: `f` is inlined into one of two callers, one
+/// of them compiled with AVX2 and FMA. Kernels call this around each loop (a row loop, a chunk of
+/// a parallel loop), not around a whole instruction: LLVM inlines a loop-sized closure into both
+/// callers, but not an instruction's worth of code, which would then run the baseline code only.
 #[inline(always)]
-pub(crate) fn dispatch<K: Kernel>(k: K) -> K::Out {
+pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     if current() == Isa::Avx2Fma {
         // SAFETY: `current()` is `Avx2Fma` only after `avx2_fma_available()` returned true on
         // this CPU (in `choose` or `force`), which is the one requirement of calling code
         // compiled with `#[target_feature(enable = "avx2,fma")]`.
-        return unsafe { with_avx2_fma(k) };
+        return unsafe { with_avx2_fma(f) };
     }
-    k.run()
+    f()
 }
 
-/// Shorthand for dispatching a small closure.
-#[inline(always)]
-pub(crate) fn dispatch_fn<R>(f: impl FnOnce() -> R) -> R {
-    dispatch(Call(f))
-}
-
-/// `k.run()` compiled with AVX2 and FMA enabled.
+/// `f()` compiled with AVX2 and FMA enabled.
 ///
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn with_avx2_fma<K: Kernel>(k: K) -> K::Out {
-    k.run()
+unsafe fn with_avx2_fma<R>(f: impl FnOnce() -> R) -> R {
+    f()
 }

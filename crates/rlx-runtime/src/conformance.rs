@@ -32,7 +32,7 @@ fn close(got: &[f32], want: &[f64], what: &str) {
 /// of type `Arc<dyn Backend>`, evaluated once per test). Use it once per backend, in a module of
 /// its own when one test file covers several:
 ///
-/// ```ignore
+/// ```text
 /// mod cpu {
 ///     rlx_runtime::conformance_tests!(std::sync::Arc::new(rlx_cpu::CpuBackend));
 /// }

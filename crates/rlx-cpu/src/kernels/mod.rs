@@ -122,9 +122,9 @@ pub fn map_rows<O: Send>(
         let per = rows.div_ceil(rayon::current_num_threads() * 4).max(1);
         out.par_chunks_mut(per * row)
             .enumerate()
-            .for_each(|(c, ch)| crate::isa::dispatch_fn(|| work(c * per, ch)));
+            .for_each(|(c, ch)| crate::isa::dispatch(|| work(c * per, ch)));
     } else {
-        work(0, out);
+        crate::isa::dispatch(|| work(0, out));
     }
 }
 
@@ -136,10 +136,10 @@ pub fn par_zip<O: Send, I: Sync>(out: &mut [O], src: &[I], f: impl Fn(&mut O, &I
         out.par_chunks_mut(per)
             .zip(src.par_chunks(per))
             .for_each(|(o, s)| {
-                crate::isa::dispatch_fn(|| o.iter_mut().zip(s).for_each(|(o, s)| f(o, s)))
+                crate::isa::dispatch(|| o.iter_mut().zip(s).for_each(|(o, s)| f(o, s)))
             });
     } else {
-        out.iter_mut().zip(src).for_each(|(o, s)| f(o, s));
+        crate::isa::dispatch(|| out.iter_mut().zip(src).for_each(|(o, s)| f(o, s)));
     }
 }
 

@@ -22,9 +22,9 @@ pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32])
         if out.len() >= PAR_MIN {
             out.par_chunks_mut(len)
                 .zip(x.par_chunks(len))
-                .for_each(|r| crate::isa::dispatch_fn(|| row(r)));
+                .for_each(|r| crate::isa::dispatch(|| row(r)));
         } else {
-            out.chunks_mut(len).zip(x.chunks(len)).for_each(row);
+            crate::isa::dispatch(|| out.chunks_mut(len).zip(x.chunks(len)).for_each(row));
         }
         return;
     }
@@ -98,10 +98,10 @@ pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32
         logits
             .par_chunks(c)
             .zip(labels.par_iter())
-            .map(|r| crate::isa::dispatch_fn(|| row_loss(r)))
+            .map(|r| crate::isa::dispatch(|| row_loss(r)))
             .sum()
     } else {
-        logits.chunks(c).zip(labels).map(row_loss).sum()
+        crate::isa::dispatch(|| logits.chunks(c).zip(labels).map(row_loss).sum())
     };
     Ok((total / labels.len().max(1) as f64) as f32)
 }
@@ -131,13 +131,15 @@ pub fn cross_entropy_grad(
             .par_chunks(c)
             .zip(out.par_chunks_mut(c))
             .zip(labels.par_iter())
-            .for_each(|r| crate::isa::dispatch_fn(|| row(r)));
+            .for_each(|r| crate::isa::dispatch(|| row(r)));
     } else {
-        logits
-            .chunks(c)
-            .zip(out.chunks_mut(c))
-            .zip(labels)
-            .for_each(row);
+        crate::isa::dispatch(|| {
+            logits
+                .chunks(c)
+                .zip(out.chunks_mut(c))
+                .zip(labels)
+                .for_each(row)
+        });
     }
     Ok(())
 }
@@ -222,9 +224,9 @@ pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
     if out.len() >= PAR_MIN {
         x.par_chunks(width)
             .zip(out.par_chunks_mut(width))
-            .for_each(|r| crate::isa::dispatch_fn(|| row(r)));
+            .for_each(|r| crate::isa::dispatch(|| row(r)));
     } else {
-        x.chunks(width).zip(out.chunks_mut(width)).for_each(row);
+        crate::isa::dispatch(|| x.chunks(width).zip(out.chunks_mut(width)).for_each(row));
     }
 }
 
@@ -247,11 +249,13 @@ pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f
         x.par_chunks(width)
             .zip(g.par_chunks(width))
             .zip(out.par_chunks_mut(width))
-            .for_each(|r| crate::isa::dispatch_fn(|| row(r)));
+            .for_each(|r| crate::isa::dispatch(|| row(r)));
     } else {
-        x.chunks(width)
-            .zip(g.chunks(width))
-            .zip(out.chunks_mut(width))
-            .for_each(row);
+        crate::isa::dispatch(|| {
+            x.chunks(width)
+                .zip(g.chunks(width))
+                .zip(out.chunks_mut(width))
+                .for_each(row)
+        });
     }
 }

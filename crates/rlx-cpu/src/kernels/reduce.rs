@@ -45,9 +45,9 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
         if x.len() >= PAR_MIN && out.len() > 1 {
             out.par_iter_mut()
                 .zip(x.par_chunks(count))
-                .for_each(|r| crate::isa::dispatch_fn(|| row(r)));
+                .for_each(|r| crate::isa::dispatch(|| row(r)));
         } else {
-            out.iter_mut().zip(x.chunks(count)).for_each(row);
+            crate::isa::dispatch(|| out.iter_mut().zip(x.chunks(count)).for_each(row));
         }
     } else if is_prefix {
         out.fill(init);
@@ -64,12 +64,12 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
             let per = inner.div_ceil(rayon::current_num_threads() * 2).max(16);
             out.par_chunks_mut(per)
                 .enumerate()
-                .for_each(|(c, o)| crate::isa::dispatch_fn(|| accumulate(o, c * per)));
+                .for_each(|(c, o)| crate::isa::dispatch(|| accumulate(o, c * per)));
         } else {
-            accumulate(out, 0);
+            crate::isa::dispatch(|| accumulate(out, 0));
         }
     } else {
-        general(x, xd, axes, out, init, combine);
+        crate::isa::dispatch(|| general(x, xd, axes, out, init, combine));
     }
 }
 
