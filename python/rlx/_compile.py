@@ -93,7 +93,9 @@ def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[st
     missing = [n for n in names if n not in arrays and n not in bound]
     if missing:
         raise InputError(f"[{missing[0]}] missing input; expected {sorted(specs)}")
-    return {n: convert(n, specs[n].shape, specs[n].dtype, v) for n, v in arrays.items() if n in names}
+    # Every declared input is checked, even one the traced function does not read.
+    converted = {n: convert(n, specs[n].shape, specs[n].dtype, v) for n, v in arrays.items()}
+    return {n: v for n, v in converted.items() if n in names}
 
 
 class _Prefetching:
@@ -104,15 +106,26 @@ class _Prefetching:
     _names: list[str]
 
     def prefetch(self, **arrays: Any) -> None:
-        """Starts copying a batch into a free input buffer and returns at once. Calls made
-        without arrays consume prefetched batches in order, each waiting only for its own copy.
-        Two batches may wait; a third prefetch raises ``RlxError``. The arrays are kept alive
-        until their batch is consumed; do not modify them before then."""
+        """Takes a snapshot of the batch (a copy of each array, made now) and queues its copy
+        into a free input buffer on the copy engine, then returns without waiting for that copy.
+        Calls made without arrays consume prefetched batches in order, each waiting only for
+        its own copy. Two batches may wait; a third prefetch raises ``RlxError``. Because the
+        batch is copied at the call, the arrays may be changed or reused right away: the step
+        sees the values they had when ``prefetch`` was called.
+
+        Example::
+
+            step.prefetch(x=xs[0], y=ys[0])
+            for i in range(1, n):
+                step.prefetch(x=xs[i], y=ys[i])   # copied while the step below runs
+                loss = step()                      # consumes batch i - 1
+            loss = step()
+        """
         unknown = sorted(set(arrays) - set(self._specs))
         if unknown:
             raise InputError(f"[{unknown[0]}] unknown input; expected {sorted(self._specs)}")
         feeds = {n: convert(n, self._specs[n].shape, self._specs[n].dtype, v) for n, v in arrays.items()}
-        self._exe.prefetch(feeds)
+        self._exe.prefetch({n: v for n, v in feeds.items() if n in self._names})
 
     @property
     def prefetched(self) -> int:

@@ -155,32 +155,75 @@ class Module:
         self._stores[device] = store
         return store
 
+    def _snapshot(self) -> dict[str, np.ndarray]:
+        """Copies of every parameter, each weight store read under its lock: the values of one
+        step, never half of one update and half of the next."""
+        params = self.parameters()
+        stores = {id(p._store): p._store for p in params.values() if p._store is not None}
+        read = {sid: dict(store.read_all()) for sid, store in stores.items()}
+        out = {}
+        for n, p in params.items():
+            if p._store is None:
+                assert p._host is not None
+                out[n] = p._host.copy()
+            else:
+                raw = read[id(p._store)][p._name]
+                out[n] = np.frombuffer(raw, dtype=np.float32).reshape(p._store_shape)
+        return out
+
     def save(self, path: str) -> None:
-        """Writes every parameter to a safetensors file, atomically."""
+        """Writes every parameter to a safetensors file, atomically (a temporary file renamed
+        over ``path``; through a symbolic link, its target is replaced). The values saved are one
+        consistent snapshot even while another thread trains the model.
+
+        Example::
+
+            model.save("mlp.safetensors")
+        """
         path = _check.path("save", path)
-        tensors = [(n, "float32", list(p.shape), contiguous(p.numpy()).reshape(-1)) for n, p in self.parameters().items()]
+        tensors = [(n, "float32", list(v.shape), v.reshape(-1)) for n, v in self._snapshot().items()]
         _rlx.save_checkpoint(str(path), tensors)
 
     def load(self, path: str) -> None:
-        """Loads a safetensors checkpoint. Every name, shape and dtype is checked before any
-        weight changes; on a mismatch ``CheckpointError`` is raised and nothing changes."""
+        """Loads a safetensors checkpoint. Every name, shape and dtype is checked against the
+        model (from the file's header, before its data is read) and a mismatch raises
+        ``CheckpointError`` naming the tensor, changing nothing. The new values replace the old
+        ones as one change: a function running in another thread sees all old or all new.
+
+        Example::
+
+            model.load("mlp.safetensors")
+        """
         path = _check.path("load", path)
         params = self.parameters()
+        header = {name: (dtype, tuple(shape)) for name, dtype, shape in _rlx.checkpoint_header(str(path))}
+        missing = sorted(set(params) - set(header))
+        unexpected = sorted(set(header) - set(params))
+        if missing or unexpected:
+            raise CheckpointError(
+                f"{path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}"
+            )
+        for name, p in params.items():
+            dtype, shape = header[name]
+            if dtype != "F32" or shape != p.shape:
+                shown = "float32" if dtype == "F32" else dtype
+                raise CheckpointError(
+                    f"{path}: '{name}' is {shown} {shape} in the checkpoint but float32 {p.shape} in the model"
+                )
         expected = sum(4 * int(np.prod(p.shape)) for p in params.values())
         tensors = _rlx.load_checkpoint(str(path), expected)
         found = {name: (dtype, tuple(shape), data) for name, dtype, shape, data in tensors}
-        missing = sorted(set(params) - set(found))
-        unexpected = sorted(set(found) - set(params))
-        if missing or unexpected:
-            raise CheckpointError(f"{path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+        if set(found) != set(params) or any(found[n][:2] != ("float32", p.shape) for n, p in params.items()):
+            raise CheckpointError(f"{path}: the file changed while it was loaded")
+        by_store: dict[int, tuple[Any, list[tuple[str, np.ndarray]]]] = {}
         for name, p in params.items():
-            dtype, shape, _ = found[name]
-            if dtype != "float32" or shape != p.shape:
-                raise CheckpointError(
-                    f"{path}: '{name}' is {dtype} {shape} in the checkpoint but float32 {p.shape} in the model"
-                )
-        for name, p in params.items():
-            p._assign(np.frombuffer(found[name][2], dtype=np.float32).reshape(p.shape))
+            values = np.frombuffer(found[name][2], dtype=np.float32)
+            if p._store is None:
+                p._assign(values.reshape(p.shape))
+            else:
+                by_store.setdefault(id(p._store), (p._store, []))[1].append((p._name, values))
+        for store, writes in by_store.values():
+            store.write_many(writes)
 
 
 class Linear(Module):

@@ -123,13 +123,25 @@ fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
 
 impl Compiled for CpuProgram {
     fn run(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&OptimHyper>) -> Result<()> {
-        let b = Bases::new(buffers, &self.lens)?;
+        // Where kernels' parallel loops find live threads (see `pool`: a forked child gets a
+        // pool of its own).
+        crate::pool::run(|| self.run_on_pool(buffers, hyper))
+    }
+}
+
+impl CpuProgram {
+    fn run_on_pool(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&OptimHyper>,
+    ) -> Result<()> {
+        let b = &Bases::new(buffers, &self.lens)?;
         for instr in &self.instrs {
             let t0 = self.profile.is_some().then(std::time::Instant::now);
             // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each output is
             // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
             match instr {
-                Instr::Op { op, ins, out } => unsafe { run_op(&b, op, ins, out)? },
+                Instr::Op { op, ins, out } => unsafe { run_op(b, op, ins, out)? },
                 Instr::CountStep { counter } => unsafe { b.get_mut::<i32>(counter)[0] += 1 },
                 Instr::Optim {
                     rule,

@@ -6,12 +6,14 @@ mod exec;
 pub mod isa;
 mod kernels;
 mod mem;
+mod pool;
 
 use rlx_runtime::{Backend, Compiled, CopyEngine, DeviceBuffer, Program, Result};
 use std::sync::Arc;
 
 pub use copy::CpuCopyEngine;
 pub use mem::CpuBuffer;
+pub use pool::thread_count;
 
 /// Planned tensors start on cache-line multiples that also suit AVX-512 loads.
 pub const ALIGN: usize = 64;
