@@ -122,7 +122,11 @@ fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
 }
 
 impl Compiled for CpuProgram {
-    fn run(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&OptimHyper>) -> Result<()> {
+    unsafe fn run(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&OptimHyper>,
+    ) -> Result<()> {
         // Where kernels' parallel loops find live threads (see `pool`: a forked child gets a
         // pool of its own).
         crate::pool::run(|| self.run_on_pool(buffers, hyper))

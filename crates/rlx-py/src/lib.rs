@@ -1,4 +1,5 @@
 //! The `rlx._rlx` extension module: registers the classes and functions, nothing else.
+#![warn(unsafe_op_in_unsafe_fn)]
 mod buffer;
 mod devices;
 mod errors;
