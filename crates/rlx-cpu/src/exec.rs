@@ -76,8 +76,8 @@ impl CpuProgram {
                 let clash = reads.iter().any(|r| overlaps(w, r))
                     || writes[i + 1..].iter().any(|o| overlaps(w, o));
                 if clash && w.bytes() > 0 {
-                    return Err(Error::Graph(format!(
-                        "internal: an instruction writes over its own operand: {instr:?}"
+                    return Err(Error::Internal(format!(
+                        "an instruction writes over its own operand: {instr:?}"
                     )));
                 }
             }
@@ -355,10 +355,7 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             },
         },
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } | Op::Reshape { .. } => {
-            return Err(Error::Graph(format!(
-                "internal: [{}] is not a kernel",
-                op.name()
-            )))
+            return Err(Error::Internal(format!("[{}] is not a kernel", op.name())))
         }
     }
     Ok(())

@@ -29,7 +29,7 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
     let l = graph
         .nodes()
         .get(loss)
-        .ok_or_else(|| Error::Graph(format!("loss node {loss} does not exist")))?;
+        .ok_or_else(|| Error::Bounds(format!("loss node {loss} does not exist")))?;
     if l.shape.rank() != 0 || l.dtype != DType::F32 {
         return Err(Error::shape(
             "grad",
@@ -43,7 +43,7 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
         let n = graph
             .nodes()
             .get(w)
-            .ok_or_else(|| Error::Graph(format!("wrt node {w} does not exist")))?;
+            .ok_or_else(|| Error::Bounds(format!("wrt node {w} does not exist")))?;
         if n.dtype != DType::F32 {
             return Err(Error::dtype(
                 "grad",

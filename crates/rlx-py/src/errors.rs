@@ -11,7 +11,7 @@ fn class_name(e: &Error) -> &'static str {
         Error::Device(_) => "DeviceError",
         Error::Unsupported { .. } => "UnsupportedError",
         Error::Checkpoint(_) => "CheckpointError",
-        Error::Graph(_) => "RlxError",
+        Error::Bounds(_) | Error::Internal(_) | Error::Graph(_) => "RlxError",
     }
 }
 
@@ -50,9 +50,7 @@ pub fn guard<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
             .map(|s| s.to_string())
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic".into());
-        Err(Error::Graph(format!(
-            "internal error (a bug in rlx, please report it): {msg}"
-        )))
+        Err(Error::Internal(msg))
     })
 }
 

@@ -122,7 +122,7 @@ pub trait Compiled: Send {
 pub fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
-        _ => Err(crate::Error::Graph(format!(
+        _ => Err(crate::Error::Bounds(format!(
             "[{what}] bytes {offset}..{} are outside a buffer of {size} bytes",
             offset.saturating_add(len)
         ))),

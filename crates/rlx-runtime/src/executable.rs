@@ -145,11 +145,7 @@ impl Executable {
                         dtype: e.dtype,
                     }
                 });
-                let slots: &[&str] = match opt.rule {
-                    OptimRule::Sgd { momentum: false } => &[],
-                    OptimRule::Sgd { momentum: true } => &["momentum_buffer"],
-                    OptimRule::Adam | OptimRule::AdamW => &["exp_avg", "exp_avg_sq"],
-                };
+                let slots = opt.rule.slots();
                 let state = slots
                     .iter()
                     .map(|s| state_ref(&opt.state, &format!("{name}.{s}")))
@@ -474,7 +470,7 @@ impl Executable {
             ));
         }
         if let Some(&bad) = read.iter().find(|&&i| i >= self.outputs.len()) {
-            return Err(Error::Graph(format!(
+            return Err(Error::Bounds(format!(
                 "output {bad} does not exist ({} outputs)",
                 self.outputs.len()
             )));
