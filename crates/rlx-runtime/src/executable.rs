@@ -26,13 +26,25 @@ pub struct InputSlot {
     pub limit: Option<(i64, &'static str)>,
 }
 
-/// What `step.memory()` reports.
+/// What `step.memory()` reports; [`MemoryReport::entries`] names each field as Python sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryReport {
     pub arena_bytes: usize,
     pub naive_bytes: usize,
     pub param_bytes: usize,
-    pub state_bytes: usize,
+    pub optimizer_state_bytes: usize,
+}
+
+impl MemoryReport {
+    /// `(key, bytes)` for every field, keyed by the field's name (the keys of `step.memory()`).
+    pub fn entries(&self) -> [(&'static str, usize); 4] {
+        [
+            ("arena_bytes", self.arena_bytes),
+            ("naive_bytes", self.naive_bytes),
+            ("param_bytes", self.param_bytes),
+            ("optimizer_state_bytes", self.optimizer_state_bytes),
+        ]
+    }
 }
 
 struct Inner {
@@ -180,7 +192,7 @@ impl Executable {
             arena_bytes: low.arena_bytes,
             naive_bytes: low.naive_bytes,
             param_bytes: params.bytes(),
-            state_bytes: state_len,
+            optimizer_state_bytes: state_len,
         };
         Ok(Executable {
             backend,
