@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 
 #[pymodule]
 fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
     m.add_class::<graph::PyGraph>()?;
     m.add_class::<store::PyStore>()?;
     m.add_class::<exec::PyExecutable>()?;
