@@ -191,7 +191,18 @@ fn last(dims: &[usize]) -> usize {
 /// `out` must not overlap any of `ins` (checked by `CpuProgram::new`).
 unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
     use kernels::*;
-    let f = |i: usize| unsafe { b.get::<f32>(&ins[i]) };
+    // The float32 inputs, taken once, read-only. (No closure that hides a `get`: the one
+    // unsafe step is here, and `f(i)` only indexes slices already taken.)
+    let floats: Vec<&[f32]> = ins
+        .iter()
+        .map(|t| match t.dtype {
+            // SAFETY: inputs are only read, and `CpuProgram::new` proved `out` overlaps none of
+            // them (the caller's contract), so no `&mut` aliases these slices.
+            DType::F32 => unsafe { b.get::<f32>(t) },
+            DType::I32 => &[],
+        })
+        .collect();
+    let f = |i: usize| floats[i];
     let sh = |i: usize| ins[i].shape.dims();
     let od = out.shape.dims();
     match op {
