@@ -112,14 +112,8 @@ def mlp_rlx(batch: int):
     """Returns (first_step(x, y) -> loss, step(x, y) -> loss); first_step includes compiling."""
     import rlx
 
-    class MLP(rlx.nn.Module):
-        def __init__(self):
-            self.fc1 = rlx.nn.Linear(64, 256)
-            self.fc2 = rlx.nn.Linear(256, 256)
-            self.fc3 = rlx.nn.Linear(256, 10)
-
-        def __call__(self, x):
-            return self.fc3(rlx.relu(self.fc2(rlx.relu(self.fc1(x)))))
+    sys.path.insert(0, EXAMPLES)
+    from digits_mlp import MLP
 
     rlx.seed(0)
     model, opt = MLP(), rlx.optim.Adam(lr=1e-3)

@@ -17,6 +17,7 @@ import statistics
 import time
 
 import numpy as np
+
 import rlx
 
 

@@ -11,31 +11,10 @@ import statistics
 import time
 
 import numpy as np
+from digits_mlp import MLP, digits_split, loss_fn
+
 import rlx
 from rlx.utils import progress
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-
-
-def digits_split():
-    d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    y = d.target.astype(np.int32)
-    return train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-
-
-class MLP(rlx.nn.Module):
-    def __init__(self):
-        self.fc1 = rlx.nn.Linear(64, 256)
-        self.fc2 = rlx.nn.Linear(256, 256)
-        self.fc3 = rlx.nn.Linear(256, 10)
-
-    def __call__(self, x):
-        return self.fc3(rlx.relu(self.fc2(rlx.relu(self.fc1(x)))))
-
-
-def loss_fn(model, x, y):
-    return rlx.cross_entropy(model(x), y)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import time
 
 import gpt_data
 import numpy as np
+
 import rlx
 from rlx.utils import progress
 

@@ -21,6 +21,7 @@ import sys
 import time
 
 import numpy as np
+
 import rlx
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -61,24 +62,11 @@ def report(name: str, samples: list[tuple[int, float]], total: int, seconds: flo
 # ----------------------------------------------------------------------------------------------
 # the digits MLP
 # ----------------------------------------------------------------------------------------------
-class MLP(rlx.nn.Module):
-    def __init__(self):
-        self.fc1 = rlx.nn.Linear(64, 256)
-        self.fc2 = rlx.nn.Linear(256, 256)
-        self.fc3 = rlx.nn.Linear(256, 10)
-
-    def __call__(self, x):
-        return self.fc3(rlx.relu(self.fc2(rlx.relu(self.fc1(x)))))
-
-
 def soak_mlp(steps: int, every: int, batch: int = 64, seed: int = 0) -> float:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+    from digits_mlp import MLP, digits_split
 
-    d = load_digits()
-    x = (d.data / 16.0).astype(np.float32)
-    y = d.target.astype(np.int32)
-    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    xtr, xte, ytr, yte = digits_split()
     rlx.seed(seed)
     model = MLP()
     step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model,

@@ -4,9 +4,8 @@ import numpy as np
 import pytest
 
 import rlx
-from conftest import Empty, assert_close
-
-from linear_case import C, D, INPUTS, N, Net, assert_same_params, batches, loss_fn, twin_steps  # noqa: F401
+from conftest import Empty
+from linear_case import INPUTS, C, D, N, Net, assert_same_params, batches, loss_fn, twin_steps  # noqa: F401
 
 
 def test_prefetch_pipeline_matches_direct_calls():

@@ -792,8 +792,6 @@ def test_train_step_is_deterministic(prog, wseed):
 @SETTINGS
 @given(prog=programs(grad=True, dims=(1, 2, 5, 0)), adam=st.booleans())
 def test_arena_bytes_at_most_naive_bytes(prog, adam):
-    names = [f"p{k}" for k in range(prog.n_float)]
-
     def loss_fn(m, **t):
         y = replay(prog, RX, param_leaves(prog, m), t)[prog.outputs[0]]
         return y.sum() if y.ndim else y

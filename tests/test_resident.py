@@ -5,8 +5,7 @@ import pytest
 
 import rlx
 from conftest import Empty, assert_close
-
-from linear_case import C, D, INPUTS, N, Net, assert_same_params, batches, loss_fn, twin_steps  # noqa: F401
+from linear_case import INPUTS, C, D, N, Net, assert_same_params, batches, loss_fn, twin_steps  # noqa: F401
 
 
 def test_step_without_arrays_and_empty_queue_raises():

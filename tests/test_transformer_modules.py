@@ -1,7 +1,7 @@
 """Specs for issue 3 (transformer layers); moved into tests/ when they land."""
-import math
 import numpy as np
 import pytest
+
 import rlx
 from conftest import assert_close, specs
 

@@ -161,7 +161,8 @@ class TrainStep(_Prefetching):
         return dict(self._grads)
 
     def memory(self) -> dict[str, int]:
-        """Planned bytes: ``arena_bytes`` vs ``naive_bytes`` (no reuse), ``param_bytes``, ..."""
+        """Planned bytes: ``arena_bytes`` vs ``naive_bytes`` (no reuse), ``param_bytes``,
+        ``optimizer_state_bytes``."""
         return dict(self._exe.memory())
 
 

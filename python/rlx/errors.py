@@ -1,32 +1,15 @@
-"""The rlx exception classes. Every error rlx raises is an ``RlxError``."""
+"""The rlx exception classes. Every error rlx raises is an ``RlxError``; the classes are defined by
+the native module (so its errors need no Python import to raise) and re-exported here.
 
+- ``RlxError(Exception)``: base class of every rlx exception.
+- ``ShapeError(RlxError, ValueError)``: shapes that do not fit together.
+- ``DTypeError(RlxError, TypeError)``: element types that do not fit together.
+- ``InputError(RlxError, ValueError)``: a bad input at call time (unknown or missing name, value out of range).
+- ``DeviceError(RlxError, RuntimeError)``: a device that is unknown, not compiled in, or absent.
+- ``UnsupportedError(RlxError, NotImplementedError)``: a feature this build or backend does not have.
+- ``CheckpointError(RlxError)``: a checkpoint that cannot be written, read, or does not match the model.
+"""
 
-class RlxError(Exception):
-    """Base class of every rlx exception."""
-
-
-class ShapeError(RlxError, ValueError):
-    """Shapes that do not fit together; the message names the op and the shapes."""
-
-
-class DTypeError(RlxError, TypeError):
-    """Element types that do not fit together; the message names the op and the dtypes."""
-
-
-class InputError(RlxError, ValueError):
-    """A bad input at call time: an unknown or missing name, or a value out of range."""
-
-
-class DeviceError(RlxError, RuntimeError):
-    """A device that is unknown, not compiled in, or absent."""
-
-
-class UnsupportedError(RlxError, NotImplementedError):
-    """A feature this build or backend does not have."""
-
-
-class CheckpointError(RlxError):
-    """A checkpoint that cannot be written, read, or does not match the model."""
-
+from ._rlx import CheckpointError, DeviceError, DTypeError, InputError, RlxError, ShapeError, UnsupportedError
 
 __all__ = ["RlxError", "ShapeError", "DTypeError", "InputError", "DeviceError", "UnsupportedError", "CheckpointError"]

@@ -74,7 +74,7 @@ class Optimizer:
         return out
 
     def _slots(self) -> list[str]:
-        return []
+        return _rlx.optimizer_slots(self._rule_name()) if self._rule else []
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(lr={self.lr})"
@@ -96,9 +96,6 @@ class SGD(Optimizer):
         super().__init__(lr, momentum=momentum, weight_decay=weight_decay)
         self._rule = "sgd_momentum" if momentum else "sgd"
 
-    def _slots(self) -> list[str]:
-        return ["momentum_buffer"] if self._rule == "sgd_momentum" else []
-
     def _rule_name(self) -> str:
         if (self.momentum != 0.0) != (self._rule == "sgd_momentum"):
             raise RlxError("[SGD] momentum cannot be switched on or off after construction")
@@ -113,9 +110,6 @@ class Adam(Optimizer):
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0) -> None:
         super().__init__(lr, betas=betas, eps=eps, weight_decay=weight_decay)
-
-    def _slots(self) -> list[str]:
-        return ["exp_avg", "exp_avg_sq"]
 
 
 class AdamW(Adam):

@@ -76,8 +76,8 @@ impl CpuProgram {
                 let clash = reads.iter().any(|r| overlaps(w, r))
                     || writes[i + 1..].iter().any(|o| overlaps(w, o));
                 if clash && w.bytes() > 0 {
-                    return Err(Error::Graph(format!(
-                        "internal: an instruction writes over its own operand: {instr:?}"
+                    return Err(Error::Internal(format!(
+                        "an instruction writes over its own operand: {instr:?}"
                     )));
                 }
             }
@@ -122,7 +122,11 @@ fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
 }
 
 impl Compiled for CpuProgram {
-    fn run(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&OptimHyper>) -> Result<()> {
+    unsafe fn run(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&OptimHyper>,
+    ) -> Result<()> {
         // Where kernels' parallel loops find live threads (see `pool`: a forked child gets a
         // pool of its own).
         crate::pool::run(|| self.run_on_pool(buffers, hyper))
@@ -153,7 +157,7 @@ impl CpuProgram {
                     let hyper = hyper.ok_or_else(|| {
                         Error::Graph("optimizer step without hyper-parameters".into())
                     })?;
-                    unsafe {
+                    crate::isa::dispatch(|| unsafe {
                         let step = b.get::<i32>(counter)[0];
                         let g = b.get::<f32>(grad);
                         let mut st: Vec<&mut [f32]> =
@@ -166,7 +170,7 @@ impl CpuProgram {
                             g,
                             &mut st,
                         );
-                    }
+                    })
                 }
             }
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
@@ -187,7 +191,18 @@ fn last(dims: &[usize]) -> usize {
 /// `out` must not overlap any of `ins` (checked by `CpuProgram::new`).
 unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
     use kernels::*;
-    let f = |i: usize| unsafe { b.get::<f32>(&ins[i]) };
+    // The float32 inputs, taken once, read-only. (No closure that hides a `get`: the one
+    // unsafe step is here, and `f(i)` only indexes slices already taken.)
+    let floats: Vec<&[f32]> = ins
+        .iter()
+        .map(|t| match t.dtype {
+            // SAFETY: inputs are only read, and `CpuProgram::new` proved `out` overlaps none of
+            // them (the caller's contract), so no `&mut` aliases these slices.
+            DType::F32 => unsafe { b.get::<f32>(t) },
+            DType::I32 => &[],
+        })
+        .collect();
+    let f = |i: usize| floats[i];
     let sh = |i: usize| ins[i].shape.dims();
     let od = out.shape.dims();
     match op {
@@ -373,10 +388,7 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             },
         },
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } | Op::Reshape { .. } => {
-            return Err(Error::Graph(format!(
-                "internal: [{}] is not a kernel",
-                op.name()
-            )))
+            return Err(Error::Internal(format!("[{}] is not a kernel", op.name())))
         }
     }
     Ok(())

@@ -1,8 +1,36 @@
 //! rlx-cpu: the CPU backend. Host memory is unified memory, so every buffer is host-visible.
+//!
+//! Where `unsafe` lives, each use with a `// SAFETY:` note: `mem.rs` (the aligned allocation,
+//! race-free atomic byte copies, the typed slices a run hands to kernels), `exec.rs` (taking each
+//! instruction's slices, after `CpuProgram::new` checked every range and that no output overlaps
+//! an input; implementing the `unsafe` `Compiled::run`), `isa.rs` (calling the AVX2+FMA copy of a
+//! kernel loop after feature detection) and `kernels/matmul.rs` (the GEMM call, its bounds
+//! asserted first). Kernels themselves are safe code over slices.
+//!
+//! ```
+//! use rlx_ir::{DType, Graph, Op, Shape, UnaryOp};
+//! use rlx_runtime::{Executable, Store};
+//! use std::sync::Arc;
+//!
+//! // y = relu(x) on the CPU.
+//! let mut g = Graph::new();
+//! let x = g.input("x", Shape::new([3]), DType::F32)?;
+//! let y = g.add(Op::Unary(UnaryOp::Relu), &[x])?;
+//! g.set_outputs(vec![y])?;
+//! let backend: Arc<dyn rlx_runtime::Backend> = Arc::new(rlx_cpu::CpuBackend);
+//! let params = Arc::new(Store::new(backend.as_ref(), &[])?);
+//! let exe = Executable::new(backend, &g, params, None)?;
+//! let xs: Vec<u8> = [-1.0f32, 0.5, 2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+//! let out = exe.run(&[("x", &xs)], None, &[0])?;
+//! let ys: Vec<f32> = out[0].chunks(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+//! assert_eq!(ys, [0.0, 0.5, 2.0]);
+//! # Ok::<(), rlx_runtime::Error>(())
+//! ```
 #![warn(unsafe_op_in_unsafe_fn)]
 
 mod copy;
 mod exec;
+pub mod isa;
 mod kernels;
 mod mem;
 mod pool;

@@ -1,9 +1,12 @@
-//! Host memory: the aligned arena allocation and the typed slices kernels see. All `unsafe` of
-//! the CPU backend lives here.
+//! Host memory: the aligned arena allocation, its race-free byte copies, and the typed slices
+//! kernels see. Most of the CPU backend's `unsafe` is here (the rest: `isa.rs` calls
+//! target-feature code, `exec.rs` takes the slices of each instruction, `kernels/matmul.rs`
+//! calls the GEMM).
 use rlx_runtime::backend::check_range;
 use rlx_runtime::{DeviceBuffer, Error, Result, TRef};
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 /// One zeroed, 64-byte-aligned host allocation that never moves while it exists.
 pub struct CpuBuffer {
@@ -11,18 +14,68 @@ pub struct CpuBuffer {
     len: usize,
 }
 
-// SAFETY: the buffer is plain bytes with no thread affinity; concurrent access is serialised by
-// the runtime's locks (runs, writes) and, for numpy views, is the user's to order, as with any
-// shared host array.
+// SAFETY: the buffer is plain bytes with no thread affinity. Through `&self`, `write`, `read` and
+// `copy_from` touch the bytes only with atomic byte accesses, so they never race with each
+// other; kernels touch them only inside `Compiled::run`, which is `unsafe` and whose caller
+// promises that nothing else touches those bytes meanwhile (the runtime's locks); numpy views
+// (through `host_ptr`) are the user's to order, as with any shared host array.
 unsafe impl Send for CpuBuffer {}
 // SAFETY: as above.
 unsafe impl Sync for CpuBuffer {}
+
+// Byte copies in and out of a `CpuBuffer`. Each buffer byte is read or written as an `AtomicU8`
+// with relaxed ordering (a plain byte move on x86 and ARM), so two copies that overlap from two
+// threads give some interleaving of bytes, never undefined behaviour. One width only: mixed-size
+// atomic accesses that race are not allowed either.
+
+/// Copies `src` into the buffer bytes at `dst`.
+///
+/// # Safety
+/// `dst..dst + src.len()` lies inside one live `CpuBuffer` allocation.
+unsafe fn store_bytes(dst: *mut u8, src: &[u8]) {
+    for (i, &v) in src.iter().enumerate() {
+        // SAFETY: in bounds (caller); any address is aligned for `AtomicU8`; every concurrent
+        // access through `&CpuBuffer` is atomic, and kernels' plain accesses are excluded by
+        // `Compiled::run`'s contract.
+        unsafe { AtomicU8::from_ptr(dst.add(i)) }.store(v, Ordering::Relaxed);
+    }
+}
+
+/// Copies the buffer bytes at `src` into `out`.
+///
+/// # Safety
+/// `src..src + out.len()` lies inside one live `CpuBuffer` allocation.
+unsafe fn load_bytes(src: *const u8, out: &mut [u8]) {
+    for (i, o) in out.iter_mut().enumerate() {
+        // SAFETY: as in `store_bytes`.
+        *o = unsafe { AtomicU8::from_ptr(src.add(i) as *mut u8) }.load(Ordering::Relaxed);
+    }
+}
+
+/// Copies `len` buffer bytes from `src` to `dst`, as `memmove` (the ranges may overlap).
+///
+/// # Safety
+/// Both ranges lie inside live `CpuBuffer` allocations.
+unsafe fn move_bytes(src: *const u8, dst: *mut u8, len: usize) {
+    let one = |i: usize| {
+        // SAFETY: as in `store_bytes`, for both addresses.
+        unsafe {
+            let v = AtomicU8::from_ptr(src.add(i) as *mut u8).load(Ordering::Relaxed);
+            AtomicU8::from_ptr(dst.add(i)).store(v, Ordering::Relaxed);
+        }
+    };
+    if (dst as usize) < (src as usize) {
+        (0..len).for_each(one);
+    } else {
+        (0..len).rev().for_each(one);
+    }
+}
 
 impl CpuBuffer {
     pub fn zeroed(len: usize) -> Result<CpuBuffer> {
         if len == 0 {
             return Ok(CpuBuffer {
-                ptr: NonNull::<[u8; crate::ALIGN]>::dangling().cast(),
+                ptr: NonNull::new(dangling()).expect("dangling() is non-null"),
                 len: 0,
             });
         }
@@ -65,16 +118,15 @@ impl DeviceBuffer for CpuBuffer {
 
     fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
         check_range("write", offset, data.len(), self.len)?;
-        // SAFETY: the range is inside the allocation (checked above); `data` is a separate slice
-        // (callers never pass a view of this buffer's own range).
-        unsafe { std::ptr::copy(data.as_ptr(), self.base().add(offset), data.len()) };
+        // SAFETY: the range is inside the allocation (checked above).
+        unsafe { store_bytes(self.base().add(offset), data) };
         Ok(())
     }
 
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         check_range("read", offset, out.len(), self.len)?;
         // SAFETY: the range is inside the allocation (checked above).
-        unsafe { std::ptr::copy(self.base().add(offset), out.as_mut_ptr(), out.len()) };
+        unsafe { load_bytes(self.base().add(offset), out) };
         Ok(())
     }
 
@@ -92,15 +144,24 @@ impl DeviceBuffer for CpuBuffer {
             src.read(src_offset, &mut tmp)?;
             return self.write(offset, &tmp);
         };
-        // SAFETY: both ranges are inside their allocations (checked above); `ptr::copy` allows
-        // the ranges to overlap (same buffer).
-        unsafe { std::ptr::copy(from.base().add(src_offset), self.base().add(offset), len) };
+        // SAFETY: both ranges are inside their allocations (checked above); `move_bytes` allows
+        // them to overlap (same buffer).
+        unsafe { move_bytes(from.base().add(src_offset), self.base().add(offset), len) };
         Ok(())
     }
 
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+}
+
+/// An address aligned for every element type (`ALIGN` bytes) and non-null, for zero-length
+/// allocations and the empty slices into them; never dereferenced. (`[u8; N]` has alignment 1.)
+fn dangling() -> *mut u8 {
+    #[repr(align(64))]
+    struct Aligned;
+    const _: () = assert!(std::mem::align_of::<Aligned>() == crate::ALIGN);
+    NonNull::<Aligned>::dangling().cast::<u8>().as_ptr()
 }
 
 /// The base addresses and lengths of the buffers one run works on.
@@ -114,7 +175,9 @@ impl Bases {
         for (i, b) in buffers.iter().enumerate() {
             let Some(cpu) = b.as_any().downcast_ref::<CpuBuffer>() else {
                 if b.is_empty() {
-                    bufs.push((std::ptr::null_mut(), 0)); // an absent buffer: nothing may point into it
+                    // An absent buffer: no tensor has bytes in it, but empty tensors may still
+                    // point at it, and an empty slice needs an aligned, non-null pointer.
+                    bufs.push((dangling(), 0));
                     continue;
                 }
                 return Err(Error::Device(

@@ -5,11 +5,31 @@ use crate::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Result, Shape, 
 ///
 /// The result holds every forward node (same ids) followed by the backward nodes; its outputs are
 /// `[loss, d loss / d wrt[0], ...]`. A `wrt` node the loss does not depend on gets a zero gradient.
+///
+/// ```
+/// use rlx_ir::{grad, BinaryOp, DType, Graph, Op, ReduceOp, Shape};
+///
+/// // loss = sum(w * x): d loss / d w = x.
+/// let mut g = Graph::new();
+/// let x = g.input("x", Shape::new([4]), DType::F32)?;
+/// let w = g.param("w", Shape::new([4]), DType::F32)?;
+/// let wx = g.add(Op::Binary(BinaryOp::Mul), &[w, x])?;
+/// let sum = Op::Reduce { op: ReduceOp::Sum, axes: vec![0], keepdims: false };
+/// let loss = g.add(sum, &[wx])?;
+/// let bw = grad(&g, loss, &[w])?;
+/// assert_eq!(bw.outputs().len(), 2);
+/// assert_eq!(bw.node(bw.outputs()[1]).shape, Shape::new([4]));
+/// // Bad graphs are refused when built, with the op and shapes in the message.
+/// let y = g.input("y", Shape::new([3]), DType::F32)?;
+/// let bad = g.add(Op::Binary(BinaryOp::Add), &[x, y]);
+/// assert!(bad.unwrap_err().to_string().starts_with("[add]"));
+/// # Ok::<(), rlx_ir::Error>(())
+/// ```
 pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
     let l = graph
         .nodes()
         .get(loss)
-        .ok_or_else(|| Error::Graph(format!("loss node {loss} does not exist")))?;
+        .ok_or_else(|| Error::Bounds(format!("loss node {loss} does not exist")))?;
     if l.shape.rank() != 0 || l.dtype != DType::F32 {
         return Err(Error::shape(
             "grad",
@@ -23,7 +43,7 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
         let n = graph
             .nodes()
             .get(w)
-            .ok_or_else(|| Error::Graph(format!("wrt node {w} does not exist")))?;
+            .ok_or_else(|| Error::Bounds(format!("wrt node {w} does not exist")))?;
         if n.dtype != DType::F32 {
             return Err(Error::dtype(
                 "grad",

@@ -22,7 +22,15 @@ pub enum Error {
     /// A checkpoint that cannot be written or read (Python: `rlx.CheckpointError`).
     #[error("{0}")]
     Checkpoint(String),
-    /// A malformed graph or any other failure (Python: `rlx.RlxError`).
+    /// A node id, output index or byte range outside what it indexes (Python: `rlx.RlxError`).
+    #[error("{0}")]
+    Bounds(String),
+    /// A broken invariant inside rlx: a bug to report, never the caller's fault (Python:
+    /// `rlx.RlxError`, the message says so).
+    #[error("internal error (a bug in rlx, please report it): {0}")]
+    Internal(String),
+    /// A malformed graph: a duplicate name, a wrong number of inputs, a misuse of a constructor
+    /// (Python: `rlx.RlxError`).
     #[error("{0}")]
     Graph(String),
 }

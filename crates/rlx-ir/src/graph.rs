@@ -1,5 +1,5 @@
 //! The graph: an append-only list of nodes (insertion order is topological order) plus its outputs.
-use crate::{infer, DType, Error, Op, Result, Shape};
+use crate::{infer, DType, Error, Node, NodeId, Op, Result, Shape};
 use std::sync::Arc;
 
 /// The most bytes one tensor may take (2^48: far beyond any machine, far below overflow).
@@ -18,18 +18,6 @@ fn check_size(what: &str, shape: &Shape, dtype: DType) -> Result<()> {
             format!("a {dtype} tensor of shape {shape} is too large to allocate"),
         )),
     }
-}
-
-/// Index of a node in its graph.
-pub type NodeId = usize;
-
-/// One value of the graph: the op that makes it, its inputs and its inferred type.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Node {
-    pub op: Op,
-    pub inputs: Vec<NodeId>,
-    pub shape: Shape,
-    pub dtype: DType,
 }
 
 /// An SSA dataflow graph. Nodes only refer to earlier nodes, so index order is a valid schedule.
@@ -147,7 +135,7 @@ impl Graph {
             )));
         }
         if let Some(&bad) = inputs.iter().find(|&&i| i >= self.nodes.len()) {
-            return Err(Error::Graph(format!(
+            return Err(Error::Bounds(format!(
                 "[{}] input node {bad} does not exist",
                 op.name()
             )));
@@ -161,7 +149,7 @@ impl Graph {
     /// Marks a node as a graph output (in order).
     pub fn set_outputs(&mut self, outputs: Vec<NodeId>) -> Result<()> {
         if let Some(&bad) = outputs.iter().find(|&&i| i >= self.nodes.len()) {
-            return Err(Error::Graph(format!("output node {bad} does not exist")));
+            return Err(Error::Bounds(format!("output node {bad} does not exist")));
         }
         self.outputs = outputs;
         Ok(())

@@ -1,5 +1,5 @@
 //! Shape and dtype inference: one rule per op, each failure naming the op, shapes and dtypes.
-use crate::{graph::Node, BinaryOp, DType, Error, Op, ReduceOp, Result, Shape};
+use crate::{BinaryOp, DType, Error, Node, Op, ReduceOp, Result, Shape};
 
 /// Infers the output shape and dtype of `op` applied to `ins`.
 pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {

@@ -11,6 +11,13 @@ pub fn devices() -> Vec<String> {
     vec!["cpu".to_string()]
 }
 
+/// The instruction set the CPU kernels run with in this process: `"avx2"` or `"portable"`
+/// (chosen once from the CPU and `RLX_CPU_ISA`).
+#[pyfunction]
+pub fn cpu_isa() -> &'static str {
+    rlx_cpu::isa::current().name()
+}
+
 /// Normalises a device name, raising `DeviceError` for unknown or absent devices.
 #[pyfunction]
 pub fn check_device(py: Python<'_>, device: &str) -> PyResult<String> {

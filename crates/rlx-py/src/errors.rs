@@ -1,6 +1,84 @@
-//! Turns `rlx_ir::Error` into the Python exception classes defined in `rlx/errors.py`.
+//! The rlx exception classes (defined here, re-exported by `rlx/errors.py`) and the conversion
+//! of `rlx_ir::Error` into them.
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 use rlx_ir::Error;
+
+/// Each class: name, the built-in exception it also derives from (besides `RlxError`), doc.
+const CLASSES: [(&str, &str, &str); 6] = [
+    (
+        "ShapeError",
+        "ValueError",
+        "Shapes that do not fit together; the message names the op and the shapes.",
+    ),
+    (
+        "DTypeError",
+        "TypeError",
+        "Element types that do not fit together; the message names the op and the dtypes.",
+    ),
+    (
+        "InputError",
+        "ValueError",
+        "A bad input at call time: an unknown or missing name, or a value out of range.",
+    ),
+    (
+        "DeviceError",
+        "RuntimeError",
+        "A device that is unknown, not compiled in, or absent.",
+    ),
+    (
+        "UnsupportedError",
+        "NotImplementedError",
+        "A feature this build or backend does not have.",
+    ),
+    (
+        "CheckpointError",
+        "Exception",
+        "A checkpoint that cannot be written, read, or does not match the model.",
+    ),
+];
+
+/// The classes by name (`RlxError` first), made once per interpreter.
+static TYPES: PyOnceLock<Vec<(&'static str, Py<PyType>)>> = PyOnceLock::new();
+
+fn make_types(py: Python<'_>) -> PyResult<Vec<(&'static str, Py<PyType>)>> {
+    let builtins = py.import("builtins")?;
+    let type_ = builtins.getattr("type")?;
+    let make = |name: &str, bases: Bound<'_, PyTuple>, doc: &str| -> PyResult<Py<PyType>> {
+        let ns = PyDict::new(py);
+        ns.set_item("__module__", "rlx.errors")?;
+        ns.set_item("__doc__", doc)?;
+        Ok(type_
+            .call1((name, bases, ns))?
+            .cast_into::<PyType>()?
+            .unbind())
+    };
+    let exception = builtins.getattr("Exception")?;
+    let base = make(
+        "RlxError",
+        PyTuple::new(py, [exception])?,
+        "Base class of every rlx exception.",
+    )?;
+    let mut out = vec![("RlxError", base.clone_ref(py))];
+    for (name, builtin, doc) in CLASSES {
+        let bases: Vec<Bound<'_, PyAny>> = if builtin == "Exception" {
+            vec![base.bind(py).clone().into_any()]
+        } else {
+            vec![base.bind(py).clone().into_any(), builtins.getattr(builtin)?]
+        };
+        out.push((name, make(name, PyTuple::new(py, bases)?, doc)?));
+    }
+    Ok(out)
+}
+
+/// Adds the exception classes to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    for (name, cls) in TYPES.get_or_try_init(m.py(), || make_types(m.py()))? {
+        m.add(*name, cls.bind(m.py()))?;
+    }
+    Ok(())
+}
 
 /// The exception class name for each error kind.
 fn class_name(e: &Error) -> &'static str {
@@ -11,22 +89,24 @@ fn class_name(e: &Error) -> &'static str {
         Error::Device(_) => "DeviceError",
         Error::Unsupported { .. } => "UnsupportedError",
         Error::Checkpoint(_) => "CheckpointError",
-        Error::Graph(_) => "RlxError",
+        Error::Bounds(_) | Error::Internal(_) | Error::Graph(_) => "RlxError",
     }
 }
 
-/// Converts an rlx error into an instance of the matching `rlx.errors` class.
+/// Converts an rlx error into an instance of the matching exception class.
 pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let msg = e.to_string();
-    match py
-        .import("rlx.errors")
-        .and_then(|m| m.getattr(class_name(&e)))
-    {
-        Ok(cls) => PyErr::from_type(
-            cls.cast_into().expect("rlx.errors holds exception classes"),
-            msg,
-        ),
-        Err(import_err) => import_err,
+    let name = class_name(&e);
+    match TYPES.get_or_try_init(py, || make_types(py)) {
+        Ok(types) => {
+            let cls = types
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, c)| c.bind(py).clone())
+                .expect("every class_name is made by make_types");
+            PyErr::from_type(cls, msg)
+        }
+        Err(e) => e,
     }
 }
 
@@ -50,9 +130,7 @@ pub fn guard<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
             .map(|s| s.to_string())
             .or_else(|| payload.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic".into());
-        Err(Error::Graph(format!(
-            "internal error (a bug in rlx, please report it): {msg}"
-        )))
+        Err(Error::Internal(msg))
     })
 }
 

@@ -134,12 +134,10 @@ impl PyExecutable {
 
     /// Planned sizes in bytes.
     fn memory<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let m = self.exe.memory();
         let d = PyDict::new(py);
-        d.set_item("arena_bytes", m.arena_bytes)?;
-        d.set_item("naive_bytes", m.naive_bytes)?;
-        d.set_item("param_bytes", m.param_bytes)?;
-        d.set_item("optimizer_state_bytes", m.state_bytes)?;
+        for (key, bytes) in self.exe.memory().entries() {
+            d.set_item(key, bytes)?;
+        }
         Ok(d)
     }
 

@@ -32,7 +32,7 @@ impl PyGraph {
         self.graph
             .nodes()
             .get(id)
-            .ok_or_else(|| Error::Graph(format!("node {id} does not exist in this graph")))
+            .ok_or_else(|| Error::Bounds(format!("node {id} does not exist in this graph")))
     }
 
     /// Normalises possibly negative axes for `op` on `shape`; `None` means every axis.

@@ -1,4 +1,5 @@
 //! The `rlx._rlx` extension module: registers the classes and functions, nothing else.
+#![warn(unsafe_op_in_unsafe_fn)]
 mod buffer;
 mod devices;
 mod errors;
@@ -11,13 +12,16 @@ use pyo3::prelude::*;
 
 #[pymodule]
 fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(m)?;
     m.add_class::<graph::PyGraph>()?;
     m.add_class::<store::PyStore>()?;
     m.add_class::<exec::PyExecutable>()?;
     m.add_class::<buffer::ArenaView>()?;
     m.add_function(wrap_pyfunction!(devices::devices, m)?)?;
     m.add_function(wrap_pyfunction!(devices::check_device, m)?)?;
+    m.add_function(wrap_pyfunction!(devices::cpu_isa, m)?)?;
     m.add_function(wrap_pyfunction!(store::save_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(store::optimizer_slots, m)?)?;
     m.add_function(wrap_pyfunction!(store::load_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(store::checkpoint_header, m)?)?;
     m.add_function(wrap_pyfunction!(gate::_before_fork, m)?)?;

@@ -29,6 +29,13 @@ pub fn parse_rule(rule: &str) -> Result<OptimRule, Error> {
     }
 }
 
+/// The state tensors optimizer `rule` keeps per parameter (`Store.for_optimizer` names them
+/// `<param>.<slot>`).
+#[pyfunction]
+pub fn optimizer_slots(py: Python<'_>, rule: &str) -> PyResult<Vec<&'static str>> {
+    Ok(parse_rule(rule).py_err(py)?.slots().to_vec())
+}
+
 #[pymethods]
 impl PyStore {
     /// A zeroed store on `device` holding `[(name, shape, dtype)]`.

@@ -62,13 +62,21 @@ pub fn check_copy(src: &CopySrc, dst: &CopyDst, bytes: usize) -> Result<()> {
     check_range("copy destination", dst.offset, bytes, dst.buffer.len())
 }
 
-/// One device allocation. Interior mutability: writes go through `&self`; callers serialise runs.
+/// One device allocation, shared between threads (`Arc`) with writes through `&self`.
+///
+/// `write`, `read` and `copy_from` are safe, so an implementation must make them race-free with
+/// each other: two overlapping calls from two threads may interleave their bytes, but never cause
+/// undefined behaviour (the CPU backend copies with atomic byte accesses; a GPU backend orders
+/// them on its queue). What they may race with is a running program, whose kernels touch the
+/// memory directly: that is excluded by the contract of the `unsafe` [`Compiled::run`].
 pub trait DeviceBuffer: Send + Sync + Any {
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
     /// The host address of byte 0 where the host can see this memory (CPU, Metal shared storage).
+    /// Reading or writing through it is `unsafe`: the caller must order its accesses with runs
+    /// and copies (zero-copy numpy views leave that to the user, as any shared host array does).
     fn host_ptr(&self) -> Option<std::ptr::NonNull<u8>>;
     /// Copies `data` into the buffer at `offset` (bounds-checked).
     fn write(&self, offset: usize, data: &[u8]) -> Result<()>;
@@ -93,7 +101,17 @@ pub trait DeviceBuffer: Send + Sync + Any {
 /// A program prepared for one backend.
 pub trait Compiled: Send {
     /// Runs every instruction in order over `buffers` (indexed by [`crate::Buf`]).
-    fn run(
+    ///
+    /// # Safety
+    /// Until it returns, nothing else may access the bytes the program reads or writes in
+    /// `buffers`: no other run over them (of this or any other program), no `write`, `read` or
+    /// `copy_from` of those bytes, no copy-engine copy into them, and no access through
+    /// `host_ptr`. The bytes of a buffer the program does not touch (the other half of a staging
+    /// buffer) may be used meanwhile. [`crate::Executable`] guarantees this with its locks: its
+    /// own mutex (arena, staging), the weight store's and the optimizer state's run locks, and
+    /// waiting for a staged batch's copy before running on it.
+    #[allow(unsafe_code)] // declares the contract; the runtime's one call upholds it
+    unsafe fn run(
         &mut self,
         buffers: &[&dyn DeviceBuffer],
         hyper: Option<&crate::OptimHyper>,
@@ -104,7 +122,7 @@ pub trait Compiled: Send {
 pub fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
-        _ => Err(crate::Error::Graph(format!(
+        _ => Err(crate::Error::Bounds(format!(
             "[{what}] bytes {offset}..{} are outside a buffer of {size} bytes",
             offset.saturating_add(len)
         ))),

@@ -1,9 +1,11 @@
-//! The conformance suite every backend runs: each check takes a `&dyn Backend` and panics with a
-//! message on failure. A backend's test file calls [`run_all`] (see `rlx-cpu/tests/conformance.rs`).
+//! The conformance suite every backend runs: each check takes the backend and panics with a
+//! message on failure. A backend's test file instantiates every check as its own `#[test]` with
+//! [`conformance_tests!`](crate::conformance_tests) (see `rlx-cpu/tests/conformance.rs`).
 use crate::{
     Backend, CopyDst, CopySrc, Executable, HostBytes, OptimHyper, OptimRule, OptimizerSetup, Store,
 };
-use rlx_ir::{DType, Graph, Op, Shape};
+use crate::{Buf, Instr, Program, TRef};
+use rlx_ir::{BinaryOp, DType, Graph, Op, ReduceOp, Shape, UnaryOp};
 use std::sync::Arc;
 
 fn f32s(v: &[f32]) -> Vec<u8> {
@@ -26,17 +28,41 @@ fn close(got: &[f32], want: &[f64], what: &str) {
     }
 }
 
-/// Runs every check.
-pub fn run_all(backend: &Arc<dyn Backend>) {
-    linear_softmax_training_step(backend);
-    resident_inputs(backend);
-    bad_feeds_change_nothing(backend);
-    copy_engine_contract(backend);
-    prefetch_consumes_batches_in_order(backend);
+/// Defines one `#[test]` per conformance check, each on a backend made by `$make` (an expression
+/// of type `Arc<dyn Backend>`, evaluated once per test). Use it once per backend, in a module of
+/// its own when one test file covers several:
+///
+/// ```text
+/// mod cpu {
+///     rlx_runtime::conformance_tests!(std::sync::Arc::new(rlx_cpu::CpuBackend));
+/// }
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:expr) => {
+        $crate::conformance_tests!(@each $make;
+            linear_softmax_training_step,
+            resident_inputs,
+            bad_feeds_change_nothing,
+            copy_engine_contract,
+            prefetch_consumes_batches_in_order,
+            optimizer_rules_match_closed_form,
+            compile_rejects_bad_programs,
+        );
+    };
+    (@each $make:expr; $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                let backend: ::std::sync::Arc<dyn $crate::Backend> = $make;
+                $crate::conformance::$check(&backend);
+            }
+        )*
+    };
 }
 
 /// FIFO completion, tokens covering earlier copies, idempotent waits, bounds checked at issue.
-fn copy_engine_contract(backend: &Arc<dyn Backend>) {
+pub fn copy_engine_contract(backend: &Arc<dyn Backend>) {
     let engine = backend.copy_engine().unwrap();
     let dst = backend.alloc(64 * 16).unwrap();
     let mut last = None;
@@ -96,7 +122,7 @@ fn copy_engine_contract(backend: &Arc<dyn Backend>) {
 }
 
 /// y = 2x; two prefetched batches are consumed in order; a third prefetch is refused.
-fn prefetch_consumes_batches_in_order(backend: &Arc<dyn Backend>) {
+pub fn prefetch_consumes_batches_in_order(backend: &Arc<dyn Backend>) {
     let mut g = Graph::new();
     let x = g.input("x", Shape::new([4]), DType::F32).unwrap();
     let two = g.scalar(2.0);
@@ -203,7 +229,8 @@ fn hyper(lr: f32) -> OptimHyper {
     }
 }
 
-fn linear_softmax_training_step(backend: &Arc<dyn Backend>) {
+/// One SGD step of the linear softmax model: loss, gradients and the updated weight.
+pub fn linear_softmax_training_step(backend: &Arc<dyn Backend>) {
     let (exe, params) = linear_model(backend);
     let yb: Vec<u8> = Y.iter().flat_map(|v| v.to_le_bytes()).collect();
     let out = exe
@@ -247,7 +274,8 @@ fn linear_softmax_training_step(backend: &Arc<dyn Backend>) {
     assert!(exe.memory().arena_bytes <= exe.memory().naive_bytes);
 }
 
-fn resident_inputs(backend: &Arc<dyn Backend>) {
+/// Bound inputs: refused while unbound, read by later runs once bound, updated by `write_rows`.
+pub fn resident_inputs(backend: &Arc<dyn Backend>) {
     let mut g = Graph::new();
     let cache = g.input("cache", Shape::new([4, 2]), DType::F32).unwrap();
     let s = g
@@ -291,7 +319,8 @@ fn resident_inputs(backend: &Arc<dyn Backend>) {
     );
 }
 
-fn bad_feeds_change_nothing(backend: &Arc<dyn Backend>) {
+/// Rejected feeds (a label out of range, a short input, an unknown name) change no weight.
+pub fn bad_feeds_change_nothing(backend: &Arc<dyn Backend>) {
     let (exe, params) = linear_model(backend);
     let before = params.read("w").unwrap();
     let bad_labels: Vec<u8> = [0i32, 1, 7, 0]
@@ -310,5 +339,132 @@ fn bad_feeds_change_nothing(backend: &Arc<dyn Backend>) {
         params.read("w").unwrap(),
         before,
         "a rejected run changed the weights"
+    );
+}
+
+/// Three steps of each update rule on `loss = sum(w * x)` (so the gradient is `x`), with weight
+/// decay, against the rules written out in f64 (PyTorch's definitions).
+pub fn optimizer_rules_match_closed_form(backend: &Arc<dyn Backend>) {
+    const N: usize = 5; // odd, so vectorised loops have a tail
+    let w0: Vec<f32> = (0..N).map(|i| 0.3 - 0.17 * i as f32).collect();
+    let x: Vec<f32> = (0..N).map(|i| 0.5 - 0.4 * i as f32).collect();
+    let h = OptimHyper {
+        lr: 0.1,
+        momentum: 0.9,
+        weight_decay: 0.05,
+        beta1: 0.8,
+        beta2: 0.95,
+        eps: 1e-6,
+    };
+    let rules = [
+        OptimRule::Sgd { momentum: false },
+        OptimRule::Sgd { momentum: true },
+        OptimRule::Adam,
+        OptimRule::AdamW,
+    ];
+    for rule in rules {
+        let mut g = Graph::new();
+        let xi = g.input("x", Shape::new([N]), DType::F32).unwrap();
+        let w = g.param("w", Shape::new([N]), DType::F32).unwrap();
+        let wx = g.add(Op::Binary(BinaryOp::Mul), &[w, xi]).unwrap();
+        let sum = Op::Reduce {
+            op: ReduceOp::Sum,
+            axes: vec![0],
+            keepdims: false,
+        };
+        let loss = g.add(sum, &[wx]).unwrap();
+        let bw = rlx_ir::grad(&g, loss, &[w]).unwrap();
+        let specs = [("w".to_string(), Shape::new([N]), DType::F32)];
+        let params = Arc::new(Store::new(backend.as_ref(), &specs).unwrap());
+        params.write("w", &f32s(&w0)).unwrap();
+        let state = Arc::new(Store::for_optimizer(backend.as_ref(), rule, &params).unwrap());
+        let opt = OptimizerSetup { rule, state };
+        let exe = Executable::new(backend.clone(), &bw, params.clone(), Some(opt)).unwrap();
+        let (mut p, mut m, mut v) = (
+            w0.iter().map(|&a| a as f64).collect::<Vec<f64>>(),
+            vec![0.0f64; N],
+            vec![0.0f64; N],
+        );
+        let (lr, wd) = (h.lr as f64, h.weight_decay as f64);
+        let (b1, b2, eps) = (h.beta1 as f64, h.beta2 as f64, h.eps as f64);
+        for t in 1..=3 {
+            exe.run(&[("x", &f32s(&x))], Some(&h), &[0]).unwrap();
+            for i in 0..N {
+                let g = x[i] as f64;
+                match rule {
+                    OptimRule::Sgd { momentum: false } => p[i] -= lr * (g + wd * p[i]),
+                    OptimRule::Sgd { momentum: true } => {
+                        let d = g + wd * p[i];
+                        m[i] = if t == 1 {
+                            d
+                        } else {
+                            h.momentum as f64 * m[i] + d
+                        };
+                        p[i] -= lr * m[i];
+                    }
+                    OptimRule::Adam | OptimRule::AdamW => {
+                        let g = if rule == OptimRule::Adam {
+                            g + wd * p[i]
+                        } else {
+                            p[i] *= 1.0 - lr * wd;
+                            g
+                        };
+                        m[i] = b1 * m[i] + (1.0 - b1) * g;
+                        v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+                        let (mh, vh) = (m[i] / (1.0 - b1.powi(t)), v[i] / (1.0 - b2.powi(t)));
+                        p[i] -= lr * mh / (vh.sqrt() + eps);
+                    }
+                }
+            }
+            let what = format!("{rule:?} after step {t}");
+            close(&from_bytes(&params.read("w").unwrap()), &p, &what);
+        }
+    }
+}
+
+/// `Backend::compile` refuses programs that read or write outside their buffers, write over
+/// their own operands, or use a dtype no kernel handles; a good program still compiles.
+pub fn compile_rejects_bad_programs(backend: &Arc<dyn Backend>) {
+    let at = |offset: usize, n: usize, dtype: DType| TRef {
+        buf: Buf::Arena,
+        offset,
+        shape: Shape::new([n]),
+        dtype,
+    };
+    let neg = |x: TRef, out: TRef| Program {
+        instrs: vec![Instr::Op {
+            op: Op::Unary(UnaryOp::Neg),
+            ins: vec![x],
+            out,
+        }],
+    };
+    let lens = [256usize];
+    let good = neg(at(0, 8, DType::F32), at(64, 8, DType::F32));
+    assert!(backend.compile(&good, &lens).is_ok(), "a valid program");
+    let cases = [
+        (neg(at(0, 8, DType::F32), at(240, 8, DType::F32)), "outside"),
+        (
+            neg(at(0, 8, DType::F32), at(16, 8, DType::F32)),
+            "its own operand",
+        ),
+        (neg(at(0, 8, DType::I32), at(64, 8, DType::I32)), "dtype"),
+    ];
+    for (program, needle) in cases {
+        match backend.compile(&program, &lens) {
+            Ok(_) => panic!("a bad program compiled ({needle}): {program:?}"),
+            Err(e) => assert!(e.to_string().contains(needle), "{needle}: {e}"),
+        }
+    }
+    let counter = Program {
+        instrs: vec![Instr::CountStep {
+            counter: TRef {
+                buf: Buf::State,
+                ..at(0, 1, DType::I32)
+            },
+        }],
+    };
+    assert!(
+        backend.compile(&counter, &lens).is_err(),
+        "a reference into a buffer the program is not given"
     );
 }

@@ -26,13 +26,25 @@ pub struct InputSlot {
     pub limit: Option<(i64, &'static str)>,
 }
 
-/// What `step.memory()` reports.
+/// What `step.memory()` reports; [`MemoryReport::entries`] names each field as Python sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryReport {
     pub arena_bytes: usize,
     pub naive_bytes: usize,
     pub param_bytes: usize,
-    pub state_bytes: usize,
+    pub optimizer_state_bytes: usize,
+}
+
+impl MemoryReport {
+    /// `(key, bytes)` for every field, keyed by the field's name (the keys of `step.memory()`).
+    pub fn entries(&self) -> [(&'static str, usize); 4] {
+        [
+            ("arena_bytes", self.arena_bytes),
+            ("naive_bytes", self.naive_bytes),
+            ("param_bytes", self.param_bytes),
+            ("optimizer_state_bytes", self.optimizer_state_bytes),
+        ]
+    }
 }
 
 struct Inner {
@@ -155,11 +167,7 @@ impl Executable {
                         dtype: e.dtype,
                     }
                 });
-                let slots: &[&str] = match opt.rule {
-                    OptimRule::Sgd { momentum: false } => &[],
-                    OptimRule::Sgd { momentum: true } => &["momentum_buffer"],
-                    OptimRule::Adam | OptimRule::AdamW => &["exp_avg", "exp_avg_sq"],
-                };
+                let slots = opt.rule.slots();
                 let state = slots
                     .iter()
                     .map(|s| state_ref(&opt.state, &format!("{name}.{s}")))
@@ -194,7 +202,7 @@ impl Executable {
             arena_bytes: low.arena_bytes,
             naive_bytes: low.naive_bytes,
             param_bytes: params.bytes(),
-            state_bytes: state_len,
+            optimizer_state_bytes: state_len,
         };
         Ok(Executable {
             backend,
@@ -414,7 +422,7 @@ impl Executable {
         let outer: usize = dims[..axis].iter().product();
         let inner_len: usize = dims[axis + 1..].iter().product::<usize>() * slot.at.dtype.size();
         let row_block = inner_len * outer;
-        if row_block == 0 || !data.len().is_multiple_of(row_block) {
+        if row_block == 0 || data.len() % row_block != 0 {
             return Err(Error::shape(
                 name,
                 format!(
@@ -484,7 +492,7 @@ impl Executable {
             ));
         }
         if let Some(&bad) = read.iter().find(|&&i| i >= self.outputs.len()) {
-            return Err(Error::Graph(format!(
+            return Err(Error::Bounds(format!(
                 "output {bad} does not exist ({} outputs)",
                 self.outputs.len()
             )));
@@ -516,10 +524,20 @@ impl Executable {
             // Only this batch's copy is waited for; a later prefetch keeps copying meanwhile.
             pf.engine.wait(token)?;
             bufs.push(pf.stage.as_ref());
-            pf.variants[set].run(&bufs, hyper)?;
+            // SAFETY: see below; the copy into this staging set has completed (waited above) and
+            // the copy engine only writes the other set.
+            #[allow(unsafe_code)]
+            unsafe {
+                pf.variants[set].run(&bufs, hyper)?
+            };
         } else {
             consumed = None;
-            inner.compiled.run(&bufs, hyper)?;
+            // SAFETY: `inner` (this executable's mutex: arena, staging) and the params/state
+            // run locks are held, so no other run, write or read of these buffers goes on.
+            #[allow(unsafe_code)]
+            unsafe {
+                inner.compiled.run(&bufs, hyper)?
+            };
         }
         let _ = &consumed;
         read.iter()

@@ -44,6 +44,19 @@ pub enum OptimRule {
     AdamW,
 }
 
+impl OptimRule {
+    /// The per-parameter state tensors of the rule, in the order `Instr::Optim::state` lists them;
+    /// the optimizer store names them `<param>.<slot>` (PyTorch's names). The one list of them:
+    /// the stores, the executables and Python's `Optimizer.state` all read it from here.
+    pub fn slots(self) -> &'static [&'static str] {
+        match self {
+            OptimRule::Sgd { momentum: false } => &[],
+            OptimRule::Sgd { momentum: true } => &["momentum_buffer"],
+            OptimRule::Adam | OptimRule::AdamW => &["exp_avg", "exp_avg_sq"],
+        }
+    }
+}
+
 /// Hyper-parameters read at every run, so they may change between steps.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct OptimHyper {

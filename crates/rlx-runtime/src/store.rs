@@ -57,11 +57,7 @@ impl Store {
 
     /// The state an optimizer with `rule` keeps for the parameters of `params`.
     pub fn for_optimizer(backend: &dyn Backend, rule: OptimRule, params: &Store) -> Result<Store> {
-        let slots: &[&str] = match rule {
-            OptimRule::Sgd { momentum: false } => &[],
-            OptimRule::Sgd { momentum: true } => &["momentum_buffer"],
-            OptimRule::Adam | OptimRule::AdamW => &["exp_avg", "exp_avg_sq"],
-        };
+        let slots = rule.slots();
         let mut specs = vec![("step".to_string(), Shape::scalar(), DType::I32)];
         for p in params.entries() {
             for s in slots {

@@ -2,6 +2,7 @@
 use super::{map_rows, math, par_zip, Strided};
 use rlx_ir::{BinaryOp, UnaryOp};
 
+#[inline(always)]
 pub fn unary(op: UnaryOp, x: &[f32], out: &mut [f32]) {
     match op {
         UnaryOp::Neg => par_zip(out, x, |o, &x| *o = -x),
@@ -176,6 +177,7 @@ impl Num for i32 {
 
 /// `out = a (op) b` with numpy broadcasting. Each op is its own monomorphic loop so the
 /// compiler can vectorise it; comparisons give 0/1 in the operand type.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn binary<T: Num>(
     op: BinaryOp,
@@ -217,6 +219,7 @@ pub fn has_zero(x: &[i32]) -> bool {
 }
 
 /// Comparisons as 0/1 masks of type `O` (float32 masks from int32 operands, for instance).
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn compare_into<T: Num, O: Num>(
     op: BinaryOp,
@@ -238,6 +241,7 @@ pub fn compare_into<T: Num, O: Num>(
     }
 }
 
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn zip_with<A: Copy + Sync, B: Copy + Sync, O: Send>(
     a: &[A],
@@ -283,6 +287,7 @@ fn zip_with<A: Copy + Sync, B: Copy + Sync, O: Send>(
 }
 
 /// `out = cond != 0 ? a : b`, all broadcast.
+#[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub fn select<T: Copy + Send + Sync>(
     c: &[f32],

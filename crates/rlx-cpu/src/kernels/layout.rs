@@ -3,6 +3,7 @@
 use super::{map_rows, Strided};
 
 /// `out[i] = src[offset of i under `how`]`.
+#[inline(always)]
 pub fn gather<T: Copy + Send + Sync>(src: &[T], how: &Strided, od: &[usize], out: &mut [T]) {
     map_rows(out, od, &[how], |row, st, sp| {
         if sp[0] == 1 {
@@ -25,6 +26,7 @@ fn around(dims: &[usize], axis: usize) -> (usize, usize, usize) {
 }
 
 /// `out = x[..., start:start+len, ...]` along `axis`.
+#[inline(always)]
 pub fn slice<T: Copy>(x: &[T], xd: &[usize], axis: usize, start: usize, out: &mut [T]) {
     let (outer, n, inner) = around(xd, axis);
     let len = out.len().checked_div(outer * inner).unwrap_or(0);
@@ -35,6 +37,7 @@ pub fn slice<T: Copy>(x: &[T], xd: &[usize], axis: usize, start: usize, out: &mu
 }
 
 /// `out` = `x` with `before` zero rows in front along `axis` (and zeros after).
+#[inline(always)]
 pub fn pad<T: Copy + Default>(
     x: &[T],
     xd: &[usize],
@@ -53,6 +56,7 @@ pub fn pad<T: Copy + Default>(
 }
 
 /// Joins `parts` (each with its dims) along `axis` into `out`.
+#[inline(always)]
 pub fn concat<T: Copy>(parts: &[(&[T], &[usize])], axis: usize, od: &[usize], out: &mut [T]) {
     let (outer, m, inner) = around(od, axis);
     let mut at = 0;

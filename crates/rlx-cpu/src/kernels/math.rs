@@ -8,7 +8,14 @@ pub fn exp(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
     let c = x.clamp(-87.336_55, 88.722_84);
-    let n = (c * LOG2E).round();
+    // Round to nearest by the 1.5 * 2^23 trick: `f32::round` is a libm call on the x86-64
+    // baseline, which would keep this loop from vectorising there.
+    const ROUND: f32 = 12_582_912.0;
+    let t = c * LOG2E + ROUND;
+    let n = t - ROUND;
+    // n as an integer, read from t's low mantissa bits: t stays in [2^23, 2^24), where one unit
+    // in the last place is 1 (a float -> int `as` cast saturates, which costs the vector loop).
+    let ni = t.to_bits().wrapping_sub(ROUND.to_bits()) as i32;
     let r = c - n * LN2_HI - n * LN2_LO;
     // exp(r) on |r| <= ln2/2: degree-6 polynomial.
     let p = 1.0
@@ -16,7 +23,7 @@ pub fn exp(x: f32) -> f32 {
             + r * (0.5
                 + r * (0.166_666_67
                     + r * (0.041_666_668 + r * (0.008_333_334 + r * 0.001_388_889)))));
-    let y = p * f32::from_bits(((n as i32 + 127) as u32) << 23);
+    let y = p * f32::from_bits((ni.wrapping_add(127) as u32) << 23);
     if x < -87.336_55 {
         0.0
     } else if x > 88.722_84 {

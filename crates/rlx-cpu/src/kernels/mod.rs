@@ -76,6 +76,7 @@ fn collapse(dims: &[usize], ops: &[&Strided]) -> (Vec<usize>, Vec<Vec<usize>>) {
 /// Walks `out` (contiguous, shape `dims`) row by row. For each row, `body(row, starts, steps)`
 /// gets the row's output slice and, per operand, the element offset of the row's first element
 /// and the stride along the row. Large outputs are split across threads by rows.
+#[inline(always)]
 pub fn map_rows<O: Send>(
     out: &mut [O],
     dims: &[usize],
@@ -122,21 +123,24 @@ pub fn map_rows<O: Send>(
         let per = rows.div_ceil(rayon::current_num_threads() * 4).max(1);
         out.par_chunks_mut(per * row)
             .enumerate()
-            .for_each(|(c, ch)| work(c * per, ch));
+            .for_each(|(c, ch)| crate::isa::dispatch(|| work(c * per, ch)));
     } else {
-        work(0, out);
+        crate::isa::dispatch(|| work(0, out));
     }
 }
 
 /// Applies `f` to every element of `out` in parallel chunks when large.
+#[inline(always)]
 pub fn par_zip<O: Send, I: Sync>(out: &mut [O], src: &[I], f: impl Fn(&mut O, &I) + Sync) {
     if out.len() >= PAR_MIN {
         let per = out.len().div_ceil(rayon::current_num_threads() * 4);
         out.par_chunks_mut(per)
             .zip(src.par_chunks(per))
-            .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, s)| f(o, s)));
+            .for_each(|(o, s)| {
+                crate::isa::dispatch(|| o.iter_mut().zip(s).for_each(|(o, s)| f(o, s)))
+            });
     } else {
-        out.iter_mut().zip(src).for_each(|(o, s)| f(o, s));
+        crate::isa::dispatch(|| out.iter_mut().zip(src).for_each(|(o, s)| f(o, s)));
     }
 }
 

@@ -5,6 +5,7 @@ use rayon::prelude::*;
 use rlx_ir::{Error, Result};
 
 /// Softmax (or log-softmax) of `x` along `axis`.
+#[inline(always)]
 pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32]) {
     let len = xd[axis];
     let inner: usize = xd[axis + 1..].iter().product();
@@ -19,9 +20,11 @@ pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32])
             softmax_row(o, log);
         };
         if out.len() >= PAR_MIN {
-            out.par_chunks_mut(len).zip(x.par_chunks(len)).for_each(row);
+            out.par_chunks_mut(len)
+                .zip(x.par_chunks(len))
+                .for_each(|r| crate::isa::dispatch(|| row(r)));
         } else {
-            out.chunks_mut(len).zip(x.chunks(len)).for_each(row);
+            crate::isa::dispatch(|| out.chunks_mut(len).zip(x.chunks(len)).for_each(row));
         }
         return;
     }
@@ -41,6 +44,7 @@ pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32])
 }
 
 /// Softmax (or log-softmax) of one row, in place.
+#[inline(always)]
 fn softmax_row(row: &mut [f32], log: bool) {
     let max = math::max(row);
     // All -inf: shift by 0 (0/0 = NaN, as numpy). +inf or NaN: propagate to NaN, as numpy.
@@ -56,6 +60,7 @@ fn softmax_row(row: &mut [f32], log: bool) {
 }
 
 /// `sum(exp(row - max))` without writing the row.
+#[inline(always)]
 fn logsumexp_shifted(row: &[f32], max: f32) -> f32 {
     let mut acc = [0.0f32; 8];
     let chunks = row.chunks_exact(8);
@@ -79,6 +84,7 @@ fn check_label(y: i32, classes: usize) -> Result<usize> {
 }
 
 /// Mean over rows of `logsumexp(logits) - logits[label]`.
+#[inline(always)]
 pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32> {
     let c = ld[1];
     for &y in labels {
@@ -92,10 +98,10 @@ pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32
         logits
             .par_chunks(c)
             .zip(labels.par_iter())
-            .map(row_loss)
+            .map(|r| crate::isa::dispatch(|| row_loss(r)))
             .sum()
     } else {
-        logits.chunks(c).zip(labels).map(row_loss).sum()
+        crate::isa::dispatch(|| logits.chunks(c).zip(labels).map(row_loss).sum())
     };
     if labels.is_empty() {
         return Ok(f32::NAN); // the mean over no rows, as numpy and PyTorch give
@@ -104,6 +110,7 @@ pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32
 }
 
 /// `(softmax(logits) - onehot(labels)) * g / N`.
+#[inline(always)]
 pub fn cross_entropy_grad(
     logits: &[f32],
     ld: &[usize],
@@ -127,18 +134,21 @@ pub fn cross_entropy_grad(
             .par_chunks(c)
             .zip(out.par_chunks_mut(c))
             .zip(labels.par_iter())
-            .for_each(row);
+            .for_each(|r| crate::isa::dispatch(|| row(r)));
     } else {
-        logits
-            .chunks(c)
-            .zip(out.chunks_mut(c))
-            .zip(labels)
-            .for_each(row);
+        crate::isa::dispatch(|| {
+            logits
+                .chunks(c)
+                .zip(out.chunks_mut(c))
+                .zip(labels)
+                .for_each(row)
+        });
     }
     Ok(())
 }
 
 /// Mean of squared differences (NaN for no elements, as a mean over nothing is).
+#[inline(always)]
 pub fn mse(p: &[f32], t: &[f32]) -> f32 {
     if p.is_empty() {
         return f32::NAN;
@@ -162,6 +172,7 @@ fn check_id(id: i32, rows: usize) -> Result<usize> {
 }
 
 /// `out[i] = table[ids[i]]` (rows of `width` elements).
+#[inline(always)]
 pub fn gather(table: &[f32], rows: usize, ids: &[i32], out: &mut [f32]) -> Result<()> {
     let width = table.len().checked_div(rows).unwrap_or(0);
     for (o, &id) in out.chunks_mut(width.max(1)).zip(ids) {
@@ -172,6 +183,7 @@ pub fn gather(table: &[f32], rows: usize, ids: &[i32], out: &mut [f32]) -> Resul
 }
 
 /// `out = 0; out[ids[i]] += g[i]`.
+#[inline(always)]
 pub fn scatter_add(ids: &[i32], g: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
     let width = out.len().checked_div(rows).unwrap_or(0);
     out.fill(0.0);
@@ -186,6 +198,7 @@ pub fn scatter_add(ids: &[i32], g: &[f32], rows: usize, out: &mut [f32]) -> Resu
 }
 
 /// Mean and 1/sqrt(var + eps) of one row.
+#[inline(always)]
 fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
     let mean = math::sum(row) / n;
@@ -206,6 +219,7 @@ fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
 }
 
 /// `(x - mean) * rstd` per row of the last axis.
+#[inline(always)]
 pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
     let row = |(row, o): (&[f32], &mut [f32])| {
         let (mean, rstd) = row_stats(row, eps);
@@ -216,13 +230,14 @@ pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
     if out.len() >= PAR_MIN {
         x.par_chunks(width)
             .zip(out.par_chunks_mut(width))
-            .for_each(row);
+            .for_each(|r| crate::isa::dispatch(|| row(r)));
     } else {
-        x.chunks(width).zip(out.chunks_mut(width)).for_each(row);
+        crate::isa::dispatch(|| x.chunks(width).zip(out.chunks_mut(width)).for_each(row));
     }
 }
 
 /// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` per row.
+#[inline(always)]
 pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f32]) {
     let n = width as f32;
     let row = |((row, gr), o): ((&[f32], &[f32]), &mut [f32])| {
@@ -240,11 +255,13 @@ pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f
         x.par_chunks(width)
             .zip(g.par_chunks(width))
             .zip(out.par_chunks_mut(width))
-            .for_each(row);
+            .for_each(|r| crate::isa::dispatch(|| row(r)));
     } else {
-        x.chunks(width)
-            .zip(g.chunks(width))
-            .zip(out.chunks_mut(width))
-            .for_each(row);
+        crate::isa::dispatch(|| {
+            x.chunks(width)
+                .zip(g.chunks(width))
+                .zip(out.chunks_mut(width))
+                .for_each(row)
+        });
     }
 }

@@ -2,6 +2,7 @@
 use rlx_runtime::{OptimHyper, OptimRule};
 
 /// Applies one update. `step` is the 1-based step count (already incremented for this step).
+#[inline(always)]
 pub fn update(
     rule: OptimRule,
     h: &OptimHyper,

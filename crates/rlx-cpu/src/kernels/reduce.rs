@@ -4,6 +4,7 @@ use rayon::prelude::*;
 use rlx_ir::ReduceOp;
 
 /// Reduces `x` (shape `xd`) over the sorted `axes`; `out` holds the kept dims in order.
+#[inline(always)]
 pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32]) {
     match op {
         ReduceOp::Max => reduce_with(x, xd, axes, out, f32::NEG_INFINITY, super::math::nan_max),
@@ -18,6 +19,7 @@ pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [
 }
 
 /// One monomorphic reduction loop per combine function, so it inlines and vectorises.
+#[inline(always)]
 fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
     x: &[f32],
     xd: &[usize],
@@ -41,9 +43,11 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
     } else if is_suffix {
         let row = |(o, r): (&mut f32, &[f32])| *o = fold_long(r, init, combine);
         if x.len() >= PAR_MIN && out.len() > 1 {
-            out.par_iter_mut().zip(x.par_chunks(count)).for_each(row);
+            out.par_iter_mut()
+                .zip(x.par_chunks(count))
+                .for_each(|r| crate::isa::dispatch(|| row(r)));
         } else {
-            out.iter_mut().zip(x.chunks(count)).for_each(row);
+            crate::isa::dispatch(|| out.iter_mut().zip(x.chunks(count)).for_each(row));
         }
     } else if is_prefix {
         out.fill(init);
@@ -70,12 +74,12 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
             let per = inner.div_ceil(rayon::current_num_threads() * 2).max(16);
             out.par_chunks_mut(per)
                 .enumerate()
-                .for_each(|(c, o)| accumulate(o, c * per));
+                .for_each(|(c, o)| crate::isa::dispatch(|| accumulate(o, c * per)));
         } else {
-            accumulate(out, 0);
+            crate::isa::dispatch(|| accumulate(out, 0));
         }
     } else {
-        general(x, xd, axes, out, init, combine);
+        crate::isa::dispatch(|| general(x, xd, axes, out, init, combine));
     }
 }
 
@@ -89,7 +93,8 @@ const PAR_ROW: usize = 1 << 17;
 /// sum to within ~1e-7 relative, as numpy's pairwise sum). Long rows use two workers.
 fn fold_long<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(r: &[f32], init: f32, combine: F) -> f32 {
     if r.len() <= BLOCK {
-        return fold_row(r, init, combine);
+        // Dispatched here, at the leaves: the recursion itself is never inlined.
+        return crate::isa::dispatch(|| fold_row(r, init, combine));
     }
     let mid = (r.len() / 2).div_ceil(8) * 8;
     let (a, b) = r.split_at(mid);
@@ -123,6 +128,7 @@ fn fold_row<F: Fn(f32, f32) -> f32>(r: &[f32], init: f32, combine: F) -> f32 {
 }
 
 /// Any axes: each output element walks its reduced sub-space with an odometer.
+#[inline(always)]
 fn general<F: Fn(f32, f32) -> f32>(
     x: &[f32],
     xd: &[usize],
@@ -161,6 +167,7 @@ fn general<F: Fn(f32, f32) -> f32>(
 }
 
 /// Sums `x` (shape `xd`) down to the broadcast-compatible shape `od`.
+#[inline(always)]
 pub fn sum_to(x: &[f32], xd: &[usize], out: &mut [f32], od: &[usize]) {
     let lead = xd.len() - od.len();
     let axes: Vec<usize> = (0..xd.len())
