@@ -5,6 +5,7 @@ mod copy;
 mod exec;
 mod kernels;
 mod mem;
+mod train;
 
 use rlx_runtime::{Backend, Compiled, CopyEngine, DeviceBuffer, Program, Result};
 use std::sync::Arc;

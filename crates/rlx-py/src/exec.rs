@@ -3,7 +3,7 @@ use crate::buffer::{ArenaView, Bytes};
 use crate::devices::backend;
 use crate::errors::{guard, to_py, IntoPy};
 use crate::graph::PyGraph;
-use crate::store::{parse_rule, PyStore};
+use crate::store::PyStore;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 use rlx_ir::Error;
@@ -30,10 +30,9 @@ impl PyExecutable {
     ) -> PyResult<PyExecutable> {
         let b = backend(device).py_err(py)?;
         let optimizer = match optimizer {
-            Some((rule, state)) => Some(OptimizerSetup {
-                rule: parse_rule(&rule).py_err(py)?,
-                state: state.store.clone(),
-            }),
+            Some((spec, state)) => {
+                Some(OptimizerSetup::parse(&spec, state.store.clone()).py_err(py)?)
+            }
             None => None,
         };
         let g = graph.graph.clone();
@@ -91,6 +90,11 @@ impl PyExecutable {
             held.push((name, Arc::new(bytes)));
         }
         py.detach(|| guard(|| self.exe.prefetch(held))).py_err(py)
+    }
+
+    /// A readable listing of the lowered program (ops, shapes, buffer offsets).
+    fn listing(&self) -> String {
+        self.exe.listing()
     }
 
     /// Batches waiting in the prefetch queue.

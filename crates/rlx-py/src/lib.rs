@@ -18,6 +18,7 @@ fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(devices::check_device, m)?)?;
     m.add_function(wrap_pyfunction!(store::save_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(store::load_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(store::load_checkpoint_raw, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_panic_for_tests, m)?)?;
     Ok(())
 }

@@ -7,25 +7,13 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use rlx_ir::{Error, Shape};
 use rlx_runtime::{checkpoint, OptimRule, Store};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 #[pyclass(name = "Store", module = "rlx._rlx", frozen)]
 pub struct PyStore {
     pub store: Arc<Store>,
-}
-
-pub fn parse_rule(rule: &str) -> Result<OptimRule, Error> {
-    match rule {
-        "sgd" => Ok(OptimRule::Sgd { momentum: false }),
-        "sgd_momentum" => Ok(OptimRule::Sgd { momentum: true }),
-        "adam" => Ok(OptimRule::Adam),
-        "adamw" => Ok(OptimRule::AdamW),
-        r => Err(Error::unsupported(
-            "optimizer",
-            format!("unknown update rule '{r}'"),
-        )),
-    }
 }
 
 #[pymethods]
@@ -48,13 +36,21 @@ impl PyStore {
         })
     }
 
-    /// The state store of optimizer `rule` for the weights in `params`.
+    /// The state store of optimizer `rule` for the weights in `params`; with `hyper_table`, it
+    /// holds a `hyper` table of settings, one row per parameter, that updates read.
     #[staticmethod]
-    fn for_optimizer(py: Python<'_>, rule: &str, params: &PyStore) -> PyResult<PyStore> {
+    #[pyo3(signature = (rule, params, hyper_table=true))]
+    fn for_optimizer(
+        py: Python<'_>,
+        rule: &str,
+        params: &PyStore,
+        hyper_table: bool,
+    ) -> PyResult<PyStore> {
         let b = backend(params.store.device()).py_err(py)?;
-        let rule = parse_rule(rule).py_err(py)?;
+        let rule = OptimRule::parse(rule).py_err(py)?;
+        let store = Store::for_optimizer(b.as_ref(), rule, &params.store, hyper_table);
         Ok(PyStore {
-            store: Arc::new(Store::for_optimizer(b.as_ref(), rule, &params.store).py_err(py)?),
+            store: Arc::new(store.py_err(py)?),
         })
     }
 
@@ -103,12 +99,15 @@ impl PyStore {
     }
 }
 
-/// Writes `[(name, dtype, shape, array)]` to `path` atomically in the safetensors format.
+/// Writes `[(name, dtype, shape, array)]` to `path` atomically in the safetensors format, with
+/// optional string `metadata` in the header.
 #[pyfunction]
+#[pyo3(signature = (path, tensors, metadata=None))]
 pub fn save_checkpoint(
     py: Python<'_>,
     path: PathBuf,
     tensors: Vec<(String, String, Vec<usize>, Bound<'_, PyAny>)>,
+    metadata: Option<HashMap<String, String>>,
 ) -> PyResult<()> {
     let mut owned = Vec::with_capacity(tensors.len());
     for (name, dtype, shape, data) in &tensors {
@@ -123,7 +122,7 @@ pub fn save_checkpoint(
         .iter()
         .map(|(n, d, s, b)| (*n, *d, *s, b.as_slice()))
         .collect();
-    py.detach(|| guard(|| checkpoint::save(&path, &views)))
+    py.detach(|| guard(|| checkpoint::save_with_metadata(&path, &views, metadata)))
         .py_err(py)
 }
 
@@ -146,4 +145,29 @@ pub fn load_checkpoint<'py>(
         .into_iter()
         .map(|t| (t.name, t.dtype.name(), t.shape, PyBytes::new(py, &t.data)))
         .collect())
+}
+
+/// A loaded file as Python sees it: `([(name, dtype, shape, bytes)], metadata)`.
+type LoadedFile<'py> = (
+    Vec<(String, &'static str, Vec<usize>, Bound<'py, PyBytes>)>,
+    HashMap<String, String>,
+);
+
+/// Like `load_checkpoint`, but tensors of any common dtype (named as numpy names them, e.g.
+/// `"bfloat16"`, `"int64"`) and the header's metadata are returned; the caller converts.
+#[pyfunction]
+#[pyo3(signature = (path, max_bytes=None))]
+pub fn load_checkpoint_raw<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    max_bytes: Option<u64>,
+) -> PyResult<LoadedFile<'py>> {
+    let (tensors, metadata) = py
+        .detach(|| guard(|| checkpoint::load_raw(&path, max_bytes)))
+        .py_err(py)?;
+    let tensors = tensors
+        .into_iter()
+        .map(|t| (t.name, t.dtype, t.shape, PyBytes::new(py, &t.data)))
+        .collect();
+    Ok((tensors, metadata))
 }

@@ -167,18 +167,9 @@ fn linear_model(backend: &Arc<dyn Backend>) -> (Executable, Arc<Store>) {
     let params = Arc::new(Store::new(backend.as_ref(), &specs).unwrap());
     params.write("w", &f32s(&W0)).unwrap();
     params.write("b", &f32s(&B0)).unwrap();
-    let state = Arc::new(
-        Store::for_optimizer(
-            backend.as_ref(),
-            OptimRule::Sgd { momentum: false },
-            &params,
-        )
-        .unwrap(),
-    );
-    let opt = OptimizerSetup {
-        rule: OptimRule::Sgd { momentum: false },
-        state,
-    };
+    let state =
+        Arc::new(Store::for_optimizer(backend.as_ref(), OptimRule::Sgd, &params, false).unwrap());
+    let opt = OptimizerSetup::new(OptimRule::Sgd, state);
     (
         Executable::new(backend.clone(), &bw, params.clone(), Some(opt)).unwrap(),
         params,

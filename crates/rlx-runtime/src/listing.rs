@@ -1,0 +1,74 @@
+//! A readable text listing of a lowered program: one line per instruction with its operands'
+//! buffers, byte offsets, shapes and dtypes (`step.graph()` / `fn.graph()` in Python).
+use crate::{Buf, Instr, MemoryReport, Program, TRef};
+use std::fmt::Write;
+
+fn place(t: &TRef) -> String {
+    let buf = match t.buf {
+        Buf::Arena => "arena",
+        Buf::Params => "params",
+        Buf::State => "state",
+        Buf::Stage => "stage",
+    };
+    format!("{} {}@{buf}+{}", t.dtype, t.shape, t.offset)
+}
+
+/// The listing of `program` with its inputs, outputs and memory summary.
+pub fn program(
+    program: &Program,
+    inputs: &[String],
+    outputs: &[TRef],
+    memory: &MemoryReport,
+) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "program: {} instructions; arena {} bytes (naive {}), params {} bytes, optimizer state {} bytes",
+        program.instrs.len(),
+        memory.arena_bytes,
+        memory.naive_bytes,
+        memory.param_bytes,
+        memory.state_bytes
+    );
+    let _ = writeln!(s, "inputs: {}", inputs.join(", "));
+    for (i, instr) in program.instrs.iter().enumerate() {
+        match instr {
+            Instr::Op { op, ins, out } => {
+                let args: Vec<String> = ins.iter().map(place).collect();
+                let _ = writeln!(
+                    s,
+                    "{i:4}  {} = {}({})",
+                    place(out),
+                    op.name(),
+                    args.join(", ")
+                );
+            }
+            Instr::Update(plan) => {
+                let mut opts = Vec::new();
+                if let Some(c) = plan.clip {
+                    opts.push(format!("clip_grad_norm={c}"));
+                }
+                if plan.accumulate > 1 {
+                    opts.push(format!("accumulate={}", plan.accumulate));
+                }
+                if plan.skip_nonfinite {
+                    opts.push("skip_nonfinite".to_string());
+                }
+                let _ = writeln!(
+                    s,
+                    "{i:4}  update {:?} over {} parameters{}{}",
+                    plan.rule,
+                    plan.params.len(),
+                    if opts.is_empty() { "" } else { ": " },
+                    opts.join(", ")
+                );
+                for p in &plan.params {
+                    let _ = writeln!(s, "        {} -= f({})", place(&p.param), place(&p.grad));
+                }
+            }
+        }
+    }
+    let outs: Vec<String> = outputs.iter().map(place).collect();
+    let _ = writeln!(s, "outputs: {}", outs.join(", "));
+    s
+}
