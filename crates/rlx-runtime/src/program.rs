@@ -96,8 +96,14 @@ pub mod hyper_col {
     pub const ALPHA: usize = 8;
     /// Adagrad's learning-rate decay.
     pub const LR_DECAY: usize = 9;
+    /// `1 - alpha`, `1 - dampening`, `1 - beta1`, `1 - beta2`, computed by the front end in
+    /// double precision and rounded once, as PyTorch passes them to its kernels.
+    pub const ONE_MINUS_ALPHA: usize = 10;
+    pub const ONE_MINUS_DAMPENING: usize = 11;
+    pub const ONE_MINUS_BETA1: usize = 12;
+    pub const ONE_MINUS_BETA2: usize = 13;
     /// Row length.
-    pub const LEN: usize = 10;
+    pub const LEN: usize = 14;
 }
 
 /// Columns of a training step's statistics output (float32, [`stat::LEN`]).

@@ -15,7 +15,8 @@ from .. import _check, _rlx
 from ..errors import CheckpointError, InputError, RlxError
 
 # Columns of the per-parameter settings table (rlx_runtime::hyper_col).
-_COLUMNS = ("lr", "weight_decay", "momentum", "dampening", "nesterov", "beta1", "beta2", "eps", "alpha", "lr_decay")
+_COLUMNS = ("lr", "weight_decay", "momentum", "dampening", "nesterov", "beta1", "beta2", "eps", "alpha", "lr_decay",
+            "1-alpha", "1-dampening", "1-beta1", "1-beta2")
 _META_KEY = "rlx.optimizer"
 
 
@@ -125,6 +126,8 @@ class Optimizer:
                 "dampening": s.get("dampening", 0.0), "nesterov": 1.0 if s.get("nesterov") else 0.0,
                 "beta1": b1, "beta2": b2, "eps": s.get("eps", 1e-8), "alpha": s.get("alpha", 0.99),
                 "lr_decay": s.get("lr_decay", 0.0)}
+        for k in ("alpha", "dampening", "beta1", "beta2"):
+            vals["1-" + k] = 1.0 - vals[k]  # in double precision, rounded once (as PyTorch)
         return [float(vals[c]) for c in _COLUMNS]
 
     def _group_of(self, name: str) -> int:

@@ -15,6 +15,10 @@ pub struct Hyper {
     pub eps: f32,
     pub alpha: f32,
     pub lr_decay: f32,
+    pub one_minus_alpha: f32,
+    pub one_minus_dampening: f32,
+    pub one_minus_beta1: f32,
+    pub one_minus_beta2: f32,
 }
 
 impl Hyper {
@@ -30,6 +34,10 @@ impl Hyper {
             eps: r[col::EPS],
             alpha: r[col::ALPHA],
             lr_decay: r[col::LR_DECAY],
+            one_minus_alpha: r[col::ONE_MINUS_ALPHA],
+            one_minus_dampening: r[col::ONE_MINUS_DAMPENING],
+            one_minus_beta1: r[col::ONE_MINUS_BETA1],
+            one_minus_beta2: r[col::ONE_MINUS_BETA2],
         }
     }
 
@@ -46,6 +54,10 @@ impl Hyper {
             eps: h.eps,
             alpha: 0.99,
             lr_decay: 0.0,
+            one_minus_alpha: (1.0 - 0.99f64) as f32,
+            one_minus_dampening: 1.0,
+            one_minus_beta1: (1.0 - h.beta1 as f64) as f32,
+            one_minus_beta2: (1.0 - h.beta2 as f64) as f32,
         }
     }
 }
@@ -189,7 +201,7 @@ pub fn update(
             let started = started.expect("sgd keeps a started flag");
             let first = *started == 0;
             *started = 1;
-            let (m, damp) = (h.momentum, 1.0 - h.dampening);
+            let (m, damp) = (h.momentum, h.one_minus_dampening);
             for i in 0..n {
                 let d = grad(i, p[i]);
                 let b = if first { d } else { m * buf[i] + damp * d };
@@ -207,14 +219,15 @@ pub fn update(
             let adamw = rule == OptimRule::AdamW;
             let decay = if adamw { 1.0 - lr * wd } else { 1.0 };
             let (b1, b2, eps) = (h.beta1, h.beta2, h.eps);
+            let (c1, c2) = (h.one_minus_beta1, h.one_minus_beta2);
             let (m, v) = state.split_at_mut(1);
             let (m, v) = (&mut m[0][..n], &mut v[0][..n]);
             for i in 0..n {
                 let pi = p[i] * decay;
                 let gs = if scale == 1.0 { g[i] } else { g[i] * scale };
                 let gi = if adamw || wd == 0.0 { gs } else { gs + wd * pi };
-                let mi = b1 * m[i] + (1.0 - b1) * gi;
-                let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
+                let mi = b1 * m[i] + c1 * gi;
+                let vi = b2 * v[i] + c2 * gi * gi;
                 m[i] = mi;
                 v[i] = vi;
                 p[i] = pi - step_size * mi / (vi.sqrt() * inv_bc2_sqrt + eps);
@@ -223,10 +236,10 @@ pub fn update(
         OptimRule::RmsProp => {
             let (sq, buf) = state.split_at_mut(1);
             let (sq, buf) = (&mut sq[0][..n], &mut buf[0][..n]);
-            let (a, eps, m) = (h.alpha, h.eps, h.momentum);
+            let (a, c, eps, m) = (h.alpha, h.one_minus_alpha, h.eps, h.momentum);
             for i in 0..n {
                 let gi = grad(i, p[i]);
-                let s = a * sq[i] + (1.0 - a) * gi * gi;
+                let s = a * sq[i] + c * gi * gi;
                 sq[i] = s;
                 let avg = s.sqrt() + eps;
                 if m > 0.0 {
@@ -267,6 +280,10 @@ mod tests {
             eps: 1e-8,
             alpha: 0.99,
             lr_decay: 0.0,
+            one_minus_alpha: 0.01,
+            one_minus_dampening: 1.0,
+            one_minus_beta1: 0.1,
+            one_minus_beta2: 0.001,
         }
     }
 
