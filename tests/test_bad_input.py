@@ -157,7 +157,6 @@ WRONG_SPECS = {
     "dict": {"a": 1},
     "float-dim": (2.5, 3),
     "nan-dim": (float("nan"),),
-    "None-dim": (3, None),
     "negative": (-1,),
     "negative-2": (2, -3),
     "object": object(),

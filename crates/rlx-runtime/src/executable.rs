@@ -131,7 +131,7 @@ impl Executable {
             }
         }
         let memory = MemoryReport {
-            arena_bytes,
+            arena_bytes: low.arena_bytes,
             naive_bytes: low.naive_bytes,
             param_bytes: params.bytes(),
             state_bytes: state_len,
