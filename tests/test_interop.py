@@ -9,7 +9,6 @@ import threading
 
 import numpy as np
 import pytest
-
 import rlx
 from rlx import _rlx
 

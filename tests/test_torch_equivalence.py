@@ -3,7 +3,6 @@ clipping x accumulation over 20 updates from the same weights; state dicts both 
 
 import numpy as np
 import pytest
-
 import rlx
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed; these tests compare against it")

@@ -837,5 +837,5 @@ class TransformerBlock(Module):
         return self._mlp(x + a), k, v
 
 
-__all__ = ["Module", "Parameter", "Buffer", "ModuleList", "ModuleDict", "IncompatibleKeys", "Linear", "ReLU", "GELU", "Sequential", "Embedding", "LayerNorm",
-           "MultiHeadAttention", "TransformerBlock"]
+__all__ = ["Module", "Parameter", "Buffer", "ModuleList", "ModuleDict", "IncompatibleKeys", "Linear", "ReLU", "GELU",
+           "Sequential", "Embedding", "LayerNorm", "MultiHeadAttention", "TransformerBlock"]
