@@ -123,7 +123,9 @@ def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[st
     missing = [n for n in names if n not in arrays and n not in bound]
     if missing:
         raise InputError(f"[{missing[0]}] missing input; expected {sorted(specs)}")
-    return {n: convert(n, specs[n].shape, specs[n].dtype, v) for n, v in arrays.items() if n in names}
+    # Every declared input is checked, even one the traced function does not read.
+    converted = {n: convert(n, specs[n].shape, specs[n].dtype, v) for n, v in arrays.items()}
+    return {n: v for n, v in converted.items() if n in names}
 
 
 class _Variant:
@@ -197,14 +199,20 @@ class _Compiled:
         return var
 
     def prefetch(self, **arrays: Any) -> None:
-        """Starts copying a batch into a free input buffer and returns at once. Calls made
-        without arrays consume prefetched batches in order, each waiting only for its own copy.
-        Two batches may wait; a third prefetch raises ``RlxError``. The arrays are kept alive
-        until their batch is consumed; do not modify them before then.
+        """Takes a snapshot of the batch (a copy of each array, made now) and queues its copy
+        into a free input buffer on the copy engine, then returns without waiting for that copy.
+        Calls made without arrays consume prefetched batches in order, each waiting only for
+        its own copy. Two batches may wait; a third prefetch raises ``RlxError``. Because the
+        batch is copied at the call, the arrays may be changed or reused right away: the step
+        sees the values they had when ``prefetch`` was called.
 
-        Example:
-            >>> step.prefetch(x=x0, y=y0)
-            >>> loss = step()              # runs on (x0, y0)
+        Example::
+
+            step.prefetch(x=xs[0], y=ys[0])
+            for i in range(1, n):
+                step.prefetch(x=xs[i], y=ys[i])   # copied while the step below runs
+                loss = step()                      # consumes batch i - 1
+            loss = step()
         """
         self._check_model()
         unknown = sorted(set(arrays) - set(self._specs))
@@ -214,7 +222,7 @@ class _Compiled:
         if self._dynamic and len(self._queue) >= 2:
             raise RlxError("[prefetch] 2 prefetched batches are already waiting; run a step first")
         feeds = {n: convert(n, var.specs[n].shape, var.specs[n].dtype, v) for n, v in arrays.items()}
-        var.exe.prefetch(feeds)
+        var.exe.prefetch({n: v for n, v in feeds.items() if n in var.names})
         self._queue.append(var)
 
     @property

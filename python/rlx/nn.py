@@ -234,6 +234,11 @@ def _cast(name: str, arr: np.ndarray) -> np.ndarray:
     raise CheckpointError(f"'{name}': cannot load a {arr.dtype} array into a float32 parameter")
 
 
+#: Float dtypes (safetensors names) a checkpoint may hold for float32 parameters, by size.
+_FILE_FLOATS = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+_FILE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I32": "int32", "I64": "int64"}
+
+
 def _from_file(dtype: str, shape: list[int], data: bytes) -> np.ndarray:
     if dtype == "bfloat16":
         bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
@@ -409,6 +414,22 @@ class Module:
 
     # --- state dicts and checkpoints -----------------------------------------------------------
 
+    def _snapshot(self) -> dict[str, np.ndarray]:
+        """Copies of every parameter and buffer, each weight store read under its lock: the
+        values of one step, never half of one update and half of the next."""
+        params = self._tensors()
+        stores = {id(p._store): p._store for p in params.values() if p._store is not None}
+        read = {sid: dict(store.read_all()) for sid, store in stores.items()}
+        out = {}
+        for n, p in params.items():
+            if p._store is None:
+                assert p._host is not None
+                out[n] = p._host.copy()
+            else:
+                raw = read[id(p._store)][p._name]
+                out[n] = np.frombuffer(raw, dtype=np.float32).reshape(p._store_shape).copy()
+        return out
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """Copies of every parameter and buffer by dotted name (PyTorch's names and layouts).
 
@@ -417,7 +438,7 @@ class Module:
             >>> {k: v.shape for k, v in sd.items()}
             {'weight': (2, 3), 'bias': (2,)}
         """
-        return {n: np.array(p.numpy(), dtype=np.float32) for n, p in self._tensors().items()}
+        return self._snapshot()
 
     def _linear_weights(self) -> dict[str, tuple[int, int]]:
         """Dotted names of every Linear weight with its (out_features, in_features)."""
@@ -453,8 +474,17 @@ class Module:
                     )
                 raise CheckpointError(f"{where}'{name}' has shape {shape} but the model's is {p.shape}")
             ready[name] = _cast(name, arr)
+        # One write per weight store: a function running in another thread sees all old values
+        # or all new ones.
+        by_store: dict[int, tuple[Any, list[tuple[str, np.ndarray]]]] = {}
         for name, arr in ready.items():
-            params[name]._assign(arr)
+            p = params[name]
+            if p._store is None:
+                p._assign(arr)
+            else:
+                by_store.setdefault(id(p._store), (p._store, []))[1].append((p._name, arr.reshape(-1)))
+        for store, writes in by_store.values():
+            store.write_many(writes)
         return IncompatibleKeys(missing, unexpected)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
@@ -489,7 +519,7 @@ class Module:
             >>> rlx.nn.Linear(3, 2).save("lin.safetensors")
         """
         path = _check.path("save", path)
-        tensors = [(n, "float32", list(p.shape), contiguous(p.numpy()).reshape(-1)) for n, p in self._tensors().items()]
+        tensors = [(n, "float32", list(v.shape), v.reshape(-1)) for n, v in self._snapshot().items()]
         _rlx.save_checkpoint(str(path), tensors, {LAYOUT_KEY: LAYOUT})
 
     def load(self, path: str, legacy_layout: bool = False) -> None:
@@ -505,7 +535,23 @@ class Module:
         """
         path = _check.path("load", path)
         params = self._tensors()
-        expected = sum(8 * int(np.prod(p.shape)) for p in params.values())  # float64 files too
+        # Names, dtypes and shapes first, from the header alone (before any data is read).
+        header = {name: (dtype, tuple(shape)) for name, dtype, shape in _rlx.checkpoint_header(str(path))}
+        missing = sorted(set(params) - set(header))
+        unexpected = sorted(set(header) - set(params))
+        if missing or unexpected:
+            raise CheckpointError(f"{path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+        linear = self._linear_weights()
+        for name, p in params.items():
+            dtype, shape = header[name]
+            shown = _FILE_NAMES.get(dtype, dtype)
+            if dtype not in _FILE_FLOATS:
+                raise CheckpointError(f"{path}: '{name}' is {shown} {shape} in the checkpoint but float32 {p.shape} in "
+                                      "the model (float32/float16/bfloat16/float64 tensors load by casting)")
+            transposed = name in linear and shape == p.shape[::-1]
+            if shape != p.shape and not transposed:
+                raise CheckpointError(f"{path}: '{name}' is {shown} {shape} in the checkpoint but float32 {p.shape} in the model")
+        expected = sum(_FILE_FLOATS[header[n][0]] * int(np.prod(p.shape)) for n, p in params.items())
         tensors, metadata = _rlx.load_checkpoint_raw(str(path), expected)
         arrays = {}
         for name, dtype, shape, data in tensors:

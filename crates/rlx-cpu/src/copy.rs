@@ -1,5 +1,9 @@
 //! The CPU copy engine: one dedicated thread doing the memcpys, in issue order, off the
 //! caller's thread; completion is tracked by sequence number under a mutex + condvar.
+//!
+//! After `fork()` the child has the engine's memory but not its thread: every call there
+//! returns an error at once instead of waiting for copies nobody will do, and dropping the
+//! engine in the child leaves the parent's thread and channel alone.
 use rlx_ir::{AsyncCopy, BarrierToken, Error, Result};
 use rlx_runtime::backend::check_copy;
 use rlx_runtime::{CopyDst, CopySrc};
@@ -34,6 +38,8 @@ struct Shared {
 /// Copies on a background thread. See [`rlx_ir::copy`] for the contract.
 pub struct CpuCopyEngine {
     id: u64,
+    /// The process that started the worker thread.
+    pid: u32,
     /// Issue order and the channel to the worker, under one lock so sequence numbers reach the
     /// worker in order.
     issue: Mutex<(u64, Option<Sender<Job>>)>,
@@ -71,10 +77,28 @@ impl CpuCopyEngine {
             .map_err(|e| Error::Device(format!("cannot start the copy thread: {e}")))?;
         Ok(CpuCopyEngine {
             id: NEXT_ENGINE.fetch_add(1, Ordering::Relaxed),
+            pid: std::process::id(),
             issue: Mutex::new((0, Some(tx))),
             shared,
             worker: Some(worker),
         })
+    }
+
+    /// Refuses use from a forked child, whose copy thread does not exist.
+    fn check_process(&self) -> Result<()> {
+        if self.pid == std::process::id() {
+            return Ok(());
+        }
+        Err(Error::Device(
+            "this copy engine belongs to the parent process (it was started before fork()); \
+             its copies cannot be issued or waited for in the child"
+                .into(),
+        ))
+    }
+
+    /// Whether the engine was started by another process (this one is a forked child).
+    pub fn is_inherited(&self) -> bool {
+        self.pid != std::process::id()
     }
 
     fn wait_seq(&self, seq: u64) -> Result<()> {
@@ -115,6 +139,7 @@ impl AsyncCopy for CpuCopyEngine {
     type Dst = CopyDst;
 
     fn issue(&self, src: CopySrc, dst: CopyDst, bytes: usize) -> Result<BarrierToken> {
+        self.check_process()?;
         check_copy(&src, &dst, bytes)?;
         let mut issue = self.issue.lock().unwrap_or_else(|e| e.into_inner());
         let seq = issue.0 + 1;
@@ -137,6 +162,7 @@ impl AsyncCopy for CpuCopyEngine {
     }
 
     fn wait(&self, token: BarrierToken) -> Result<()> {
+        self.check_process()?;
         if token.engine != self.id {
             return Err(Error::Device(format!(
                 "a barrier token of copy engine {} was waited on engine {}",
@@ -154,6 +180,7 @@ impl AsyncCopy for CpuCopyEngine {
     }
 
     fn wait_all(&self) -> Result<()> {
+        self.check_process()?;
         let issued = self.issue.lock().unwrap_or_else(|e| e.into_inner()).0;
         self.wait_seq(issued)?;
         let p = self
@@ -167,6 +194,15 @@ impl AsyncCopy for CpuCopyEngine {
 
 impl Drop for CpuCopyEngine {
     fn drop(&mut self) {
+        if self.is_inherited() {
+            // A forked child: the worker thread is the parent's. Its handle cannot be joined
+            // and the channel may have been mid-operation at the fork, so neither is touched.
+            let sender =
+                std::mem::take(&mut self.issue.get_mut().unwrap_or_else(|e| e.into_inner()).1);
+            std::mem::forget(sender);
+            std::mem::forget(self.worker.take());
+            return;
+        }
         // Closing the channel ends the worker once every queued copy is done.
         self.issue.lock().unwrap_or_else(|e| e.into_inner()).1 = None;
         if let Some(w) = self.worker.take() {

@@ -111,16 +111,28 @@ fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
 
 impl Compiled for CpuProgram {
     fn run(&mut self, buffers: &[&dyn DeviceBuffer], hyper: Option<&OptimHyper>) -> Result<()> {
-        let b = Bases::new(buffers, &self.lens)?;
+        // Where kernels' parallel loops find live threads (see `pool`: a forked child gets a
+        // pool of its own).
+        crate::pool::run(|| self.run_on_pool(buffers, hyper))
+    }
+}
+
+impl CpuProgram {
+    fn run_on_pool(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&OptimHyper>,
+    ) -> Result<()> {
+        let b = &Bases::new(buffers, &self.lens)?;
         for instr in &self.instrs {
             let t0 = self.profile.is_some().then(std::time::Instant::now);
             // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each output is
             // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
             match instr {
-                Instr::Op { op, ins, out } => unsafe { run_op(&b, op, ins, out)? },
+                Instr::Op { op, ins, out } => unsafe { run_op(b, op, ins, out)? },
                 // SAFETY: `CpuProgram::new` proved the update's written tensors disjoint from
                 // each other and from everything it reads.
-                Instr::Update(plan) => unsafe { crate::train::run(&b, plan, hyper)? },
+                Instr::Update(plan) => unsafe { crate::train::run(b, plan, hyper)? },
             }
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
                 let e = p.entry(profile_key(instr)).or_default();

@@ -5,6 +5,7 @@ mod copy;
 mod exec;
 mod kernels;
 mod mem;
+mod pool;
 mod train;
 
 use rlx_runtime::{Backend, Compiled, CopyEngine, DeviceBuffer, Program, Result};
@@ -12,6 +13,7 @@ use std::sync::Arc;
 
 pub use copy::CpuCopyEngine;
 pub use mem::CpuBuffer;
+pub use pool::thread_count;
 
 /// Planned tensors start on cache-line multiples that also suit AVX-512 loads.
 pub const ALIGN: usize = 64;

@@ -1,7 +1,8 @@
 //! `rlx._rlx.Executable`: a compiled graph; runs release the GIL.
 use crate::buffer::{ArenaView, Bytes};
 use crate::devices::backend;
-use crate::errors::{guard, to_py, IntoPy};
+use crate::errors::{to_py, IntoPy};
+use crate::gate::native;
 use crate::graph::PyGraph;
 use crate::store::PyStore;
 use pyo3::prelude::*;
@@ -9,6 +10,9 @@ use pyo3::types::{PyByteArray, PyDict};
 use rlx_ir::Error;
 use rlx_runtime::{Executable, HostBytes, OptimHyper, OptimizerSetup};
 use std::sync::Arc;
+
+/// An input slot as Python sees it: (name, shape, dtype, bound).
+type SlotInfo = (String, Vec<usize>, &'static str, bool);
 
 #[pyclass(name = "Executable", module = "rlx._rlx", frozen)]
 pub struct PyExecutable {
@@ -37,9 +41,7 @@ impl PyExecutable {
         };
         let g = graph.graph.clone();
         let store = params.store.clone();
-        let exe = py
-            .detach(|| guard(|| Executable::new(b, &g, store, optimizer)))
-            .py_err(py)?;
+        let exe = native(py, || Executable::new(b, &g, store, optimizer))?;
         Ok(PyExecutable { exe })
     }
 
@@ -74,22 +76,33 @@ impl PyExecutable {
                 eps,
             },
         );
-        let outs = py
-            .detach(|| guard(|| self.exe.run(&views, hyper.as_ref(), &read)))
-            .py_err(py)?;
+        let outs = native(py, || self.exe.run(&views, hyper.as_ref(), &read))?;
+        drop(views);
+        drop(held); // the callers' buffers are released here, with the GIL held
         Ok(outs.iter().map(|o| PyByteArray::new(py, o)).collect())
     }
 
-    /// Starts copying a batch into a free staging set on the copy engine; returns at once. The
-    /// arrays are held until the batch is consumed by a run without feeds.
+    /// Snapshots a batch (a copy of each array, taken now without the GIL, so the caller may
+    /// change or reuse its arrays at once) and queues its copy into a free staging set on the
+    /// copy engine; returns without waiting for that copy. No Python object is kept.
     fn prefetch(&self, py: Python<'_>, feeds: &Bound<'_, PyDict>) -> PyResult<()> {
-        let mut held: Vec<(String, Arc<dyn HostBytes>)> = Vec::with_capacity(feeds.len());
+        let mut held = Vec::with_capacity(feeds.len());
         for (k, v) in feeds.iter() {
             let name: String = k.extract()?;
             let bytes = Bytes::get(&v, &name)?;
-            held.push((name, Arc::new(bytes)));
+            held.push((name, bytes));
         }
-        py.detach(|| guard(|| self.exe.prefetch(held))).py_err(py)
+        let views: Vec<(&str, &[u8])> = held
+            .iter()
+            .map(|(n, b)| (n.as_str(), b.as_slice()))
+            .collect();
+        native(py, || {
+            let owned: Vec<(String, Arc<dyn HostBytes>)> = views
+                .iter()
+                .map(|(n, b)| (n.to_string(), Arc::new(b.to_vec()) as Arc<dyn HostBytes>))
+                .collect();
+            self.exe.prefetch(owned)
+        })
     }
 
     /// A readable listing of the lowered program (ops, shapes, buffer offsets).
@@ -98,16 +111,15 @@ impl PyExecutable {
     }
 
     /// Batches waiting in the prefetch queue.
-    fn prefetched(&self) -> usize {
-        self.exe.prefetched()
+    fn prefetched(&self, py: Python<'_>) -> PyResult<usize> {
+        native(py, || Ok(self.exe.prefetched()))
     }
 
     /// Places a resident input once; later runs may omit it.
     fn bind(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let bytes = Bytes::get(data, name)?;
         let slice = bytes.as_slice();
-        py.detach(|| guard(|| self.exe.bind(name, slice)))
-            .py_err(py)
+        native(py, || self.exe.bind(name, slice))
     }
 
     /// Writes whole rows along `axis` of input `name` from row `start`, in place.
@@ -120,7 +132,8 @@ impl PyExecutable {
         data: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let bytes = Bytes::get(data, name)?;
-        guard(|| self.exe.write_rows(name, axis, start, bytes.as_slice())).py_err(py)
+        let slice = bytes.as_slice();
+        native(py, || self.exe.write_rows(name, axis, start, slice))
     }
 
     /// Planned sizes in bytes.
@@ -135,12 +148,12 @@ impl PyExecutable {
     }
 
     /// `[(name, shape, dtype, bound)]` of the inputs the program reads.
-    fn input_slots(&self) -> Vec<(String, Vec<usize>, &'static str, bool)> {
-        self.exe
-            .inputs()
+    fn input_slots(&self, py: Python<'_>) -> PyResult<Vec<SlotInfo>> {
+        let slots = native(py, || Ok(self.exe.inputs()))?;
+        Ok(slots
             .into_iter()
             .map(|s| (s.name, s.at.shape.0, s.at.dtype.name(), s.bound))
-            .collect()
+            .collect())
     }
 
     /// `[(shape, dtype)]` of the outputs.
@@ -154,7 +167,9 @@ impl PyExecutable {
 
     /// A zero-copy view of input `name`'s slot (None when not host-visible).
     fn input_view(&self, py: Python<'_>, name: &str) -> PyResult<Option<ArenaView>> {
-        let slot = self.exe.inputs().into_iter().find(|s| s.name == name);
+        let slot = native(py, || Ok(self.exe.inputs()))?
+            .into_iter()
+            .find(|s| s.name == name);
         let slot = slot.ok_or_else(|| to_py(py, Error::input(name, "unknown input")))?;
         Ok(ArenaView::new(
             self.exe.arena().clone(),

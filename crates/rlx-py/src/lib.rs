@@ -3,6 +3,7 @@ mod buffer;
 mod devices;
 mod errors;
 mod exec;
+mod gate;
 mod graph;
 mod store;
 
@@ -19,6 +20,9 @@ fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::save_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(store::load_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(store::load_checkpoint_raw, m)?)?;
+    m.add_function(wrap_pyfunction!(store::checkpoint_header, m)?)?;
+    m.add_function(wrap_pyfunction!(gate::_before_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(gate::_after_fork, m)?)?;
     m.add_function(wrap_pyfunction!(errors::_panic_for_tests, m)?)?;
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! `rlx._rlx.Store` (a model's weights or an optimizer's state on one device) and checkpoints.
 use crate::buffer::{ArenaView, Bytes};
 use crate::devices::backend;
-use crate::errors::{guard, to_py, IntoPy};
+use crate::errors::{to_py, IntoPy};
+use crate::gate::native;
 use crate::graph::parse_dtype;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -31,8 +32,9 @@ impl PyStore {
             .map(|(n, s, d)| parse_dtype(&d).map(|d| (n, Shape(s), d)))
             .collect::<Result<Vec<_>, _>>()
             .py_err(py)?;
+        let store = native(py, || Store::new(b.as_ref(), &specs))?;
         Ok(PyStore {
-            store: Arc::new(Store::new(b.as_ref(), &specs).py_err(py)?),
+            store: Arc::new(store),
         })
     }
 
@@ -76,13 +78,35 @@ impl PyStore {
     /// Overwrites tensor `name` with the bytes of a C-contiguous array.
     fn write(&self, py: Python<'_>, name: &str, data: &Bound<'_, PyAny>) -> PyResult<()> {
         let bytes = Bytes::get(data, name)?;
-        self.store.write(name, bytes.as_slice()).py_err(py)
+        let slice = bytes.as_slice();
+        native(py, || self.store.write(name, slice))
+    }
+
+    /// Overwrites several tensors `[(name, array)]` as one change: all are checked first, then
+    /// written under the store's lock, so no run sees a mix of old and new values.
+    fn write_many(&self, py: Python<'_>, tensors: Vec<(String, Bound<'_, PyAny>)>) -> PyResult<()> {
+        let held = tensors
+            .iter()
+            .map(|(n, d)| Bytes::get(d, n).map(|b| (n.as_str(), b)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let views: Vec<(&str, &[u8])> = held.iter().map(|(n, b)| (*n, b.as_slice())).collect();
+        native(py, || self.store.write_many(&views))
     }
 
     /// A copy of tensor `name`'s bytes.
     fn read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
-        let v = self.store.read(name).py_err(py)?;
+        let v = native(py, || self.store.read(name))?;
         Ok(PyBytes::new(py, &v))
+    }
+
+    /// `[(name, bytes)]` of every tensor, copied under the store's lock: one consistent
+    /// snapshot, never half of one step's update and half of the next.
+    fn read_all<'py>(&self, py: Python<'py>) -> PyResult<Vec<(String, Bound<'py, PyBytes>)>> {
+        let all = native(py, || self.store.read_all())?;
+        Ok(all
+            .into_iter()
+            .map(|(n, v)| (n, PyBytes::new(py, &v)))
+            .collect())
     }
 
     /// A zero-copy view of tensor `name`, or None when the device memory is not host-visible.
@@ -122,8 +146,9 @@ pub fn save_checkpoint(
         .iter()
         .map(|(n, d, s, b)| (*n, *d, *s, b.as_slice()))
         .collect();
-    py.detach(|| guard(|| checkpoint::save_with_metadata(&path, &views, metadata)))
-        .py_err(py)
+    native(py, || {
+        checkpoint::save_with_metadata(&path, &views, metadata)
+    })
 }
 
 /// One loaded tensor as Python sees it: (name, dtype, shape, bytes).
@@ -138,9 +163,7 @@ pub fn load_checkpoint<'py>(
     path: PathBuf,
     max_bytes: Option<u64>,
 ) -> PyResult<Vec<LoadedTensor<'py>>> {
-    let tensors = py
-        .detach(|| guard(|| checkpoint::load(&path, max_bytes)))
-        .py_err(py)?;
+    let tensors = native(py, || checkpoint::load(&path, max_bytes))?;
     Ok(tensors
         .into_iter()
         .map(|t| (t.name, t.dtype.name(), t.shape, PyBytes::new(py, &t.data)))
@@ -162,12 +185,17 @@ pub fn load_checkpoint_raw<'py>(
     path: PathBuf,
     max_bytes: Option<u64>,
 ) -> PyResult<LoadedFile<'py>> {
-    let (tensors, metadata) = py
-        .detach(|| guard(|| checkpoint::load_raw(&path, max_bytes)))
-        .py_err(py)?;
+    let (tensors, metadata) = native(py, || checkpoint::load_raw(&path, max_bytes))?;
     let tensors = tensors
         .into_iter()
         .map(|t| (t.name, t.dtype, t.shape, PyBytes::new(py, &t.data)))
         .collect();
     Ok((tensors, metadata))
+}
+
+/// `[(name, dtype, shape)]` of a safetensors file's tensors, read from its header only (dtype as
+/// the format names it: "F32", "BF16", ...), sorted by name.
+#[pyfunction]
+pub fn checkpoint_header(py: Python<'_>, path: PathBuf) -> PyResult<Vec<checkpoint::HeaderEntry>> {
+    native(py, || checkpoint::header(&path))
 }

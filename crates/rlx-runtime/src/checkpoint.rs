@@ -28,8 +28,40 @@ fn err(path: &Path, what: impl std::fmt::Display) -> Error {
     Error::Checkpoint(format!("{}: {what}", path.display()))
 }
 
+/// Where a save to `path` really writes: through symbolic links to their final target (as
+/// `np.save` and `torch.save` do, which open the path for writing), so renaming the finished
+/// file replaces the target, not the link.
+fn resolve_links(path: &Path) -> Result<std::path::PathBuf> {
+    let mut at = path.to_path_buf();
+    for _ in 0..40 {
+        match fs::symlink_metadata(&at) {
+            Ok(m) if m.file_type().is_symlink() => {
+                let target = fs::read_link(&at)
+                    .map_err(|e| err(path, format!("cannot follow link: {e}")))?;
+                at = match at.parent() {
+                    Some(dir) if target.is_relative() => dir.join(target),
+                    _ => target,
+                };
+            }
+            _ => return Ok(at),
+        }
+    }
+    Err(err(path, "too many levels of symbolic links"))
+}
+
+/// The prefix of a save's temporary files. File names are limited to 255 bytes, so a long
+/// name is shortened (at a character boundary) to leave room for the suffix.
+fn tmp_prefix(file_name: &str) -> String {
+    let mut end = file_name.len().min(180);
+    while !file_name.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(".{}.tmp-", &file_name[..end])
+}
+
 /// Writes `tensors` to `path` atomically: a temporary file in the same folder is written and
 /// synced, then renamed over `path`, so a crash leaves either the old file or the new one.
+/// A symbolic link is followed: its target is replaced and the link stays.
 pub fn save(path: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) -> Result<()> {
     save_with_metadata(path, tensors, None)
 }
@@ -40,6 +72,9 @@ pub fn save_with_metadata(
     tensors: &[(&str, DType, &[usize], &[u8])],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
+    let shown = path;
+    let target = resolve_links(path)?;
+    let path = target.as_path();
     let views = tensors
         .iter()
         .map(|(name, dtype, shape, data)| {
@@ -59,11 +94,8 @@ pub fn save_with_metadata(
     // Unique per process and per call, so concurrent saves never share a temporary file.
     static SAVES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = SAVES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}-{n}",
-        file_name.to_string_lossy(),
-        std::process::id()
-    ));
+    let prefix = tmp_prefix(&file_name.to_string_lossy());
+    let tmp = dir.join(format!("{prefix}{}-{n}", std::process::id()));
     let write = || -> std::io::Result<()> {
         let mut f = fs::File::create(&tmp)?;
         f.write_all(&bytes)?;
@@ -77,22 +109,21 @@ pub fn save_with_metadata(
     };
     write().map_err(|e| {
         let _ = fs::remove_file(&tmp);
-        err(path, format!("cannot write checkpoint: {e}"))
+        err(shown, format!("cannot write checkpoint: {e}"))
     })?;
-    remove_stale_temporaries(&dir, &file_name.to_string_lossy());
+    remove_stale_temporaries(&dir, &prefix);
     Ok(())
 }
 
 /// Deletes temporary files that earlier saves of this file left behind when their process died
 /// mid-write (`.NAME.tmp-PID-N` whose PID no longer runs). Linux only; best effort.
-fn remove_stale_temporaries(dir: &Path, file_name: &str) {
-    let prefix = format!(".{file_name}.tmp-");
+fn remove_stale_temporaries(dir: &Path, prefix: &str) {
     let Ok(entries) = fs::read_dir(dir) else {
         return;
     };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix(&prefix) else {
+        let Some(rest) = name.strip_prefix(prefix) else {
             continue;
         };
         let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
@@ -138,6 +169,68 @@ impl<'de> serde::Deserialize<'de> for Keys {
 #[derive(serde::Deserialize)]
 struct Entry {
     data_offsets: (u64, u64),
+}
+
+#[derive(serde::Deserialize)]
+struct Described {
+    dtype: String,
+    shape: Vec<usize>,
+}
+
+/// One tensor as a file's header describes it: name, safetensors dtype name (`"F32"`,
+/// `"BF16"`, ...) and shape.
+pub type HeaderEntry = (String, String, Vec<usize>);
+
+/// Reads only the header of `path` (at most the header's bytes plus eight) and lists its
+/// tensors sorted by name, so a caller can compare names, dtypes and shapes with a model
+/// before any data is read. Refuses what `load` refuses about the header itself.
+pub fn header(path: &Path) -> Result<Vec<HeaderEntry>> {
+    let (text, ..) = read_header(path)?;
+    let entries: std::collections::BTreeMap<String, serde_json::Value> =
+        serde_json::from_str(&text).map_err(|e| err(path, format!("bad header: {e}")))?;
+    entries
+        .into_iter()
+        .filter(|(name, _)| name != "__metadata__")
+        .map(|(name, v)| {
+            let d: Described = serde_json::from_value(v)
+                .map_err(|e| err(path, format!("bad entry '{name}': {e}")))?;
+            Ok((name, d.dtype, d.shape))
+        })
+        .collect()
+}
+
+/// The header's JSON text (checked to be UTF-8, within limits and without duplicate names),
+/// its 8-byte length prefix, the file's length, and the open file positioned after the header.
+fn read_header(path: &Path) -> Result<(String, [u8; 8], u64, fs::File)> {
+    use std::io::Read;
+    let meta = fs::metadata(path).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
+    if !meta.is_file() {
+        return Err(err(path, "not a regular file"));
+    }
+    let file_len = meta.len();
+    let mut f =
+        fs::File::open(path).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
+    let mut len8 = [0u8; 8];
+    f.read_exact(&mut len8)
+        .map_err(|_| err(path, "truncated: no header length"))?;
+    let n = u64::from_le_bytes(len8);
+    if n > MAX_HEADER || n.saturating_add(8) > file_len {
+        return Err(err(
+            path,
+            format!("header length {n} does not fit a file of {file_len} bytes"),
+        ));
+    }
+    let mut header = vec![0u8; n as usize];
+    f.read_exact(&mut header)
+        .map_err(|_| err(path, "truncated header"))?;
+    let text = String::from_utf8(header).map_err(|_| err(path, "the header is not UTF-8"))?;
+    let keys: Keys =
+        serde_json::from_str(&text).map_err(|e| err(path, format!("bad header: {e}")))?;
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = keys.0.iter().find(|k| !seen.insert(k.as_str())) {
+        return Err(err(path, format!("the header names '{dup}' twice")));
+    }
+    Ok((text, len8, file_len, f))
 }
 
 /// One named tensor as stored, in any of the dtypes [`load_raw`] accepts.
@@ -206,35 +299,11 @@ pub fn load_raw(
     max_bytes: Option<u64>,
 ) -> Result<(Vec<RawTensor>, HashMap<String, String>)> {
     use std::io::Read;
-    let meta = fs::metadata(path).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
-    if !meta.is_file() {
-        return Err(err(path, "not a regular file"));
-    }
-    let file_len = meta.len();
-    let mut f =
-        fs::File::open(path).map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
-    let mut len8 = [0u8; 8];
-    f.read_exact(&mut len8)
-        .map_err(|_| err(path, "truncated: no header length"))?;
-    let n = u64::from_le_bytes(len8);
-    if n > MAX_HEADER || n.saturating_add(8) > file_len {
-        return Err(err(
-            path,
-            format!("header length {n} does not fit a file of {file_len} bytes"),
-        ));
-    }
-    let mut header = vec![0u8; n as usize];
-    f.read_exact(&mut header)
-        .map_err(|_| err(path, "truncated header"))?;
-    let text = std::str::from_utf8(&header).map_err(|_| err(path, "the header is not UTF-8"))?;
-    let keys: Keys =
-        serde_json::from_str(text).map_err(|e| err(path, format!("bad header: {e}")))?;
-    let mut seen = std::collections::HashSet::new();
-    if let Some(dup) = keys.0.iter().find(|k| !seen.insert(k.as_str())) {
-        return Err(err(path, format!("the header names '{dup}' twice")));
-    }
+    let (text, len8, file_len, f) = read_header(path)?;
+    let n = text.len() as u64;
+    let header = text.as_bytes();
     let entries: std::collections::HashMap<String, serde_json::Value> =
-        serde_json::from_str(text).map_err(|e| err(path, format!("bad header: {e}")))?;
+        serde_json::from_str(&text).map_err(|e| err(path, format!("bad header: {e}")))?;
     let mut data_end = 0u64;
     for (name, v) in &entries {
         if name == "__metadata__" {
@@ -261,7 +330,7 @@ pub fn load_raw(
     }
     let mut bytes = Vec::with_capacity((8 + n + data_len) as usize);
     bytes.extend_from_slice(&len8);
-    bytes.extend_from_slice(&header);
+    bytes.extend_from_slice(header);
     f.take(data_len)
         .read_to_end(&mut bytes)
         .map_err(|e| err(path, format!("cannot read checkpoint: {e}")))?;
@@ -334,6 +403,32 @@ mod tests {
         assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));
         fs::write(&path, b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage").unwrap();
         assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn saves_follow_links_and_accept_the_longest_names() {
+        let dir = std::env::temp_dir().join(format!("rlx-ckpt-links-{}", std::process::id()));
+        fs::create_dir_all(dir.join("real")).unwrap();
+        let w = 7.0f32.to_le_bytes();
+        let target = dir.join("real").join("m.safetensors");
+        let link = dir.join("link.safetensors");
+        std::os::unix::fs::symlink("real/m.safetensors", &link).unwrap();
+        save(&link, &[("w", DType::F32, &[1], &w)]).unwrap();
+        assert!(fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(load(&target, None).unwrap()[0].data, w);
+        let long = dir.join("x".repeat(252));
+        save(&long, &[("w", DType::F32, &[1], &w)]).unwrap();
+        assert_eq!(load(&long, None).unwrap()[0].data, w);
+        assert_eq!(
+            fs::read_dir(&dir).unwrap().count(),
+            3,
+            "no temporaries left"
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -35,11 +35,32 @@ struct Inner {
     compiled: Box<dyn Compiled>,
     inputs: Vec<InputSlot>,
     prefetch: Option<Prefetch>,
+    /// Batches a parent process had prefetched when this (child) process was forked.
+    lost_at_fork: usize,
+}
+
+impl Inner {
+    /// After `fork()`, the prefetch state belongs to the parent (its copy thread does not exist
+    /// here): it is dropped, and the batches it held are counted so a run can say so.
+    fn forget_parent_prefetch(&mut self) {
+        if self
+            .prefetch
+            .as_ref()
+            .is_some_and(|p| p.pid != std::process::id())
+        {
+            let pf = self.prefetch.take().expect("checked");
+            self.lost_at_fork += pf.queue.len();
+            // The engine's own drop is fork-aware; the staging memory is this process's copy.
+            drop(pf);
+        }
+    }
 }
 
 /// Double-buffered prefetch: two input sets in a staging buffer, a program variant reading each,
 /// and the queue of batches whose copies were issued.
 struct Prefetch {
+    /// The process that made it (a forked child must not use its copy engine).
+    pid: u32,
     engine: Arc<CopyEngine>,
     stage: Arc<dyn DeviceBuffer>,
     /// Per set: the program reading that set's inputs (bound inputs still come from the arena).
@@ -147,6 +168,7 @@ impl Executable {
                 compiled,
                 inputs,
                 prefetch: None,
+                lost_at_fork: 0,
             }),
             outputs,
             memory,
@@ -199,7 +221,9 @@ impl Executable {
 
     /// Number of prefetched batches waiting to be consumed.
     pub fn prefetched(&self) -> usize {
-        self.lock().prefetch.as_ref().map_or(0, |p| p.queue.len())
+        let mut inner = self.lock();
+        inner.forget_parent_prefetch();
+        inner.prefetch.as_ref().map_or(0, |p| p.queue.len())
     }
 
     /// Starts copying a batch (every unbound input) into a free staging set and returns at once.
@@ -207,6 +231,7 @@ impl Executable {
     pub fn prefetch(&self, feeds: Vec<(String, Arc<dyn HostBytes>)>) -> Result<()> {
         let mut inner = self.lock();
         let inner = &mut *inner;
+        inner.forget_parent_prefetch();
         let views: Vec<(&str, &[u8])> =
             feeds.iter().map(|(n, d)| (n.as_str(), d.bytes())).collect();
         check_feeds(&inner.inputs, &views, "prefetch only the per-call inputs")?;
@@ -297,6 +322,7 @@ impl Executable {
             })
             .collect::<Result<_>>()?;
         Ok(Prefetch {
+            pid: std::process::id(),
             engine: self.backend.copy_engine()?,
             stage,
             variants,
@@ -399,13 +425,27 @@ impl Executable {
         hyper: Option<&OptimHyper>,
         read: &[usize],
     ) -> Result<Vec<Vec<u8>>> {
+        // Declared before the locks so that a consumed batch's sources are released after them.
+        let consumed: Option<Queued>;
         let mut inner = self.lock();
+        inner.forget_parent_prefetch();
         check_feeds(&inner.inputs, feeds, "")?;
         let queued =
             feeds.is_empty() && inner.prefetch.as_ref().is_some_and(|p| !p.queue.is_empty());
         if let Some(missing) = missing_input(&inner.inputs, feeds).filter(|_| !queued) {
+            let missing = missing.name.clone();
+            if feeds.is_empty() && inner.lost_at_fork > 0 {
+                let lost = std::mem::take(&mut inner.lost_at_fork);
+                return Err(Error::input(
+                    &missing,
+                    format!(
+                        "missing input: the {lost} batch(es) prefetched before fork() belong to \
+                         the parent process; prefetch again in this process"
+                    ),
+                ));
+            }
             return Err(Error::input(
-                &missing.name,
+                &missing,
                 "missing input (neither given, bound, nor prefetched)",
             ));
         }
@@ -442,13 +482,17 @@ impl Executable {
         if queued {
             let pf = inner.prefetch.as_mut().expect("queued");
             let batch = pf.queue.pop_front().expect("queued");
+            let (set, token) = (batch.set, batch.token);
+            consumed = Some(batch);
             // Only this batch's copy is waited for; a later prefetch keeps copying meanwhile.
-            pf.engine.wait(batch.token)?;
+            pf.engine.wait(token)?;
             bufs.push(pf.stage.as_ref());
-            pf.variants[batch.set].run(&bufs, hyper)?;
+            pf.variants[set].run(&bufs, hyper)?;
         } else {
+            consumed = None;
             inner.compiled.run(&bufs, hyper)?;
         }
+        let _ = &consumed;
         read.iter()
             .map(|&i| {
                 let o = &self.outputs[i];
@@ -462,9 +506,12 @@ impl Executable {
 
 impl Drop for Executable {
     fn drop(&mut self) {
-        // Let every issued copy finish before the staging buffer and the source arrays go.
+        // Let every issued copy finish before the staging buffer and the source arrays go
+        // (in a forked child the parent's copies are not waited for: see `Inner`).
         if let Some(pf) = self.inner.get_mut().ok().and_then(|i| i.prefetch.as_ref()) {
-            let _ = pf.engine.wait_all();
+            if pf.pid == std::process::id() {
+                let _ = pf.engine.wait_all();
+            }
         }
     }
 }

@@ -66,7 +66,9 @@ pub fn lower(graph: &Graph, params: &Store, align: usize) -> Result<Lowered> {
         match &node.op {
             Op::Input { .. } | Op::Param { .. } => {}
             Op::Const { data } => {
-                consts.push((offset, data.iter().flat_map(|b| b.to_le_bytes()).collect()));
+                if root == id {
+                    consts.push((offset, data.iter().flat_map(|b| b.to_le_bytes()).collect()));
+                }
             }
             op if op.is_alias() => {}
             op => {

@@ -136,6 +136,51 @@ impl Store {
         self.buffer.write(e.offset, data)
     }
 
+    /// Overwrites several tensors as one change: every name and size is checked first, then all
+    /// are written under the run lock, so no run sees some of them old and some new.
+    pub fn write_many(&self, tensors: &[(&str, &[u8])]) -> Result<()> {
+        let mut placed = Vec::with_capacity(tensors.len());
+        for (i, (name, data)) in tensors.iter().enumerate() {
+            if tensors[..i].iter().any(|(n, _)| n == name) {
+                return Err(Error::input(*name, "given twice"));
+            }
+            let e = self.named(name)?;
+            if data.len() != e.bytes() {
+                return Err(Error::shape(
+                    *name,
+                    format!(
+                        "expected {} bytes for shape {} {}, got {}",
+                        e.bytes(),
+                        e.shape,
+                        e.dtype,
+                        data.len()
+                    ),
+                ));
+            }
+            check_range(name, e.offset, data.len(), self.buffer.len())?;
+            placed.push((e.offset, *data));
+        }
+        let _guard = self.lock();
+        for (offset, data) in placed {
+            self.buffer.write(offset, data)?;
+        }
+        Ok(())
+    }
+
+    /// A copy of every tensor, taken under the run lock: one consistent snapshot (no run is
+    /// halfway through an update while it is read).
+    pub fn read_all(&self) -> Result<Vec<(String, Vec<u8>)>> {
+        let _guard = self.lock();
+        self.entries
+            .iter()
+            .map(|e| {
+                let mut out = vec![0; e.bytes()];
+                self.buffer.read(e.offset, &mut out)?;
+                Ok((e.name.clone(), out))
+            })
+            .collect()
+    }
+
     /// Copies out the tensor `name`.
     pub fn read(&self, name: &str) -> Result<Vec<u8>> {
         let e = self.named(name)?;

@@ -251,8 +251,7 @@ class Optimizer:
             extra = sorted(set(d) - {full.rsplit(".", 1)[1] for full in entries if full.startswith(pname + ".")})
             if extra:
                 raise CheckpointError(f"{where}'{pname}' has unknown state {extra}")
-        for full, arr in writes:
-            store.write(full, arr.reshape(-1))
+        store.write_many([(full, arr.reshape(-1)) for full, arr in writes])
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores settings, groups and state from ``state_dict()``. Everything is checked

@@ -97,7 +97,10 @@ pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32
     } else {
         logits.chunks(c).zip(labels).map(row_loss).sum()
     };
-    Ok((total / labels.len().max(1) as f64) as f32)
+    if labels.is_empty() {
+        return Ok(f32::NAN); // the mean over no rows, as numpy and PyTorch give
+    }
+    Ok((total / labels.len() as f64) as f32)
 }
 
 /// `(softmax(logits) - onehot(labels)) * g / N`.
@@ -135,14 +138,17 @@ pub fn cross_entropy_grad(
     Ok(())
 }
 
-/// Mean of squared differences.
+/// Mean of squared differences (NaN for no elements, as a mean over nothing is).
 pub fn mse(p: &[f32], t: &[f32]) -> f32 {
+    if p.is_empty() {
+        return f32::NAN;
+    }
     let s: f64 = p
         .iter()
         .zip(t)
         .map(|(&a, &b)| ((a - b) as f64).powi(2))
         .sum();
-    (s / p.len().max(1) as f64) as f32
+    (s / p.len() as f64) as f32
 }
 
 fn check_id(id: i32, rows: usize) -> Result<usize> {
