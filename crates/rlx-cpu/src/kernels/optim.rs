@@ -192,9 +192,9 @@ pub fn update(
         OptimRule::Sgd => {
             let buf = &mut *state[0];
             if h.momentum == 0.0 {
-                for i in 0..n {
-                    let d = grad(i, p[i]);
-                    p[i] -= lr * d;
+                for (i, pi) in p.iter_mut().enumerate() {
+                    let d = grad(i, *pi);
+                    *pi -= lr * d;
                 }
                 return;
             }
