@@ -1,4 +1,4 @@
-"""Systematic bad input for the public API (../shared/API.md).
+"""Systematic bad input for the public API (docs/guide.md and the API reference).
 
 For every public function and method: wrong types (None, strings, lists of strings, dicts) for
 arrays and specs, wrong shapes and dtypes, unknown / missing names, negative, non-integer and huge

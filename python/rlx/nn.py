@@ -77,14 +77,17 @@ class Parameter:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape, a tuple of ints."""
         return tuple(self.numpy().shape) if self._host is None else self._host.shape
 
     @property
     def dtype(self) -> str:
+        """The element type, ``"float32"``."""
         return "float32"
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return len(self.shape)
 
     def numpy(self) -> np.ndarray:
@@ -197,7 +200,11 @@ _forward_ops()
 
 class IncompatibleKeys(NamedTuple):
     """What ``load_state_dict(..., strict=False)`` returns: names the model has that the dict
-    lacks, and names the dict has that the model lacks."""
+    lacks, and names the dict has that the model lacks.
+
+    Example:
+        >>> missing, unexpected = model.load_state_dict(partial, strict=False)
+    """
 
     missing_keys: list[str]
     unexpected_keys: list[str]
@@ -320,7 +327,12 @@ class Module:
         return out
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
-        """``(dotted name, Parameter)`` pairs, each parameter once (buffers left out)."""
+        """``(dotted name, Parameter)`` pairs, each parameter once (buffers left out).
+
+        Example:
+            >>> [n for n, _ in rlx.nn.Linear(3, 2).named_parameters()]
+            ['weight', 'bias']
+        """
         for name, p in self._tensors().items():
             if not p._is_buffer:
                 yield prefix + name, p
@@ -344,7 +356,12 @@ class Module:
         return {n: p for n, p in self._tensors().items() if p._is_buffer}
 
     def modules(self) -> Iterator[tuple[str, "Module"]]:
-        """``(dotted name, Module)`` for this module (name ``""``) and every sub-module."""
+        """``(dotted name, Module)`` for this module (name ``""``) and every sub-module.
+
+        Example:
+            >>> [n for n, _ in rlx.nn.Sequential(rlx.nn.Linear(2, 2)).modules()]
+            ['', '0']
+        """
         yield "", self
         for name, child in self.__dict__.get("_children", {}).items():
             if isinstance(child, Module):
@@ -364,7 +381,12 @@ class Module:
         return self
 
     def eval(self) -> "Module":
-        """Sets evaluation mode (``train(False)``); returns ``self``."""
+        """Sets evaluation mode (``train(False)``); returns ``self``.
+
+        Example:
+            >>> model.eval().training
+            False
+        """
         return self.train(False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -564,7 +586,13 @@ class Module:
     # --- printing ------------------------------------------------------------------------------
 
     def extra_repr(self) -> str:
-        """The text inside this module's parentheses in ``repr`` (override in layers)."""
+        """The text inside this module's parentheses in ``repr`` (override in layers).
+
+        Example:
+            >>> class Scale(rlx.nn.Module):
+            ...     def extra_repr(self):
+            ...         return "factor=2"
+        """
         return ""
 
     def __repr__(self) -> str:
@@ -606,13 +634,21 @@ class ModuleList(Module):
         return m
 
     def append(self, module: Module) -> "ModuleList":
-        """Adds ``module`` at the end."""
+        """Adds ``module`` at the end.
+
+        Example:
+            >>> layers.append(rlx.nn.Linear(4, 4))
+        """
         self._items.append(self._checked(module, len(self._items)))
         self._register()
         return self
 
     def extend(self, modules: Iterable[Module]) -> "ModuleList":
-        """Adds every module of ``modules`` at the end."""
+        """Adds every module of ``modules`` at the end.
+
+        Example:
+            >>> layers.extend([rlx.nn.Linear(4, 4), rlx.nn.Linear(4, 4)])
+        """
         for m in modules:
             self._items.append(self._checked(m, len(self._items)))
         self._register()
@@ -675,12 +711,30 @@ class ModuleDict(Module):
         return iter(list(self._children))
 
     def keys(self) -> list[str]:
+        """The names, in insertion order.
+
+        Example:
+            >>> heads.keys()
+            ['cls']
+        """
         return list(self._children)
 
     def values(self) -> list[Module]:
+        """The modules, in insertion order.
+
+        Example:
+            >>> len(heads.values())
+            1
+        """
         return list(self._children.values())
 
     def items(self) -> list[tuple[str, Module]]:
+        """``(name, module)`` pairs, in insertion order.
+
+        Example:
+            >>> [k for k, _ in heads.items()]
+            ['cls']
+        """
         return list(self._children.items())
 
 
@@ -718,12 +772,23 @@ class Linear(Module):
 
 
 class ReLU(Module):
+    """``max(x, 0)`` as a module.
+
+    Example:
+        >>> rlx.nn.Sequential(rlx.nn.Linear(4, 8), rlx.nn.ReLU(), rlx.nn.Linear(8, 2))
+    """
     def __call__(self, x: Any) -> Tensor:
         return relu(x)
 
 
 class Sequential(Module):
-    """Applies its modules in order; they are named ``"0"``, ``"1"``, ..."""
+    """Applies its modules in order; they are named ``"0"``, ``"1"``, ...
+
+    Example:
+        >>> net = rlx.nn.Sequential(rlx.nn.Linear(4, 8), rlx.nn.ReLU(), rlx.nn.Linear(8, 2))
+        >>> list(net.parameters())
+        ['0.weight', '0.bias', '2.weight', '2.bias']
+    """
 
     def __init__(self, *modules: Module) -> None:
         for i, m in enumerate(modules):
@@ -745,7 +810,11 @@ class Sequential(Module):
 
 
 class GELU(Module):
-    """GELU activation; exact (erf) by default, ``approximate=True`` for the tanh form."""
+    """GELU activation; exact (erf) by default, ``approximate=True`` for the tanh form.
+
+    Example:
+        >>> rlx.nn.Sequential(rlx.nn.Linear(4, 16), rlx.nn.GELU(), rlx.nn.Linear(16, 4))
+    """
 
     def __init__(self, approximate: bool | str = False) -> None:
         self.approximate = approximate
@@ -758,7 +827,11 @@ class GELU(Module):
 
 
 class Embedding(Module):
-    """A lookup table of ``num`` vectors of size ``dim``; initialised N(0, 1) as PyTorch."""
+    """A lookup table of ``num`` vectors of size ``dim``; initialised N(0, 1) as PyTorch.
+
+    Example:
+        >>> tok = rlx.nn.Embedding(256, 64)          # ids (B, T) -> (B, T, 64)
+    """
 
     def __init__(self, num: int, dim: int) -> None:
         num = _check.integer("Embedding", "num", num, lo=1)
@@ -775,7 +848,11 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    """Layer normalisation over the last axis with a learned scale (ones) and shift (zeros)."""
+    """Layer normalisation over the last axis with a learned scale (ones) and shift (zeros).
+
+    Example:
+        >>> ln = rlx.nn.LayerNorm(64)
+    """
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         dim = _check.integer("LayerNorm", "dim", dim, lo=1)
@@ -801,6 +878,9 @@ class MultiHeadAttention(Module):
     stacked as PyTorch's ``in_proj_weight``); ``proj`` maps the merged heads back. Initialised as PyTorch's
     ``nn.MultiheadAttention``: Xavier-uniform input projection, zero biases.
     ``decode`` runs one new token against a resident key/value cache.
+
+    Example:
+        >>> attn = rlx.nn.MultiHeadAttention(64, num_heads=4, causal=True)   # (B, T, 64) -> (B, T, 64)
     """
 
     def __init__(self, dim: int, num_heads: int, causal: bool = False) -> None:
@@ -847,6 +927,9 @@ class MultiHeadAttention(Module):
         Returns:
             ``(y, k_new, v_new)``: the output (B, 1, dim) and the new token's key and value rows
             (B, H, 1, head_dim), to be written into the caches at row ``pos``.
+
+        Example:
+            >>> y, k_new, v_new = attn.decode(x, k_cache, v_cache, pos)
         """
         q, k, v = self._heads(x)
         t_max = k_cache.shape[2]
@@ -861,7 +944,11 @@ class MultiHeadAttention(Module):
 
 
 class TransformerBlock(Module):
-    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + fc2(gelu(fc1(ln2(x))))``."""
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + fc2(gelu(fc1(ln2(x))))``.
+
+    Example:
+        >>> block = rlx.nn.TransformerBlock(64, num_heads=4)          # (B, T, 64) -> (B, T, 64)
+    """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4, causal: bool = True) -> None:
         _check.integer("TransformerBlock", "mlp_ratio", mlp_ratio, lo=1)

@@ -35,6 +35,11 @@ class Optimizer:
 
         rlx.optim.AdamW(lr=1e-3, weight_decay=0.1,
                         groups=[{"params": ["*.bias", "*norm*"], "weight_decay": 0.0}])
+
+    Example:
+        >>> opt = rlx.optim.AdamW(lr=1e-3, weight_decay=0.1,
+        ...                       groups=[{"params": ["*.bias", "*norm*"], "weight_decay": 0.0}])
+        >>> opt.lr = 5e-4                      # takes effect on the next step
     """
 
     _rule = ""

@@ -77,10 +77,21 @@ class LRScheduler:
             self._is_initial = False
 
     def get_lr(self) -> list[float]:
+        """The learning rates for the current ``last_epoch`` (PyTorch's recursive form).
+
+        Example:
+            >>> sched.get_lr()
+        """
         raise NotImplementedError
 
     def step(self) -> None:
-        """Advances one step and sets the optimizer's learning rates."""
+        """Advances one step and sets the optimizer's learning rates.
+
+        Example:
+            >>> for epoch in range(10):
+            ...     train_one_epoch()
+            ...     sched.step()
+        """
         self._step_count += 1
         self._update_lr(None)
 
@@ -98,15 +109,28 @@ class LRScheduler:
 
     def get_last_lr(self) -> list[float]:
         """The learning rates set by the last ``step()``, one per holder (the optimizer's own
-        first, then each group that sets ``lr``)."""
+        first, then each group that sets ``lr``).
+
+        Example:
+            >>> sched.get_last_lr()[0] == opt.lr
+            True
+        """
         return list(self._last_lr)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything but the optimizer, to resume the schedule."""
+        """Everything but the optimizer, to resume the schedule.
+
+        Example:
+            >>> saved = sched.state_dict()
+        """
         return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores ``state_dict()``."""
+        """Restores ``state_dict()``.
+
+        Example:
+            >>> sched.load_state_dict(saved)
+        """
         self.__dict__.update(state_dict)
 
 
