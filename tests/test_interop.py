@@ -339,3 +339,41 @@ def test_copy_of_compiled_model_is_uncompiled_with_current_values(how):
     assert not np.array_equal(c.fc1.weight.numpy(), m.fc1.weight.numpy())
     fn = rlx.compile(lambda mod, x: mod(x), c, SPEC)
     np.testing.assert_allclose(fn(x=X), np_mlp(c.state_dict(), X), rtol=1e-5, atol=1e-5)
+
+
+class RunningMean(rlx.nn.Module):
+    """A layer that keeps running statistics in a buffer, updated inside the step in train mode."""
+
+    def __init__(self, n):
+        self.fc = rlx.nn.Linear(n, n)
+        self.register_buffer("running_mean", np.zeros(n, np.float32))
+
+    def __call__(self, x):
+        y = self.fc(x)
+        if self.training:
+            self.running_mean.update(0.9 * self.running_mean + 0.1 * y.mean(axis=0))
+        return y - self.running_mean
+
+
+def test_buffer_updates_happen_inside_the_step():
+    rlx.seed(4)
+    m = RunningMean(4)
+    step = rlx.compile_train_step(lambda mod, x: (mod(x) ** 2).mean(), m, rlx.optim.SGD(lr=0.0), SPEC,
+                                  skip_nonfinite=True)
+    fn = rlx.compile(lambda mod, x: mod(x), m, SPEC)  # eval mode: reads, never updates
+    sd = m.state_dict()
+    want = np.zeros(4)
+    for _ in range(3):
+        step(x=X)
+        want = 0.9 * want + 0.1 * (X.astype(np.float64) @ sd["fc.weight"].T + sd["fc.bias"]).mean(0)
+        np.testing.assert_allclose(m.running_mean.numpy(), want, rtol=1e-5, atol=1e-6)
+    out = fn(x=X)
+    np.testing.assert_allclose(out, X @ sd["fc.weight"].T + sd["fc.bias"] - want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(m.running_mean.numpy(), want, rtol=1e-5, atol=1e-6)  # unchanged by fn
+    bad = X.copy()
+    bad[0, 0] = np.nan
+    step(x=bad)  # skipped: the buffer keeps its value
+    np.testing.assert_allclose(m.running_mean.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert "running_mean" in step.graph()
+    with pytest.raises(rlx.RlxError, match="only inside a traced function"):
+        m.running_mean.update(np.zeros(4))

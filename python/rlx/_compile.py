@@ -299,17 +299,24 @@ class TrainStep(_Compiled):
             raise RlxError("every parameter is frozen (requires_grad=False): nothing to train")
         backward = t.graph.grad(out._id, [nodes[n] for n in trainable])
         aux_names = list(aux)
-        if aux_names:
-            backward.set_outputs(list(backward.outputs()) + [aux[n]._id for n in aux_names])
+        names_of = {id(p): n for n, p in tensors.items()}
+        updates = [(names_of[i], v) for i, (b, v) in t.__dict__.get("buffer_updates", {}).items() if i in names_of]
+        extra = [aux[n]._id for n in aux_names] + [v._id for _, v in updates]
+        n_before = len(backward.outputs())
+        if extra:
+            backward.set_outputs(list(backward.outputs()) + extra)
+        buffer_updates = [[n_before + len(aux_names) + k, name] for k, (name, _) in enumerate(updates)]
         state = self._optimizer._state_for(store)
-        spec = json.dumps({"rule": self._optimizer._rule, "trainable": trainable, **self._options})
+        spec = json.dumps({"rule": self._optimizer._rule, "trainable": trainable, "buffer_updates": buffer_updates,
+                           **self._options})
         exe = _rlx.Executable(backward, store, self._device, (spec, state))
         var = _Variant(exe, specs)
         var.state = state  # type: ignore[attr-defined]
         var.trainable = trainable  # type: ignore[attr-defined]
         var.aux = aux_names  # type: ignore[attr-defined]
         n = len(var.outs)
-        var.read = [0, *range(1 + len(trainable), n)]  # type: ignore[attr-defined]
+        # loss, the aux outputs, and the statistics (last); buffer updates stay in the arena.
+        var.read = [0, *range(1 + len(trainable), 1 + len(trainable) + len(aux_names)), n - 1]  # type: ignore[attr-defined]
         return var
 
     def __call__(self, **arrays: Any) -> Any:

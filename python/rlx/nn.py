@@ -181,6 +181,29 @@ class Buffer(Parameter):
     def __init__(self, data: Any) -> None:
         super().__init__(data, requires_grad=False)
 
+    def update(self, value: Any) -> None:
+        """Inside a traced training step: after each call of the compiled step (one that is not
+        skipped), this buffer holds ``value`` — written in place inside the same native call.
+        Used by layers that keep running statistics; ignored by ``rlx.compile`` functions.
+
+        Example:
+            >>> def __call__(self, x):                       # in a layer, in train mode
+            ...     mean = x.mean(axis=0)
+            ...     self.running_mean.update(0.9 * self.running_mean + 0.1 * mean)
+            ...     return x - mean
+        """
+        from ._tensor import _current
+
+        trace = _current()
+        if trace is None:
+            raise RlxError("[Buffer.update] only inside a traced function (a layer's __call__ during compile)")
+        if not isinstance(value, Tensor):
+            value = trace.constant(np.broadcast_to(np.asarray(value, np.float32), self.shape))
+        if tuple(value.shape) != self.shape or value.dtype != "float32":
+            raise ShapeError(f"[Buffer.update] the buffer is float32 {self.shape}, the update {value.dtype} {tuple(value.shape)}")
+        updates = trace.__dict__.setdefault("buffer_updates", {})
+        updates[id(self)] = (self, value)
+
 
 def _forward_ops() -> None:
     for op in ["add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul", "rmatmul",

@@ -17,6 +17,10 @@ pub fn operands(plan: &UpdatePlan) -> (Vec<&TRef>, Vec<&TRef>) {
         writes.push(&p.step);
         writes.extend(p.started.iter());
     }
+    for (src, dst) in &plan.buffer_updates {
+        reads.push(src);
+        writes.push(dst);
+    }
     // Two parameters may share one gradient tensor; reads may overlap each other.
     (reads, writes)
 }
@@ -76,6 +80,14 @@ pub unsafe fn run(b: &Bases, plan: &UpdatePlan, run_hyper: Option<&OptimHyper>) 
         accumulate: plan.accumulate,
         skip_nonfinite: plan.skip_nonfinite,
     };
+    let skipped_before = stats[rlx_runtime::stat::SKIPPED];
     optim::train_update(plan.rule, opts, loss, stats, &mut slots);
+    if stats[rlx_runtime::stat::SKIPPED] == skipped_before {
+        for (src, dst) in &plan.buffer_updates {
+            // SAFETY: as above; `dst` (weight store) is disjoint from `src` (arena).
+            let (s, d) = unsafe { (b.get::<f32>(src), b.get_mut::<f32>(dst)) };
+            d.copy_from_slice(s);
+        }
+    }
     Ok(())
 }

@@ -202,6 +202,7 @@ impl Executable {
             &self.input_names,
             &self.outputs,
             &self.memory,
+            (&self.params, self.state.as_deref()),
         )
     }
 

@@ -1,9 +1,9 @@
 //! A readable text listing of a lowered program: one line per instruction with its operands'
 //! buffers, byte offsets, shapes and dtypes (`step.graph()` / `fn.graph()` in Python).
-use crate::{Buf, Instr, MemoryReport, Program, TRef};
+use crate::{Buf, Instr, MemoryReport, Program, Store, TRef};
 use std::fmt::Write;
 
-fn place(t: &TRef) -> String {
+fn place_at(t: &TRef) -> String {
     let buf = match t.buf {
         Buf::Arena => "arena",
         Buf::Params => "params",
@@ -13,13 +13,32 @@ fn place(t: &TRef) -> String {
     format!("{} {}@{buf}+{}", t.dtype, t.shape, t.offset)
 }
 
-/// The listing of `program` with its inputs, outputs and memory summary.
+/// The listing of `program` with its inputs, outputs and memory summary; tensors in the weight
+/// and optimizer stores are shown with their names.
 pub fn program(
     program: &Program,
     inputs: &[String],
     outputs: &[TRef],
     memory: &MemoryReport,
+    stores: (&Store, Option<&Store>),
 ) -> String {
+    let place = |t: &TRef| -> String {
+        let store = match t.buf {
+            Buf::Params => Some(stores.0),
+            Buf::State => stores.1,
+            _ => None,
+        };
+        let name = store.and_then(|st| {
+            st.entries()
+                .iter()
+                .find(|e| e.offset == t.offset && e.shape == t.shape)
+                .map(|e| e.name.clone())
+        });
+        match name {
+            Some(n) => format!("{} '{n}'", place_at(t)),
+            None => place_at(t),
+        }
+    };
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -34,7 +53,7 @@ pub fn program(
     for (i, instr) in program.instrs.iter().enumerate() {
         match instr {
             Instr::Op { op, ins, out } => {
-                let args: Vec<String> = ins.iter().map(place).collect();
+                let args: Vec<String> = ins.iter().map(&place).collect();
                 let _ = writeln!(
                     s,
                     "{i:4}  {} = {}({})",
@@ -65,10 +84,13 @@ pub fn program(
                 for p in &plan.params {
                     let _ = writeln!(s, "        {} -= f({})", place(&p.param), place(&p.grad));
                 }
+                for (src, dst) in &plan.buffer_updates {
+                    let _ = writeln!(s, "        {} = {}", place(dst), place(src));
+                }
             }
         }
     }
-    let outs: Vec<String> = outputs.iter().map(place).collect();
+    let outs: Vec<String> = outputs.iter().map(&place).collect();
     let _ = writeln!(s, "outputs: {}", outs.join(", "));
     s
 }

@@ -152,6 +152,10 @@ pub struct UpdatePlan {
     pub clip: Option<f32>,
     pub accumulate: u32,
     pub skip_nonfinite: bool,
+    /// Buffers (non-trained weights, e.g. running statistics) set from a tensor of this run:
+    /// `(source, destination in the weight store)`, copied at the end of every run that is not
+    /// skipped.
+    pub buffer_updates: Vec<(TRef, TRef)>,
 }
 
 /// Hyper-parameters read at every run, so they may change between steps.

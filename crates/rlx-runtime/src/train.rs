@@ -18,6 +18,9 @@ pub struct TrainOptions {
     /// Names of the parameters the graph's gradient outputs belong to, in order; `None`: every
     /// parameter of the graph in graph order.
     pub trainable: Option<Vec<String>>,
+    /// `(graph output index, weight-store name)`: after each run that is not skipped, the
+    /// named buffer takes that output's value.
+    pub buffer_updates: Vec<(usize, String)>,
 }
 
 /// The optimizer of a training executable: its rule, its state store and the step options.
@@ -53,6 +56,8 @@ impl OptimizerSetup {
             #[serde(default)]
             skip_nonfinite: bool,
             trainable: Option<Vec<String>>,
+            #[serde(default)]
+            buffer_updates: Vec<(usize, String)>,
         }
         let s: Spec = serde_json::from_str(spec)
             .map_err(|e| Error::Graph(format!("bad optimizer description: {e}")))?;
@@ -72,6 +77,7 @@ impl OptimizerSetup {
                 accumulate: s.accumulate,
                 skip_nonfinite: s.skip_nonfinite,
                 trainable: s.trainable,
+                buffer_updates: s.buffer_updates,
             },
         })
     }
@@ -190,6 +196,42 @@ pub fn plan_update(
             row,
         });
     }
+    let mut buffer_updates = Vec::new();
+    for (index, name) in &opt.options.buffer_updates {
+        let src = outputs.get(*index).ok_or_else(|| {
+            Error::Graph(format!(
+                "buffer update of '{name}' names output {index}, which does not exist"
+            ))
+        })?;
+        let e = params
+            .entry(name)
+            .ok_or_else(|| Error::input(name, "buffer to update is not in the weight store"))?;
+        if names.iter().any(|n| n == name) {
+            return Err(Error::input(
+                name,
+                "a trained parameter cannot also be updated as a buffer",
+            ));
+        }
+        if e.shape != src.shape || e.dtype != src.dtype {
+            return Err(Error::shape(
+                name,
+                format!(
+                    "buffer is {} {} but its update is {} {}",
+                    e.dtype, e.shape, src.dtype, src.shape
+                ),
+            ));
+        }
+        let dst = TRef {
+            buf: Buf::Params,
+            offset: e.offset,
+            shape: e.shape.clone(),
+            dtype: e.dtype,
+        };
+        if buffer_updates.iter().any(|(_, d): &(TRef, TRef)| *d == dst) {
+            return Err(Error::input(name, "updated twice in one step"));
+        }
+        buffer_updates.push((src.clone(), dst));
+    }
     let plan = UpdatePlan {
         rule: opt.rule,
         params: plan_params,
@@ -199,6 +241,7 @@ pub fn plan_update(
         clip: opt.options.clip,
         accumulate,
         skip_nonfinite: opt.options.skip_nonfinite,
+        buffer_updates,
     };
     Ok(PlannedUpdate {
         instr: Instr::Update(Box::new(plan)),
