@@ -157,6 +157,10 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
     let od = out.shape.dims();
     match op {
         Op::Unary(u) => elementwise::unary(*u, f(0), unsafe { b.get_mut(out) }),
+        Op::Fused(e) => {
+            let srcs: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
+            fused::fused(e, &srcs, unsafe { b.get_mut(out) })
+        }
         Op::Binary(bop) => unsafe {
             let (a, c) = (&ins[0], &ins[1]);
             match (a.dtype, bop.is_comparison()) {

@@ -178,6 +178,12 @@ fn vjp(
     let shape = |g: &Graph, id: NodeId| g.node(id).shape.clone();
     Ok(match op {
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => vec![],
+        Op::Fused(_) => {
+            return Err(Error::Graph(
+                "[fused] fused expressions are made after differentiation and have no gradient"
+                    .into(),
+            ))
+        }
         Op::Unary(u) => {
             let x = ins[0];
             let d = match u {

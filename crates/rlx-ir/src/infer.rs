@@ -154,6 +154,44 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             }
             Ok((Shape::scalar(), DType::F32))
         }
+        Op::Fused(f) => {
+            if ins.len() != f.n_inputs {
+                return Err(Error::Graph(format!(
+                    "[fused] expects {} inputs, got {}",
+                    f.n_inputs,
+                    ins.len()
+                )));
+            }
+            for (i, x) in ins.iter().enumerate() {
+                float(i)?;
+                if broadcast(name, &x.shape, &f.shape)? != f.shape {
+                    return Err(Error::shape(
+                        name,
+                        format!(
+                            "input {i} of shape {} does not broadcast to {}",
+                            x.shape, f.shape
+                        ),
+                    ));
+                }
+            }
+            for (k, step) in f.steps.iter().enumerate() {
+                let defined = (f.n_inputs + k) as u16;
+                let regs: &[u16] = match step {
+                    crate::FusedStep::Unary(_, a) => &[*a],
+                    crate::FusedStep::Binary(_, a, b) => &[*a, *b],
+                    crate::FusedStep::Where(c, a, b) => &[*c, *a, *b],
+                };
+                if regs.iter().any(|&r| r >= defined) {
+                    return Err(Error::Graph(format!(
+                        "[fused] step {k} reads a register not yet defined"
+                    )));
+                }
+            }
+            if f.steps.is_empty() {
+                return Err(Error::Graph("[fused] an expression needs a step".into()));
+            }
+            Ok((f.shape.clone(), DType::F32))
+        }
         Op::Where => {
             if ins[1].dtype != ins[2].dtype {
                 return Err(Error::dtype(

@@ -31,20 +31,20 @@ const INV_SQRT_2PI: f32 = 0.398_942_3;
 
 /// `x * Phi(x)`.
 #[inline(always)]
-fn gelu(x: f32) -> f32 {
+pub(super) fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + math::erf(x * INV_SQRT_2))
 }
 
 /// `Phi(x) + x * phi(x)`; erf(x/sqrt 2) and phi(x) share the one `exp(-x^2/2)`.
 #[inline(always)]
-fn gelu_deriv(x: f32) -> f32 {
+pub(super) fn gelu_deriv(x: f32) -> f32 {
     let e = math::exp(-0.5 * x * x);
     0.5 * (1.0 + math::erf_with_exp(x * INV_SQRT_2, e)) + x * INV_SQRT_2PI * e
 }
 
 /// The tanh approximation and its derivative.
 #[inline(always)]
-fn gelu_tanh(x: f32) -> (f32, f32) {
+pub(super) fn gelu_tanh(x: f32) -> (f32, f32) {
     let u = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
     let t = math::tanh(u);
     let du = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * x * x);
