@@ -356,10 +356,12 @@ class TrainStep(_Compiled):
 
     @property
     def grad_norm(self) -> float:
-        """The global L2 norm of the gradient of the last update, before clipping (NaN before
-        the first update).
+        """The global L2 norm of the gradient of the last update, before clipping. Computed when
+        the step clips (``clip_grad_norm``) or skips non-finite steps; NaN otherwise and before
+        the first update (the norm costs a pass over every gradient).
 
         Example:
+            >>> step = rlx.compile_train_step(loss_fn, model, opt, specs, clip_grad_norm=1.0)
             >>> step(x=x, y=y); step.grad_norm > 0
             True
         """

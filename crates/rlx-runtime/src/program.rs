@@ -108,7 +108,8 @@ pub mod hyper_col {
 
 /// Columns of a training step's statistics output (float32, [`stat::LEN`]).
 pub mod stat {
-    /// Global L2 norm of the gradient of the last update, before clipping.
+    /// Global L2 norm of the gradient of the last update, before clipping (NaN unless the step
+    /// clips or skips non-finite steps: the norm costs a pass over every gradient).
     pub const GRAD_NORM: usize = 0;
     /// Calls skipped because the loss or the gradient was not finite.
     pub const SKIPPED: usize = 1;

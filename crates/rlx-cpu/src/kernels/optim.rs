@@ -96,13 +96,16 @@ pub fn train_update(
 ) {
     let k = opts.accumulate.max(1);
     stats[stat::UPDATED] = 0.0;
+    // The global norm costs a pass over every gradient: taken only when clipping or skipping.
+    let need_norm = opts.clip.is_some() || opts.skip_nonfinite;
+    let mut this_sq = None;
     if opts.skip_nonfinite {
-        let finite =
-            loss.is_finite() && params.iter().map(|s| sum_sq(s.g)).sum::<f64>().is_finite();
-        if !finite {
+        let sq: f64 = params.iter().map(|s| sum_sq(s.g)).sum();
+        if !(loss.is_finite() && sq.is_finite()) {
             stats[stat::SKIPPED] += 1.0;
             return;
         }
+        this_sq = Some(sq);
     }
     // With accumulation the update uses acc / k; `scale` folds the 1/k and the clip factor.
     let mut scale = 1.0f32;
@@ -123,24 +126,31 @@ pub fn train_update(
         stats[stat::MICRO] = 0.0;
         scale = 1.0 / k as f32;
     }
-    let total: f64 = params
-        .iter()
-        .map(|s| match &s.acc {
-            Some(a) => sum_sq(a),
-            None => sum_sq(s.g),
-        })
-        .sum();
-    let norm = (total.sqrt() * scale as f64) as f32;
-    stats[stat::GRAD_NORM] = norm;
-    if opts.skip_nonfinite && !norm.is_finite() {
-        stats[stat::SKIPPED] += 1.0;
-        return;
-    }
-    if let Some(c) = opts.clip {
-        let coef = c / (norm + 1e-6);
-        if coef < 1.0 {
-            scale *= coef;
+    if need_norm {
+        let total: f64 = match this_sq {
+            Some(sq) if k == 1 => sq,
+            _ => params
+                .iter()
+                .map(|s| match &s.acc {
+                    Some(a) => sum_sq(a),
+                    None => sum_sq(s.g),
+                })
+                .sum(),
+        };
+        let norm = (total.sqrt() * scale as f64) as f32;
+        stats[stat::GRAD_NORM] = norm;
+        if opts.skip_nonfinite && !norm.is_finite() {
+            stats[stat::SKIPPED] += 1.0;
+            return;
         }
+        if let Some(c) = opts.clip {
+            let coef = c / (norm + 1e-6);
+            if coef < 1.0 {
+                scale *= coef;
+            }
+        }
+    } else {
+        stats[stat::GRAD_NORM] = f32::NAN;
     }
     for s in params.iter_mut() {
         *s.step += 1;
