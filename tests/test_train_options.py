@@ -410,3 +410,81 @@ def test_one_cycle_and_sequential():
     got = lrs(rlx.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[2]), 6)
     want = [0.5, 0.75] + [(1 + math.cos(math.pi * t / 4)) / 2 for t in range(5)]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+# --- bad arguments ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,exc", [
+    (dict(clip_grad_norm=0.0), rlx.InputError),
+    (dict(clip_grad_norm=-1.0), rlx.InputError),
+    (dict(clip_grad_norm=float("nan")), rlx.InputError),
+    (dict(clip_grad_norm="1"), rlx.DTypeError),
+    (dict(accumulate=0), rlx.ShapeError),
+    (dict(accumulate=1.5), rlx.DTypeError),
+    (dict(skip_nonfinite="yes"), rlx.InputError),
+])
+def test_bad_step_options_raise_before_compiling(kwargs, exc):
+    model, _ = fresh()
+    with pytest.raises(exc):
+        rlx.compile_train_step(loss_fn, model, rlx.optim.SGD(lr=0.1), SPEC, **kwargs)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: rlx.optim.RMSprop(alpha=1.5),
+    lambda: rlx.optim.Adagrad(lr_decay=-1.0),
+    lambda: rlx.optim.SGD(lr=0.1, dampening=-0.1),
+    lambda: rlx.optim.SGD(lr=0.1, nesterov="yes"),
+    lambda: rlx.optim.Adam(groups="*.bias"),
+    lambda: rlx.optim.Adam(groups=[{"weight_decay": 0.0}]),
+    lambda: rlx.optim.Adam(groups=[{"params": [3]}]),
+    lambda: rlx.optim.Adam(groups=[{"params": ["*"], "lr": -1.0}]),
+])
+def test_bad_optimizer_settings_raise(make):
+    with pytest.raises(rlx.RlxError):
+        make()
+
+
+def test_setting_changed_to_a_bad_value_raises_at_the_next_step_and_changes_nothing():
+    model, _ = fresh()
+    opt = rlx.optim.RMSprop(lr=0.01)
+    step = rlx.compile_train_step(loss_fn, model, opt, SPEC)
+    (x, y), = batches(1)
+    step(x=x, y=y)
+    before = model.state_dict()
+    opt.alpha = 2.0
+    with pytest.raises(rlx.InputError, match="alpha"):
+        step(x=x, y=y)
+    for k, v in before.items():
+        np.testing.assert_array_equal(model.state_dict()[k], v)
+    opt.alpha = 0.9
+    step(x=x, y=y)
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: rlx.optim.lr_scheduler.StepLR(o, step_size=0),
+    lambda o: rlx.optim.lr_scheduler.CosineAnnealingLR(o, T_max=0),
+    lambda o: rlx.optim.lr_scheduler.LinearLR(o, start_factor=0.0),
+    lambda o: rlx.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1),
+    lambda o: rlx.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=10, anneal_strategy="exp"),
+    lambda o: rlx.optim.lr_scheduler.SequentialLR(o, [rlx.optim.lr_scheduler.StepLR(o, 2)], milestones=[3]),
+    lambda o: rlx.optim.lr_scheduler.StepLR(object(), step_size=2),
+])
+def test_bad_scheduler_arguments_raise(make):
+    with pytest.raises(rlx.RlxError):
+        make(rlx.optim.SGD(lr=0.1))
+
+
+def test_bad_state_dict_arguments_raise():
+    m = Lin()
+    with pytest.raises(rlx.CheckpointError):
+        m.load_state_dict([("fc.weight", np.zeros((3, 4)))])
+    with pytest.raises(rlx.CheckpointError):
+        m.load_state_dict({1: np.zeros(3)}, strict=False)
+    with pytest.raises(rlx.InputError):
+        m.load_state_dict(m.state_dict(), strict="no")
+    with pytest.raises(rlx.CheckpointError, match="cannot read"):
+        m.load_state_dict({"fc.bias": object()}, strict=False)
+    with pytest.raises(rlx.RlxError):
+        rlx.nn.ModuleDict({"a.b": Lin()})
+    with pytest.raises(rlx.RlxError):
+        rlx.nn.ModuleList([Lin(), 3])

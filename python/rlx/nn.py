@@ -252,9 +252,12 @@ def _to_array(name: str, value: Any) -> np.ndarray:
     try:
         if not hasattr(value, "__array__") and hasattr(value, "__dlpack__"):
             return np.from_dlpack(value)
-        return np.asarray(value)
+        arr = np.asarray(value)
     except (TypeError, ValueError, RuntimeError, BufferError) as e:
         raise CheckpointError(f"'{name}': cannot read a {type(value).__name__} as an array: {e}") from None
+    if arr.dtype == object:
+        raise CheckpointError(f"'{name}': cannot read a {type(value).__name__} as an array of numbers")
+    return arr
 
 
 def _cast(name: str, arr: np.ndarray) -> np.ndarray:
