@@ -160,3 +160,50 @@ def test_state_dict_round_trips_with_torch(tmp_path):
     t2.load_state_dict(back)
     for k, v in model.state_dict().items():
         np.testing.assert_array_equal(t2.state_dict()[k].numpy(), v)
+
+
+SCHEDULES = {
+    "step": lambda m, o: m.StepLR(o, step_size=4, gamma=0.3),
+    "cosine-past-tmax": lambda m, o: m.CosineAnnealingLR(o, T_max=6, eta_min=0.01),
+    "linear-default": lambda m, o: m.LinearLR(o),
+    "linear-down": lambda m, o: m.LinearLR(o, start_factor=1.0, end_factor=0.1, total_iters=10),
+    "onecycle-linear": lambda m, o: m.OneCycleLR(o, max_lr=0.5, total_steps=40, anneal_strategy="linear"),
+    "onecycle-three-phase": lambda m, o: m.OneCycleLR(o, max_lr=0.5, epochs=4, steps_per_epoch=10, three_phase=True,
+                                                      pct_start=0.25, div_factor=10.0, final_div_factor=100.0),
+    "sequential-3": lambda m, o: m.SequentialLR(o, [m.LinearLR(o, start_factor=0.2, total_iters=3),
+                                                    m.StepLR(o, step_size=5, gamma=0.5),
+                                                    m.CosineAnnealingLR(o, T_max=10)], milestones=[3, 15]),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_schedules_match_torch_exactly(name, opt):
+    p = torch.nn.Parameter(torch.zeros(2))
+    if opt == "sgd":
+        o, t_o = rlx.optim.SGD(lr=0.2, momentum=0.9), torch.optim.SGD([p], lr=0.2, momentum=0.9)
+    else:
+        o, t_o = rlx.optim.Adam(lr=0.2), torch.optim.Adam([p], lr=0.2)
+    s, t_s = SCHEDULES[name](rlx.optim.lr_scheduler, o), SCHEDULES[name](torch.optim.lr_scheduler, t_o)
+    for _ in range(39):
+        assert o.lr == t_o.param_groups[0]["lr"]  # bit for bit, float64
+        if opt == "sgd":
+            assert o.momentum == t_o.param_groups[0]["momentum"]
+        else:
+            assert tuple(o.betas) == tuple(t_o.param_groups[0]["betas"])
+        t_o.step()
+        s.step()
+        t_s.step()
+
+
+def test_group_learning_rates_follow_the_schedule_like_torch():
+    o = rlx.optim.SGD(lr=0.1, groups=[{"params": ["*.bias"], "lr": 0.02}])
+    w, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    t_o = torch.optim.SGD([{"params": [w]}, {"params": [b], "lr": 0.02}], lr=0.1)
+    s = rlx.optim.lr_scheduler.CosineAnnealingLR(o, T_max=8)
+    t_s = torch.optim.lr_scheduler.CosineAnnealingLR(t_o, T_max=8)
+    for _ in range(10):
+        assert [o.lr, o.groups[0]["lr"]] == [g["lr"] for g in t_o.param_groups]
+        t_o.step()
+        s.step()
+        t_s.step()
