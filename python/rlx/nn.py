@@ -59,7 +59,9 @@ class Parameter:
         self._store: Any = None
         self._name: str | None = None
         self._view: np.ndarray | None = None
-        self.requires_grad = requires_grad
+        if not isinstance(requires_grad, (bool, np.bool_)):
+            raise InputError(f"[Parameter] requires_grad must be True or False, got {requires_grad!r}")
+        self._requires_grad = bool(requires_grad)  # a new parameter is in no compiled model yet
 
     @property
     def requires_grad(self) -> bool:
