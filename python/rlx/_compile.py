@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from collections import deque
 from typing import Any, Callable, Mapping, Sequence
 
@@ -152,6 +153,7 @@ class _Compiled:
     def _init_compiled(self, model: Module, specs: dict[str, InputSpec]) -> None:
         self._model, self._specs = model, specs
         self._variants, self._last, self._queue = {}, None, deque()
+        self._build_lock = threading.Lock()  # one compile per new size, even from two threads
         self._dynamic = any(s.dynamic for s in specs.values())
         self._signature = model._signature()
         self._generation = _STRUCTURE[0]
@@ -183,7 +185,10 @@ class _Compiled:
         key = tuple((n, concrete[n].shape) for n in sorted(concrete) if self._specs[n].dynamic)
         var = self._variants.get(key)
         if var is None:
-            var = self._variants[key] = self._build(concrete)
+            with self._build_lock:
+                var = self._variants.get(key)
+                if var is None:
+                    var = self._variants[key] = self._build(concrete)
         return var
 
     def _pick(self, arrays: Mapping[str, Any]) -> _Variant:
