@@ -138,6 +138,13 @@ class _Variant:
         self.names = [n for n, *_ in exe.input_slots()]
         self.outs = exe.outputs()
         self.skipped = 0.0
+        # Train steps: the optimizer state store, the trained parameters' names, the aux output
+        # names and the outputs each call reads back. Functions: whether a tuple is returned.
+        self.state: Any = None
+        self.trainable: list[str] = []
+        self.aux: list[str] = []
+        self.read: list[int] = []
+        self.tuple = False
 
 
 class _Compiled:
@@ -316,29 +323,29 @@ class TrainStep(_Compiled):
                            **self._options})
         exe = _rlx.Executable(backward, store, self._device, (spec, state))
         var = _Variant(exe, specs)
-        var.state = state  # type: ignore[attr-defined]
-        var.trainable = trainable  # type: ignore[attr-defined]
-        var.aux = aux_names  # type: ignore[attr-defined]
+        var.state = state
+        var.trainable = trainable
+        var.aux = aux_names
         n = len(var.outs)
         # loss, the aux outputs, and the statistics (last); buffer updates stay in the arena.
-        var.read = [0, *range(1 + len(trainable), 1 + len(trainable) + len(aux_names)), n - 1]  # type: ignore[attr-defined]
+        var.read = [0, *range(1 + len(trainable), 1 + len(trainable) + len(aux_names)), n - 1]
         return var
 
     def __call__(self, **arrays: Any) -> Any:
         var = self._pick(arrays)
         feeds = _check_feeds(var.names, arrays, var.specs, set())
-        hyper = self._optimizer._prepare(var.state)  # type: ignore[attr-defined]
-        out = var.exe.run(feeds, hyper, var.read)  # type: ignore[attr-defined]
+        hyper = self._optimizer._prepare(var.state)
+        out = var.exe.run(feeds, hyper, var.read)
         if var is not self._last:
             self._last, self._grads = var, None
         stats = np.frombuffer(out[-1], dtype=np.float32)
         self._grad_norm = float(stats[0])
         var.skipped = float(stats[1])
         loss = struct.unpack("<f", out[0])[0]
-        if not var.aux:  # type: ignore[attr-defined]
+        if not var.aux:
             return loss
         aux = {}
-        for name, raw, i in zip(var.aux, out[1:-1], range(1 + len(var.trainable), len(var.outs))):  # type: ignore[attr-defined]
+        for name, raw, i in zip(var.aux, out[1:-1], range(1 + len(var.trainable), len(var.outs))):
             shape, dtype = var.outs[i]
             aux[name] = np.frombuffer(raw, dtype=_NP[dtype]).reshape(shape)
         return loss, aux
@@ -356,7 +363,7 @@ class TrainStep(_Compiled):
         if var is None:
             return {}
         if self._grads is None:
-            self._grads = {n: _output(var.exe, i + 1) for i, n in enumerate(var.trainable)}  # type: ignore[attr-defined]
+            self._grads = {n: _output(var.exe, i + 1) for i, n in enumerate(var.trainable)}
         return dict(self._grads)
 
     @property
@@ -428,7 +435,7 @@ class Function(_Compiled):
         t.graph.set_outputs(ids)
         exe = _rlx.Executable(t.graph, store, self._device, None)
         var = _Variant(exe, specs)
-        var.tuple = isinstance(out, tuple)  # type: ignore[attr-defined]
+        var.tuple = isinstance(out, tuple)
         return var
 
     def __call__(self, **arrays: Any) -> Any:
@@ -437,7 +444,7 @@ class Function(_Compiled):
         feeds = _check_feeds(var.names, arrays, var.specs, self._bound)
         raw = var.exe.run(feeds, None, list(range(len(var.outs))))
         outs = [np.frombuffer(b, dtype=_NP[d]).reshape(s) for b, (s, d) in zip(raw, var.outs)]
-        return tuple(outs) if var.tuple else outs[0]  # type: ignore[attr-defined]
+        return tuple(outs) if var.tuple else outs[0]
 
     def _spec(self, name: str) -> InputSpec:
         self._check_model()

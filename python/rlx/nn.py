@@ -297,6 +297,8 @@ class Module:
 
     #: True in training mode (the default), False after ``eval()``.
     training = True
+    _children: dict[str, Any]
+    _stores: dict[str, Any]
 
     def _init_registry(self) -> None:
         if "_children" not in self.__dict__:
@@ -604,10 +606,10 @@ class Module:
         expected = sum(_FILE_FLOATS[header[n][0]] * int(np.prod(p.shape)) for n, p in params.items())
         tensors, metadata = _rlx.load_checkpoint_raw(str(path), expected)
         arrays = {}
-        for name, dtype, shape, data in tensors:
-            if dtype not in ("float32", "float16", "bfloat16", "float64"):
-                raise CheckpointError(f"{path}: '{name}' is {dtype}; parameters load from float tensors only")
-            arrays[name] = _from_file(dtype, shape, data)
+        for name, file_dtype, file_shape, data in tensors:
+            if file_dtype not in ("float32", "float16", "bfloat16", "float64"):
+                raise CheckpointError(f"{path}: '{name}' is {file_dtype}; parameters load from float tensors only")
+            arrays[name] = _from_file(file_dtype, file_shape, data)
         self._check_and_assign(arrays, True, f"{path}: ", marked_new_layout=metadata.get(LAYOUT_KEY) == LAYOUT,
                                legacy_layout=bool(legacy_layout))
 
@@ -643,6 +645,8 @@ class ModuleList(Module):
         >>> list(layers.parameters())
         ['0.weight', '0.bias', '1.weight', '1.bias']
     """
+
+    _items: list[Module]
 
     def __init__(self, modules: Iterable[Module] = ()) -> None:
         object.__setattr__(self, "_items", [])
@@ -817,6 +821,8 @@ class Sequential(Module):
         >>> list(net.parameters())
         ['0.weight', '0.bias', '2.weight', '2.bias']
     """
+
+    _layers: list[Module]
 
     def __init__(self, *modules: Module) -> None:
         for i, m in enumerate(modules):
