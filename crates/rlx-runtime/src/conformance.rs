@@ -29,6 +29,7 @@ fn close(got: &[f32], want: &[f64], what: &str) {
 /// Runs every check.
 pub fn run_all(backend: &Arc<dyn Backend>) {
     linear_softmax_training_step(backend);
+    training_step_options(backend);
     resident_inputs(backend);
     bad_feeds_change_nothing(backend);
     copy_engine_contract(backend);
@@ -143,6 +144,17 @@ fn prefetch_consumes_batches_in_order(backend: &Arc<dyn Backend>) {
 
 /// logits = x @ w + b; loss = CE(logits, y); one SGD step. Checked against an f64 reference.
 fn linear_model(backend: &Arc<dyn Backend>) -> (Executable, Arc<Store>) {
+    let (exe, params, _) = linear_model_with(backend, "sgd", false);
+    (exe, params)
+}
+
+/// The linear softmax model trained by the optimizer description `spec`
+/// ([`OptimizerSetup::parse`]); with `hyper_table`, the state store holds per-parameter settings.
+fn linear_model_with(
+    backend: &Arc<dyn Backend>,
+    spec: &str,
+    hyper_table: bool,
+) -> (Executable, Arc<Store>, Arc<Store>) {
     let mut g = Graph::new();
     let x = g.input("x", Shape::new([4, 3]), DType::F32).unwrap();
     let y = g.input("y", Shape::new([4]), DType::I32).unwrap();
@@ -167,13 +179,115 @@ fn linear_model(backend: &Arc<dyn Backend>) -> (Executable, Arc<Store>) {
     let params = Arc::new(Store::new(backend.as_ref(), &specs).unwrap());
     params.write("w", &f32s(&W0)).unwrap();
     params.write("b", &f32s(&B0)).unwrap();
-    let state =
-        Arc::new(Store::for_optimizer(backend.as_ref(), OptimRule::Sgd, &params, false).unwrap());
-    let opt = OptimizerSetup::new(OptimRule::Sgd, state);
+    let state = Arc::new(
+        Store::for_optimizer(backend.as_ref(), OptimRule::Sgd, &params, hyper_table).unwrap(),
+    );
+    let opt = OptimizerSetup::parse(spec, state.clone()).unwrap();
     (
         Executable::new(backend.clone(), &bw, params.clone(), Some(opt)).unwrap(),
         params,
+        state,
     )
+}
+
+/// Loss and gradients of the linear softmax model at its initial weights, in f64.
+fn reference() -> (f64, [f64; 6], [f64; 2]) {
+    let (mut loss, mut gw, mut gb) = (0.0f64, [0.0f64; 6], [0.0f64; 2]);
+    for r in 0..4 {
+        let l: Vec<f64> = (0..2)
+            .map(|j| {
+                B0[j] as f64
+                    + (0..3)
+                        .map(|k| X[r * 3 + k] as f64 * W0[k * 2 + j] as f64)
+                        .sum::<f64>()
+            })
+            .collect();
+        let m = l[0].max(l[1]);
+        let z: f64 = l.iter().map(|v| (v - m).exp()).sum();
+        loss += (m + z.ln() - l[Y[r] as usize]) / 4.0;
+        for j in 0..2 {
+            let d = ((l[j] - m).exp() / z - if Y[r] as usize == j { 1.0 } else { 0.0 }) / 4.0;
+            gb[j] += d;
+            for k in 0..3 {
+                gw[k * 2 + j] += X[r * 3 + k] as f64 * d;
+            }
+        }
+    }
+    (loss, gw, gb)
+}
+
+/// Gradient accumulation (update on every 2nd run with the mean), global-norm clipping, skipped
+/// non-finite runs, per-parameter settings from the state store's table, and the statistics
+/// output (`crate::stat`).
+fn training_step_options(backend: &Arc<dyn Backend>) {
+    let spec = r#"{"rule": "sgd", "clip": 0.05, "accumulate": 2, "skip_nonfinite": true}"#;
+    let (exe, params, state) = linear_model_with(backend, spec, true);
+    // Row per parameter: w trains with lr 0.5, b with lr 0 (a frozen group).
+    let mut rows = vec![0.0f32; 2 * crate::hyper_col::LEN];
+    rows[crate::hyper_col::LR] = 0.5;
+    for r in 0..2 {
+        rows[r * crate::hyper_col::LEN + crate::hyper_col::ONE_MINUS_DAMPENING] = 1.0;
+    }
+    state.write("hyper", &f32s(&rows)).unwrap();
+    let stats_at = exe.outputs().len() - 1;
+    let yb: Vec<u8> = Y.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let run = |x: &[f32]| {
+        let out = exe
+            .run(
+                &[("x", &f32s(x)), ("y", &yb)],
+                Some(&hyper(9.0)),
+                &[stats_at],
+            )
+            .unwrap();
+        from_bytes(&out[0])
+    };
+    let stats = run(&X);
+    assert_eq!(
+        stats[crate::stat::UPDATED],
+        0.0,
+        "first of two accumulated runs"
+    );
+    assert_eq!(stats[crate::stat::MICRO], 1.0);
+    close(
+        &from_bytes(&params.read("w").unwrap()),
+        &W0.map(f64::from),
+        "w before the update",
+    );
+    let stats = run(&X);
+    assert_eq!(stats[crate::stat::UPDATED], 1.0, "second run updates");
+    let (_, gw, gb) = reference();
+    let norm = gw.iter().chain(&gb).map(|g| g * g).sum::<f64>().sqrt();
+    close(
+        &stats[crate::stat::GRAD_NORM..=crate::stat::GRAD_NORM],
+        &[norm],
+        "grad norm",
+    );
+    let coef = (0.05 / (norm + 1e-6)).min(1.0);
+    let w1: Vec<f64> = W0
+        .iter()
+        .zip(&gw)
+        .map(|(w, g)| *w as f64 - 0.5 * coef * g)
+        .collect();
+    close(
+        &from_bytes(&params.read("w").unwrap()),
+        &w1,
+        "clipped update",
+    );
+    close(
+        &from_bytes(&params.read("b").unwrap()),
+        &B0.map(f64::from),
+        "b (lr 0)",
+    );
+    let mut bad = X;
+    bad[0] = f32::NAN;
+    let stats = run(&bad);
+    assert_eq!(stats[crate::stat::SKIPPED], 1.0, "a NaN run is skipped");
+    assert_eq!(stats[crate::stat::MICRO], 0.0, "and not accumulated");
+    close(
+        &from_bytes(&params.read("w").unwrap()),
+        &w1,
+        "w after the skipped run",
+    );
 }
 
 const W0: [f32; 6] = [0.1, -0.2, 0.3, 0.05, -0.4, 0.25];
@@ -204,28 +318,7 @@ fn linear_softmax_training_step(backend: &Arc<dyn Backend>) {
             &[0, 1, 2],
         )
         .unwrap();
-    // Reference in f64.
-    let (mut loss, mut gw, mut gb) = (0.0f64, [0.0f64; 6], [0.0f64; 2]);
-    for r in 0..4 {
-        let l: Vec<f64> = (0..2)
-            .map(|j| {
-                B0[j] as f64
-                    + (0..3)
-                        .map(|k| X[r * 3 + k] as f64 * W0[k * 2 + j] as f64)
-                        .sum::<f64>()
-            })
-            .collect();
-        let m = l[0].max(l[1]);
-        let z: f64 = l.iter().map(|v| (v - m).exp()).sum();
-        loss += (m + z.ln() - l[Y[r] as usize]) / 4.0;
-        for j in 0..2 {
-            let d = ((l[j] - m).exp() / z - if Y[r] as usize == j { 1.0 } else { 0.0 }) / 4.0;
-            gb[j] += d;
-            for k in 0..3 {
-                gw[k * 2 + j] += X[r * 3 + k] as f64 * d;
-            }
-        }
-    }
+    let (loss, gw, gb) = reference();
     close(&from_bytes(&out[0]), &[loss], "loss");
     close(&from_bytes(&out[1]), &gw, "grad w");
     close(&from_bytes(&out[2]), &gb, "grad b");
