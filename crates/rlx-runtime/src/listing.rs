@@ -1,7 +1,20 @@
 //! A readable text listing of a lowered program: one line per instruction with its operands'
 //! buffers, byte offsets, shapes and dtypes (`step.graph()` / `fn.graph()` in Python).
 use crate::{Buf, Instr, MemoryReport, Program, Store, TRef};
+use rlx_ir::Op;
 use std::fmt::Write;
+
+/// An op's name, with the operand transposes of a matrix product.
+fn op_name(op: &Op) -> String {
+    match op {
+        Op::MatMul { trans_a, trans_b } => format!(
+            "matmul{}{}",
+            if *trans_a { "[a^T]" } else { "" },
+            if *trans_b { "[b^T]" } else { "" }
+        ),
+        other => other.name().to_string(),
+    }
+}
 
 fn place_at(t: &TRef) -> String {
     let buf = match t.buf {
@@ -58,7 +71,7 @@ pub fn program(
                     s,
                     "{i:4}  {} = {}({})",
                     place(out),
-                    op.name(),
+                    op_name(op),
                     args.join(", ")
                 );
             }
