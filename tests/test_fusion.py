@@ -113,3 +113,23 @@ def test_gpt_training_matches_and_fused_intermediates_take_no_memory(monkeypatch
     # backward pass) is not made of them, so the arena itself does not grow.
     assert mf["naive_bytes"] < mu["naive_bytes"], (mf, mu)
     assert mf["arena_bytes"] <= mu["arena_bytes"], (mf, mu)
+
+
+def test_floor_division_remainder_and_relu_at_nan_fuse_like_the_unfused_program(monkeypatch):
+    # float // and % (Python's rules) inside fused chains, and relu's backward at NaN (the
+    # upstream gradient passes), give exactly what the one-op-per-instruction program gives
+    x = np.array([[7.5, -7.5, 0.0, np.nan, 3.0, -1.0]] * 4, np.float32)
+    x[1] *= -1.0
+    results = []
+    for fused in (True, False):
+        model = Params(np.random.default_rng(0))
+        step = compiled(monkeypatch, fused, lambda m=model: rlx.compile_train_step(
+            lambda m, x: ((rlx.relu(x * m.w) // 2.0) * m.b + (x * m.w % -1.5) * m.s + rlx.relu(x * m.w)).sum(),
+            m, rlx.optim.SGD(lr=0.0), {"x": rlx.InputSpec((4, 6))}))
+        loss = step(x=x)
+        results.append((loss, {k: v.copy() for k, v in step.grads.items()}))
+    (lf, gf), (lu, gu) = results
+    np.testing.assert_array_equal(lf, lu)
+    for k in gu:
+        np.testing.assert_array_equal(gf[k], gu[k], err_msg=k)
+    assert np.isnan(gf["w"][:, 3]).all()  # NaN inputs give NaN weight gradients, fused or not

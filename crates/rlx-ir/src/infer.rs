@@ -1,5 +1,5 @@
 //! Shape and dtype inference: one rule per op, each failure naming the op, shapes and dtypes.
-use crate::{graph::Node, DType, Error, Op, ReduceOp, Result, Shape};
+use crate::{graph::Node, BinaryOp, DType, Error, Op, ReduceOp, Result, Shape};
 
 /// Infers the output shape and dtype of `op` applied to `ins`.
 pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
@@ -32,7 +32,8 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                 ));
             }
             let shape = broadcast(name, &ins[0].shape, &ins[1].shape)?;
-            let dtype = if b.is_comparison() {
+            // Comparisons give masks; true division of integers gives a float quotient.
+            let dtype = if b.is_comparison() || *b == BinaryOp::Div {
                 DType::F32
             } else {
                 ins[0].dtype
@@ -448,6 +449,22 @@ mod tests {
             )
             .unwrap();
         assert_eq!(g.node(d).shape, Shape::new([2, 4, 4]));
+    }
+
+    #[test]
+    fn int_division_gives_float_and_floor_division_keeps_int() {
+        let mut g = Graph::new();
+        let a = g.input("a", Shape::new([3]), DType::I32).unwrap();
+        let b = g.input("b", Shape::new([2, 1]), DType::I32).unwrap();
+        let d = g.add(Op::Binary(BinaryOp::Div), &[a, b]).unwrap();
+        assert_eq!(
+            (g.node(d).shape.clone(), g.node(d).dtype),
+            (Shape::new([2, 3]), DType::F32)
+        );
+        for op in [BinaryOp::FloorDiv, BinaryOp::Mod] {
+            let q = g.add(Op::Binary(op), &[a, b]).unwrap();
+            assert_eq!(g.node(q).dtype, DType::I32);
+        }
     }
 
     #[test]

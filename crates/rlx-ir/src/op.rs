@@ -30,7 +30,14 @@ pub enum BinaryOp {
     Add,
     Sub,
     Mul,
+    /// True division: int32 operands give a float32 quotient (as numpy and PyTorch give a float).
     Div,
+    /// Floor division (Python's `//`): rounds toward -inf. Int32 division by zero is a run-time
+    /// error; `i32::MIN // -1` wraps to `i32::MIN` (numpy's result).
+    FloorDiv,
+    /// Remainder with the divisor's sign (Python's `%`): `a - b * floor(a / b)`. Int32 by zero is
+    /// a run-time error; float by zero is NaN.
+    Mod,
     Lt,
     Le,
     Gt,
@@ -43,7 +50,12 @@ impl BinaryOp {
     pub fn is_comparison(self) -> bool {
         !matches!(
             self,
-            BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div
+            BinaryOp::Add
+                | BinaryOp::Sub
+                | BinaryOp::Mul
+                | BinaryOp::Div
+                | BinaryOp::FloorDiv
+                | BinaryOp::Mod
         )
     }
 }
@@ -221,6 +233,8 @@ impl Op {
                 BinaryOp::Sub => "sub",
                 BinaryOp::Mul => "mul",
                 BinaryOp::Div => "div",
+                BinaryOp::FloorDiv => "floor_divide",
+                BinaryOp::Mod => "remainder",
                 BinaryOp::Lt => "less",
                 BinaryOp::Le => "less_equal",
                 BinaryOp::Gt => "greater",

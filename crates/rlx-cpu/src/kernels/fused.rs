@@ -7,6 +7,8 @@ use std::cell::RefCell;
 
 /// Elements per tile: a few registers of this size stay in L1/L2.
 const TILE: usize = 512;
+/// Inputs one expression may read (the fusion pass keeps to fewer).
+const MAX_IN: usize = 32;
 
 thread_local! {
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -21,6 +23,10 @@ enum Src<'a> {
 
 /// Evaluates `f` into `out`; `ins[i]` is input `i` with its shape (broadcast to `f.shape`).
 pub fn fused(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32]) {
+    assert!(
+        ins.len() <= MAX_IN,
+        "a fused expression reads at most {MAX_IN} inputs"
+    );
     let od = f.shape.dims();
     let flat = ins
         .iter()
@@ -29,17 +35,15 @@ pub fn fused(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32]) {
         let total = out.len();
         let tile = |(c, chunk): (usize, &mut [f32])| {
             let o0 = c * TILE;
-            let srcs: Vec<Src> = ins
-                .iter()
-                .map(|(x, _)| {
-                    if x.len() != total {
-                        Src::Scalar(x[0])
-                    } else {
-                        Src::Slice(&x[o0..o0 + chunk.len()])
-                    }
-                })
-                .collect();
-            with_scratch(f, |scratch| eval(f, &srcs, chunk, scratch));
+            let mut srcs = [Src::Scalar(0.0); MAX_IN];
+            for (s, (x, _)) in srcs.iter_mut().zip(ins) {
+                *s = if x.len() != total {
+                    Src::Scalar(x[0])
+                } else {
+                    Src::Slice(&x[o0..o0 + chunk.len()])
+                };
+            }
+            with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
         };
         if out.len() >= PAR_MIN {
             out.par_chunks_mut(TILE).enumerate().for_each(tile);
@@ -51,7 +55,11 @@ pub fn fused(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32]) {
     let strided: Vec<Strided> = ins.iter().map(|(_, d)| Strided::broadcast(d, od)).collect();
     let refs: Vec<&Strided> = strided.iter().collect();
     map_rows(out, od, &refs, |row, starts, steps| {
-        let mut gathered: Vec<Vec<f32>> = vec![Vec::new(); ins.len()];
+        // Inputs walked with a stride (rare: a transposed broadcast) are gathered per tile.
+        let mut gathered: Vec<Vec<f32>> = Vec::new();
+        if steps.iter().any(|&s| s > 1) {
+            gathered.resize(ins.len(), Vec::new());
+        }
         for t0 in (0..row.len()).step_by(TILE) {
             let len = TILE.min(row.len() - t0);
             for (i, (x, _)) in ins.iter().enumerate() {
@@ -61,20 +69,17 @@ pub fn fused(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32]) {
                     gathered[i].extend((0..len).map(|j| x[at + j * steps[i]]));
                 }
             }
-            let srcs: Vec<Src> = ins
-                .iter()
-                .enumerate()
-                .map(|(i, (x, _))| {
-                    let at = starts[i] + t0 * steps[i];
-                    match steps[i] {
-                        0 => Src::Scalar(x[at]),
-                        1 => Src::Slice(&x[at..at + len]),
-                        _ => Src::Slice(&gathered[i]),
-                    }
-                })
-                .collect();
+            let mut srcs = [Src::Scalar(0.0); MAX_IN];
+            for (i, (s, (x, _))) in srcs.iter_mut().zip(ins).enumerate() {
+                let at = starts[i] + t0 * steps[i];
+                *s = match steps[i] {
+                    0 => Src::Scalar(x[at]),
+                    1 => Src::Slice(&x[at..at + len]),
+                    _ => Src::Slice(&gathered[i]),
+                };
+            }
             let chunk = &mut row[t0..t0 + len];
-            with_scratch(f, |scratch| eval(f, &srcs, chunk, scratch));
+            with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
         }
     });
 }
@@ -179,6 +184,8 @@ fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
         BinaryOp::Sub => zip(a, b, dst, |x, y| x - y),
         BinaryOp::Mul => zip(a, b, dst, |x, y| x * y),
         BinaryOp::Div => zip(a, b, dst, |x, y| x / y),
+        BinaryOp::FloorDiv => zip(a, b, dst, <f32 as elementwise::Num>::floor_div),
+        BinaryOp::Mod => zip(a, b, dst, <f32 as elementwise::Num>::rem),
         BinaryOp::Lt => zip(a, b, dst, |x, y| mask(x < y)),
         BinaryOp::Le => zip(a, b, dst, |x, y| mask(x <= y)),
         BinaryOp::Gt => zip(a, b, dst, |x, y| mask(x > y)),
