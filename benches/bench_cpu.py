@@ -1,11 +1,11 @@
 """CPU benchmark of rlx against JAX (live) and PyTorch (live if installed, else the reference
-figures of ../shared/bench-anchors/RESULTS.md), printed as one markdown table of rlx/anchor ratios.
+figures recorded below in TORCH_REF), printed as one markdown table of rlx/anchor ratios.
 
     python benches/bench_cpu.py                       # full run, several minutes on 2 cores
     python benches/bench_cpu.py --quick               # smoke run: few steps, one round
     python benches/bench_cpu.py --only mlp64,gpt --json /tmp/bench.json
 
-Workloads (the specs of shared/bench-anchors/common.py):
+Workloads (the same specs as the reference figures):
   mlp64, mlp512  digits MLP 64-256-256-10 ReLU, mean softmax-CE, Adam(1e-3), batch 64 / 512.
                  Step = forward + backward + optimizer update + the loss read back as a Python
                  float. Median over 200 full-size steps after a warm-up of 2 epochs.
@@ -50,7 +50,7 @@ EXAMPLES = os.path.join(HERE, "..", "examples")
 WORKLOADS = ("mlp64", "mlp512", "gpt", "sgemm", "rss", "compile")
 SGEMM_SIZES = (256, 512, 1024, 2048)
 
-# PyTorch (and, for context, JAX/numpy) figures from shared/bench-anchors/RESULTS.md
+# PyTorch (and, for context, JAX/numpy) reference figures of these workloads, recorded here
 # (2026-12-02, 2 threads, torch 2.13.0+cpu eager unless noted). That run was on an Intel Xeon
 # (family 6 model 167) with 2 vCPUs, not necessarily the machine this script runs on.
 REF_MACHINE = "Intel(R) Xeon(R) Processor (family 6 model 167), 2 vCPUs"
@@ -547,7 +547,7 @@ def main() -> None:
 
     tv = torch_version()
     print(f"torch: {tv} (measured live)" if tv else
-          "torch: not installed (PyTorch column = reference figures of RESULTS.md)", flush=True)
+          "torch: not installed (PyTorch column = the reference figures in TORCH_REF)", flush=True)
     info = machine_info(tv)
     fws = ["rlx", "jax"] + (["torch"] if tv else [])
 
@@ -631,7 +631,7 @@ def main() -> None:
             add(f"sgemm n={n} (GFLOP/s, higher is better)", f"sgemm.{n}", "GFLOP/s", "sgemm",
                 lambda x, n=n: x["sgemm"][str(n)]["gflops"], lower_better=False)
 
-    torch_hdr = f"PyTorch {tv} (live)" if tv else "PyTorch (ref RESULTS.md)"
+    torch_hdr = f"PyTorch {tv} (live)" if tv else "PyTorch (reference figures)"
     lines = [f"| workload | rlx | JAX | {torch_hdr} | rlx/JAX | rlx/PyTorch | target |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -662,10 +662,10 @@ def main() -> None:
                      "JAX column: jitted jnp.matmul on device arrays; numpy uses its default BLAS threads.")
     if not tv:
         notes.append(
-            f"PyTorch column: not measured here (torch not installed) but copied from RESULTS.md (torch 2.13.0+cpu "
+            f"PyTorch column: not measured here (torch not installed) but copied from the reference figures (torch 2.13.0+cpu "
             f"eager, 2 threads; GPT compile row = torch.compile cold cache; sgemm = torch.mm), measured on "
             f"{REF_MACHINE}. Where this machine differs, rlx/PyTorch mixes two machines; JAX here vs JAX in "
-            "RESULTS.md gives the scale: " + ", ".join(
+            "the reference figures give the scale: " + ", ".join(
                 f"{k} {row['jax'] / JAX_REF[k]:.2f}x" for row in rows for k in [row["key"]]
                 if k in JAX_REF and row["jax"]) + ".")
     losses = [f"{fw} {r['loss_last10']:.3f}" for fw in ("rlx", "jax", "torch")

@@ -70,24 +70,24 @@ def train_jax(init: dict[str, np.ndarray], steps: int, batches: Batches) -> tupl
     def attention(p, pre, x):
         b, t, d = x.shape
         hd = d // HEADS
-        qkv = x @ p[pre + "qkv.weight"] + p[pre + "qkv.bias"]
+        qkv = x @ p[pre + "qkv.weight"].T + p[pre + "qkv.bias"]
         q, k, v = qkv.reshape(b, t, 3, HEADS, hd).transpose(2, 0, 3, 1, 4)  # each (B, H, T, hd)
         scores = (q * (1.0 / math.sqrt(hd))) @ k.swapaxes(-1, -2)
         causal = jnp.tril(jnp.ones((t, t), bool))
         att = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
         y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
-        return y @ p[pre + "proj.weight"] + p[pre + "proj.bias"]
+        return y @ p[pre + "proj.weight"].T + p[pre + "proj.bias"]
 
     def block(p, pre, x):
         x = x + attention(p, pre + "attn.", layer_norm(x, p[pre + "ln1.weight"], p[pre + "ln1.bias"]))
-        h = layer_norm(x, p[pre + "ln2.weight"], p[pre + "ln2.bias"]) @ p[pre + "fc1.weight"] + p[pre + "fc1.bias"]
-        return x + jax.nn.gelu(h, approximate=False) @ p[pre + "fc2.weight"] + p[pre + "fc2.bias"]
+        h = layer_norm(x, p[pre + "ln2.weight"], p[pre + "ln2.bias"]) @ p[pre + "fc1.weight"].T + p[pre + "fc1.bias"]
+        return x + jax.nn.gelu(h, approximate=False) @ p[pre + "fc2.weight"].T + p[pre + "fc2.bias"]
 
     def loss_fn(p, idx, targets):
         x = p["tok.weight"][idx] + p["pos.weight"][: idx.shape[1]]
         for i in range(LAYERS):
             x = block(p, f"blocks.{i}.", x)
-        logits = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"]) @ p["head.weight"]
+        logits = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"]) @ p["head.weight"].T
         logp = jax.nn.log_softmax(logits, axis=-1)
         return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
 

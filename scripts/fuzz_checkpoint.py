@@ -40,11 +40,11 @@ import time
 import numpy as np
 
 HERE = os.path.abspath(__file__)
-SHAPES = {"fc.weight": (4, 3), "fc.bias": (3,), "ln.weight": (3,), "ln.bias": (3,)}
+SHAPES = {"fc.weight": (3, 4), "fc.bias": (3,), "ln.weight": (3,), "ln.bias": (3,)}
 
 
 # ----------------------------------------------------------------------------------------------
-# an independent strict safetensors reader (the safetensors spec, F32 only)
+# an independent strict safetensors reader (the safetensors spec; float tensors, cast to F32)
 # ----------------------------------------------------------------------------------------------
 class Reject(Exception):
     pass
@@ -55,6 +55,16 @@ def _no_dupes(pairs):
     if len(keys) != len(set(keys)):
         raise Reject(f"duplicate names {sorted(k for k in set(keys) if keys.count(k) > 1)}")
     return dict(pairs)
+
+
+# Float dtypes rlx loads into float32 parameters (by casting), with their sizes in bytes.
+FLOATS = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+
+
+def _floats(dtype: str, raw: bytes) -> np.ndarray:
+    if dtype == "BF16":
+        return (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(raw, {"F32": "<f4", "F16": "<f2", "F64": "<f8"}[dtype]).astype(np.float32)
 
 
 def strict_read(raw: bytes) -> dict[str, np.ndarray]:
@@ -79,17 +89,18 @@ def strict_read(raw: bytes) -> dict[str, np.ndarray]:
         if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
             raise Reject(f"{name}: bad entry")
         shape, offs = info["shape"], info["data_offsets"]
-        if info["dtype"] != "F32":
+        if not isinstance(info["dtype"], str) or info["dtype"] not in FLOATS:
             raise Reject(f"{name}: dtype {info['dtype']!r}")
+        size = FLOATS[info["dtype"]]
         if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
             raise Reject(f"{name}: shape {shape!r}")
         if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)):
             raise Reject(f"{name}: offsets {offs!r}")
         a, b = offs
-        if not 0 <= a <= b <= len(data) or b - a != 4 * int(np.prod(shape, dtype=object)):
+        if not 0 <= a <= b <= len(data) or b - a != size * int(np.prod(shape, dtype=object)):
             raise Reject(f"{name}: offsets {offs} for shape {shape}")
         spans.append((a, b))
-        out[name] = np.frombuffer(data[a:b], "<f4").reshape(shape)
+        out[name] = _floats(info["dtype"], data[a:b]).reshape(shape)
     pos = 0
     for a, b in sorted(spans):
         if a != pos:

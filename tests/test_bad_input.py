@@ -1,4 +1,4 @@
-"""Systematic bad input for the public API (../shared/API.md).
+"""Systematic bad input for the public API (docs/guide.md and the API reference).
 
 For every public function and method: wrong types (None, strings, lists of strings, dicts) for
 arrays and specs, wrong shapes and dtypes, unknown / missing names, negative, non-integer and huge
@@ -158,7 +158,6 @@ WRONG_SPECS = {
     "dict": {"a": 1},
     "float-dim": (2.5, 3),
     "nan-dim": (float("nan"),),
-    "None-dim": (3, None),
     "negative": (-1,),
     "negative-2": (2, -3),
     "object": object(),

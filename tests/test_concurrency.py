@@ -131,7 +131,7 @@ def test_four_threads_with_reader():
             g = {k: v.copy() for k, v in step.grads.items()}
             st = opt.state("fc2.bias")
             mem = step.memory()
-            assert w.shape == (32, 64) and set(g) == set(model.parameters())
+            assert w.shape == (64, 32) and set(g) == set(model.parameters())
             assert mem["arena_bytes"] <= mem["naive_bytes"] and st["exp_avg"].shape == (10,)
             reads[0] += 1
 
@@ -220,8 +220,8 @@ def test_tracing_in_two_threads_at_once():
                 fn = rlx.compile(fwd, model, {"x": S((4, 32))})
                 x = batch(k, b=4)[0]
                 p = {n: v.numpy().astype(np.float64) for n, v in model.parameters().items()}
-                h = np.maximum(x @ p["fc1.weight"] + p["fc1.bias"], 0)
-                ref = h @ p["fc2.weight"] + p["fc2.bias"]
+                h = np.maximum(x @ p["fc1.weight"].T + p["fc1.bias"], 0)
+                ref = h @ p["fc2.weight"].T + p["fc2.bias"]
                 np.testing.assert_allclose(fn(x=x), ref, rtol=1e-4, atol=1e-5)
             results[k] = True
         return f

@@ -53,18 +53,18 @@ def loss_fn(m, x, y):
 # numpy reference (float64)
 # ----------------------------------------------------------------------------------------------
 def np_forward(p, x):
-    h1 = np.maximum(x @ p["fc1.weight"] + p["fc1.bias"], 0.0)
-    h2 = np.maximum(h1 @ p["fc2.weight"] + p["fc2.bias"], 0.0)
-    return h2 @ p["fc3.weight"] + p["fc3.bias"]
+    h1 = np.maximum(x @ p["fc1.weight"].T + p["fc1.bias"], 0.0)
+    h2 = np.maximum(h1 @ p["fc2.weight"].T + p["fc2.bias"], 0.0)
+    return h2 @ p["fc3.weight"].T + p["fc3.bias"]
 
 
 def np_loss_and_grads(p, x, y):
     x = x.astype(np.float64)
-    z1 = x @ p["fc1.weight"] + p["fc1.bias"]
+    z1 = x @ p["fc1.weight"].T + p["fc1.bias"]
     h1 = np.maximum(z1, 0.0)
-    z2 = h1 @ p["fc2.weight"] + p["fc2.bias"]
+    z2 = h1 @ p["fc2.weight"].T + p["fc2.bias"]
     h2 = np.maximum(z2, 0.0)
-    z3 = h2 @ p["fc3.weight"] + p["fc3.bias"]
+    z3 = h2 @ p["fc3.weight"].T + p["fc3.bias"]
     z3 = z3 - z3.max(axis=1, keepdims=True)
     lse = np.log(np.exp(z3).sum(axis=1, keepdims=True))
     n = len(y)
@@ -72,12 +72,12 @@ def np_loss_and_grads(p, x, y):
     d3 = np.exp(z3 - lse)
     d3[np.arange(n), y] -= 1.0
     d3 /= n
-    d2 = (d3 @ p["fc3.weight"].T) * (z2 > 0)
-    d1 = (d2 @ p["fc2.weight"].T) * (z1 > 0)
+    d2 = (d3 @ p["fc3.weight"]) * (z2 > 0)
+    d1 = (d2 @ p["fc2.weight"]) * (z1 > 0)
     return loss, {
-        "fc1.weight": x.T @ d1, "fc1.bias": d1.sum(0),
-        "fc2.weight": h1.T @ d2, "fc2.bias": d2.sum(0),
-        "fc3.weight": h2.T @ d3, "fc3.bias": d3.sum(0),
+        "fc1.weight": d1.T @ x, "fc1.bias": d1.sum(0),
+        "fc2.weight": d2.T @ h1, "fc2.bias": d2.sum(0),
+        "fc3.weight": d3.T @ h2, "fc3.bias": d3.sum(0),
     }
 
 
@@ -143,7 +143,7 @@ def test_model_matches_spec(run):
         bound = 1.0 / np.sqrt(fan_in)
         for part in ("weight", "bias"):
             assert np.all(np.abs(init[f"{name}.{part}"]) <= bound + 1e-7)
-    assert init["fc1.weight"].shape == (64, 256)
+    assert init["fc1.weight"].shape == (256, 64)
 
 
 def test_first_epoch_matches_numpy_reference(run):

@@ -34,7 +34,7 @@ def good_batch(seed=0):
 
 def np_loss(model, x, y):
     p = {k: v.numpy().astype(np.float64) for k, v in model.parameters().items()}
-    z = x.astype(np.float64) @ p["fc.weight"] + p["fc.bias"]
+    z = x.astype(np.float64) @ p["fc.weight"].T + p["fc.bias"]
     z = z - z.max(axis=1, keepdims=True)
     lp = z - np.log(np.exp(z).sum(axis=1, keepdims=True))
     return float(-lp[np.arange(len(y)), np.asarray(y, dtype=np.int64)].mean())
@@ -293,7 +293,7 @@ def test_explicit_cpu_device():
     fn = rlx.compile(lambda m, x: m(x), model, {"x": rlx.InputSpec((N, D))}, device="cpu")
     x = _x()
     p = {k: v.numpy().astype(np.float64) for k, v in model.parameters().items()}
-    assert_close(fn(x=x), x @ p["fc.weight"] + p["fc.bias"], rtol=1e-5, atol=1e-6)
+    assert_close(fn(x=x), x @ p["fc.weight"].T + p["fc.bias"], rtol=1e-5, atol=1e-6)
 
 
 def test_a_rust_panic_becomes_an_rlx_error_and_the_process_lives_on():

@@ -18,10 +18,10 @@ def test_linear_parameters_shapes_and_init_bounds():
     ps = lin.parameters()
     assert list(ps) == ["weight", "bias"]
     w, b = ps["weight"], ps["bias"]
-    assert tuple(w.shape) == (64, 32) and tuple(b.shape) == (32,)
+    assert tuple(w.shape) == (32, 64) and tuple(b.shape) == (32,)  # PyTorch's (out, in)
     assert np.dtype(w.dtype) == np.float32 and np.dtype(b.dtype) == np.float32
     wn, bn = w.numpy(), b.numpy()
-    assert wn.shape == (64, 32) and wn.dtype == np.float32
+    assert wn.shape == (32, 64) and wn.dtype == np.float32
     bound = 1.0 / math.sqrt(64)
     assert np.all(np.abs(wn) <= bound) and np.all(np.abs(bn) <= bound)
     # U(-bound, bound): std = bound / sqrt(3), mean ~ 0, and it really spreads over the interval
@@ -34,7 +34,7 @@ def test_linear_parameters_shapes_and_init_bounds():
 def test_linear_without_bias():
     lin = rlx.nn.Linear(3, 2, bias=False)
     assert list(lin.parameters()) == ["weight"]
-    assert tuple(lin.weight.shape) == (3, 2)
+    assert tuple(lin.weight.shape) == (2, 3)
 
 
 def test_seed_makes_init_deterministic():
@@ -156,7 +156,7 @@ def test_nested_module_forward():
     x = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
     p = params_np(m)
     fn = rlx.compile(lambda m, x: m(x), m, specs({"x": x}))
-    expected = ((x @ p["zeta.weight"] + p["zeta.bias"]) * 2.0) @ p["alpha.weight"]
+    expected = ((x @ p["zeta.weight"].T + p["zeta.bias"]) * 2.0) @ p["alpha.weight"].T
     assert_close(fn(x=x), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -167,8 +167,8 @@ def test_sequential_names_and_forward():
     p = params_np(seq)
     x = np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
     fn = rlx.compile(lambda m, x: m(x), seq, specs({"x": x}))
-    h = np.maximum(x.astype(np.float64) @ p["0.weight"] + p["0.bias"], 0)
-    assert_close(fn(x=x), h @ p["2.weight"] + p["2.bias"], rtol=1e-5, atol=1e-5)
+    h = np.maximum(x.astype(np.float64) @ p["0.weight"].T + p["0.bias"], 0)
+    assert_close(fn(x=x), h @ p["2.weight"].T + p["2.bias"], rtol=1e-5, atol=1e-5)
 
 
 def test_sequential_nested_in_module_names():
@@ -187,4 +187,4 @@ def test_linear_on_3d_input():
     p = params_np(lin)
     x = np.random.default_rng(2).standard_normal((2, 5, 4)).astype(np.float32)
     fn = rlx.compile(lambda m, x: m(x), lin, specs({"x": x}))
-    assert_close(fn(x=x), x.astype(np.float64) @ p["weight"] + p["bias"], rtol=1e-5, atol=1e-5)
+    assert_close(fn(x=x), x.astype(np.float64) @ p["weight"].T + p["bias"], rtol=1e-5, atol=1e-5)

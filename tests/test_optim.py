@@ -35,9 +35,9 @@ def batches(seed=0, n=N_STEPS):
 def ref_loss_and_grads(p, x, y):
     """mean((x @ W + b - y)^2) and its analytic gradients, float64."""
     x, y = x.astype(np.float64), y.astype(np.float64)
-    r = x @ p["fc.weight"] + p["fc.bias"] - y
+    r = x @ p["fc.weight"].T + p["fc.bias"] - y
     d = 2.0 * r / r.size
-    return float(np.mean(r * r)), {"fc.weight": x.T @ d, "fc.bias": d.sum(axis=0)}
+    return float(np.mean(r * r)), {"fc.weight": d.T @ x, "fc.bias": d.sum(axis=0)}
 
 
 class RefOptimizer:

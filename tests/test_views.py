@@ -42,21 +42,21 @@ def data(seed=0):
 
 def np_forward(p, x):
     x = x.astype(np.float64)
-    h = np.maximum(x @ p["fc1.weight"] + p["fc1.bias"], 0.0)
-    return h @ p["fc2.weight"] + p["fc2.bias"]
+    h = np.maximum(x @ p["fc1.weight"].T + p["fc1.bias"], 0.0)
+    return h @ p["fc2.weight"].T + p["fc2.bias"]
 
 
 def np_loss_and_grads(p, x, y):
     x, y = x.astype(np.float64), y.astype(np.float64)
-    z = x @ p["fc1.weight"] + p["fc1.bias"]
+    z = x @ p["fc1.weight"].T + p["fc1.bias"]
     h = np.maximum(z, 0.0)
-    out = h @ p["fc2.weight"] + p["fc2.bias"]
+    out = h @ p["fc2.weight"].T + p["fc2.bias"]
     r = out - y
     d = 2.0 * r / r.size
-    dh = (d @ p["fc2.weight"].T) * (z > 0)
+    dh = (d @ p["fc2.weight"]) * (z > 0)
     return float(np.mean(r * r)), {
-        "fc1.weight": x.T @ dh, "fc1.bias": dh.sum(0),
-        "fc2.weight": h.T @ d, "fc2.bias": d.sum(0),
+        "fc1.weight": dh.T @ x, "fc1.bias": dh.sum(0),
+        "fc2.weight": d.T @ h, "fc2.bias": d.sum(0),
     }
 
 
@@ -138,7 +138,7 @@ def test_writing_weight_view_changes_next_step():
     # and a partial in-place write is honoured too
     w = model.fc1.weight.numpy()
     w[0, :] += 1.0
-    model.fc2.weight.numpy()[...] = np.random.default_rng(0).standard_normal((D_H, D_OUT))
+    model.fc2.weight.numpy()[...] = np.random.default_rng(0).standard_normal((D_OUT, D_H))
     ref_loss, _ = np_loss_and_grads(current(model), x, y)
     assert_close(step(x=x, y=y), ref_loss, rtol=1e-5, atol=1e-6)
 

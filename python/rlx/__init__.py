@@ -6,9 +6,9 @@ import os as _os
 from . import _rlx as _rlx_native
 from . import models, nn, optim
 from ._compile import Function, InputSpec, TrainStep, compile, compile_train_step
+from ._devices import devices
 from ._graph import Executable, Graph, grad
 from ._random import seed
-from ._rlx import devices
 from ._tensor import (
     Tensor,
     concat,

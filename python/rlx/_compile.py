@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import struct
+import threading
+from collections import deque
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -10,21 +13,37 @@ import numpy as np
 from . import _check, _rlx
 from ._arrays import contiguous
 from ._tensor import Tensor, Trace
-from .errors import DTypeError, InputError, RlxError, ShapeError
-from .nn import Module
+from .errors import DTypeError, InputError, RlxError, ShapeError, UnsupportedError
+from .nn import _STRUCTURE, Module
 from .optim import Optimizer
 
 _NP = {"float32": np.dtype(np.float32), "int32": np.dtype(np.int32)}
 
 
 class InputSpec:
-    """The shape and dtype of one named input of a compiled function."""
+    """The shape and dtype of one named input of a compiled function. A dimension given as
+    ``None`` accepts any size: one executable per distinct size is compiled on first use and
+    cached, all sharing the model's weights (and the optimizer's state).
 
-    def __init__(self, shape: Sequence[int], dtype: str = "float32") -> None:
-        self.shape = _check.shape("InputSpec", shape)
+    Example:
+        >>> rlx.InputSpec((None, 64))          # any batch size
+        InputSpec(shape=(None, 64), dtype='float32')
+    """
+
+    def __init__(self, shape: Sequence[int | None], dtype: str = "float32") -> None:
+        if isinstance(shape, (list, tuple)) and any(d is None for d in shape):
+            fixed = _check.shape("InputSpec", [0 if d is None else d for d in shape])
+            self.shape: tuple[Any, ...] = tuple(None if d is None else f for d, f in zip(shape, fixed))
+        else:
+            self.shape = _check.shape("InputSpec", shape)
         if not isinstance(dtype, str) or dtype not in _NP:
             raise DTypeError(f"[InputSpec] unsupported dtype {dtype!r} (use 'float32' or 'int32')")
         self.dtype = str(dtype)
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether some dimension is ``None``."""
+        return any(d is None for d in self.shape)
 
     def __repr__(self) -> str:
         return f"InputSpec(shape={self.shape}, dtype={self.dtype!r})"
@@ -70,18 +89,30 @@ def convert(name: str, spec_shape: Sequence[int], spec_dtype: str, value: Any) -
     return contiguous(arr, want).reshape(-1)
 
 
-def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], store: Any) -> tuple[Trace, Any, list[int]]:
+
+def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], store: Any,
+           training: bool) -> tuple[Trace, Any, dict[str, int]]:
+    """Traces ``fn(model, **tensors)`` with the model in train or eval mode (restored after)."""
     t = Trace()
-    param_ids = []
-    params = model.parameters()
+    nodes: dict[str, int] = {}
+    tensors = model._tensors()
     for name, shape, dtype in store.entries():
         node = t.graph.param(name, shape, dtype)
-        t.param_nodes[id(params[name])] = node
-        param_ids.append(node)
-    tensors = {n: Tensor(t, t.graph.input(n, list(s.shape), s.dtype)) for n, s in specs.items()}
-    with t:
-        out = fn(model, **tensors)
-    return t, out, param_ids
+        t.param_nodes[id(tensors[name])] = node
+        nodes[name] = node
+    inputs = {n: Tensor(t, t.graph.input(n, list(s.shape), s.dtype)) for n, s in specs.items()}
+    modes = [(m, m.__dict__.get("training")) for _, m in model.modules()]
+    model.train(training)
+    try:
+        with t:
+            out = fn(model, **inputs)
+    finally:
+        for m, mode in modes:
+            if mode is None:
+                m.__dict__.pop("training", None)
+            else:
+                object.__setattr__(m, "training", mode)
+    return t, out, nodes
 
 
 def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[str, InputSpec], bound: set[str]) -> dict[str, np.ndarray]:
@@ -98,12 +129,86 @@ def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[st
     return {n: v for n, v in converted.items() if n in names}
 
 
-class _Prefetching:
-    """``prefetch(**arrays)``: asynchronous input copies into a free staging buffer."""
+class _Variant:
+    """One executable of a compiled function, for one set of concrete input shapes."""
 
-    _exe: Any
+    def __init__(self, exe: Any, specs: dict[str, InputSpec]) -> None:
+        self.exe = exe
+        self.specs = specs
+        self.names = [n for n, *_ in exe.input_slots()]
+        self.outs = exe.outputs()
+        self.skipped = 0.0
+        # Train steps: the optimizer state store, the trained parameters' names, the aux output
+        # names and the outputs each call reads back. Functions: whether a tuple is returned.
+        self.state: Any = None
+        self.trainable: list[str] = []
+        self.aux: list[str] = []
+        self.read: list[int] = []
+        self.tuple = False
+
+
+class _Compiled:
+    """What train steps and inference functions share: the model-structure check, executables
+    per input size (for ``None`` dimensions), prefetching and the program listing."""
+
+    _model: Module
     _specs: dict[str, InputSpec]
-    _names: list[str]
+    _variants: dict[Any, _Variant]
+    _last: _Variant | None
+    _queue: deque[_Variant]
+
+    def _init_compiled(self, model: Module, specs: dict[str, InputSpec]) -> None:
+        self._model, self._specs = model, specs
+        self._variants, self._last, self._queue = {}, None, deque()
+        self._build_lock = threading.Lock()  # one compile per new size, even from two threads
+        self._dynamic = any(s.dynamic for s in specs.values())
+        self._signature = model._signature()
+        self._generation = _STRUCTURE[0]
+
+    def _check_model(self) -> None:
+        """Raises when a parameter or sub-module was added, replaced or removed since compile."""
+        if _STRUCTURE[0] != self._generation:
+            if self._model._signature() != self._signature:
+                raise RlxError("model changed since compile; compile again")
+            self._generation = _STRUCTURE[0]
+
+    def _build(self, specs: dict[str, InputSpec]) -> _Variant:
+        raise NotImplementedError
+
+    def _variant(self, arrays: Mapping[str, Any]) -> _Variant:
+        if not self._dynamic:
+            return self._variants[None]
+        concrete = {}
+        for name, spec in self._specs.items():
+            if not spec.dynamic:
+                concrete[name] = spec
+                continue
+            if name not in arrays:
+                raise InputError(f"[{name}] missing input; expected {sorted(self._specs)}")
+            shape = tuple(np.shape(arrays[name]))
+            if len(shape) != len(spec.shape) or any(d is not None and d != g for d, g in zip(spec.shape, shape)):
+                raise ShapeError(f"[{name}] expected shape {spec.shape} (None: any size), got {shape}")
+            concrete[name] = InputSpec(shape, spec.dtype)
+        key = tuple((n, concrete[n].shape) for n in sorted(concrete) if self._specs[n].dynamic)
+        var = self._variants.get(key)
+        if var is None:
+            with self._build_lock:
+                var = self._variants.get(key)
+                if var is None:
+                    var = self._variants[key] = self._build(concrete)
+        return var
+
+    def _pick(self, arrays: Mapping[str, Any]) -> _Variant:
+        """The executable for this call: by the arrays' sizes, or the next prefetched batch's."""
+        self._check_model()
+        if not arrays and self._dynamic:
+            if not self._queue:
+                raise InputError("missing inputs: none given and no batch prefetched")
+            return self._queue.popleft()
+        var = self._variant(arrays)
+        if not arrays and self._queue:
+            self._queue.popleft()
+        return var
 
     def prefetch(self, **arrays: Any) -> None:
         """Takes a snapshot of the batch (a copy of each array, made now) and queues its copy
@@ -121,49 +226,169 @@ class _Prefetching:
                 loss = step()                      # consumes batch i - 1
             loss = step()
         """
+        self._check_model()
         unknown = sorted(set(arrays) - set(self._specs))
         if unknown:
             raise InputError(f"[{unknown[0]}] unknown input; expected {sorted(self._specs)}")
-        feeds = {n: convert(n, self._specs[n].shape, self._specs[n].dtype, v) for n, v in arrays.items()}
-        self._exe.prefetch({n: v for n, v in feeds.items() if n in self._names})
+        var = self._variant(arrays)
+        if self._dynamic and len(self._queue) >= 2:
+            raise RlxError("[prefetch] 2 prefetched batches are already waiting; run a step first")
+        feeds = {n: convert(n, var.specs[n].shape, var.specs[n].dtype, v) for n, v in arrays.items()}
+        var.exe.prefetch({n: v for n, v in feeds.items() if n in var.names})
+        self._queue.append(var)
 
     @property
     def prefetched(self) -> int:
         """Batches waiting to be consumed."""
-        return self._exe.prefetched()
+        return sum(v.exe.prefetched() for v in self._variants.values())
+
+    def graph(self) -> str:
+        """A readable listing of the lowered program: each instruction with its operands'
+        buffer, byte offset, shape and dtype, then the outputs and the memory summary. With
+        ``None`` dimensions, the executable of the last call.
+
+        Example:
+            >>> print(step.graph())
+        """
+        var = self._last or next(iter(self._variants.values()), None)
+        if var is None:
+            raise RlxError("nothing compiled yet: with None dimensions, each size compiles at its first call")
+        return str(var.exe.listing())
+
+    def memory(self) -> dict[str, int]:
+        """Planned bytes: ``arena_bytes`` vs ``naive_bytes`` (no reuse), ``param_bytes``, ...
+
+        Example:
+            >>> step.memory()["arena_bytes"] <= step.memory()["naive_bytes"]
+            True
+        """
+        var = self._last or next(iter(self._variants.values()), None)
+        if var is None:
+            raise RlxError("nothing compiled yet: with None dimensions, each size compiles at its first call")
+        return dict(var.exe.memory())
 
 
-class TrainStep(_Prefetching):
+class TrainStep(_Compiled):
     """A compiled training step: ``step(**arrays) -> float`` runs forward, backward and the
     optimizer update as one native call over the arena; ``step()`` without arrays consumes
-    the next prefetched batch."""
+    the next prefetched batch. When ``loss_fn`` returns ``(loss, aux)``, calls return
+    ``(loss, {name: array})``.
 
-    def __init__(self, exe: Any, model: Module, optimizer: Optimizer, specs: dict[str, InputSpec], grad_names: list[str]) -> None:
-        self._exe = exe
-        self._model = model
-        self._optimizer = optimizer
-        self._specs = specs
-        self._names = [n for n, *_ in exe.input_slots()]
-        self._grad_names = grad_names
+    Example:
+        >>> step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model, opt,
+        ...                               {"x": rlx.InputSpec((None, 64)), "y": rlx.InputSpec((None,), "int32")})
+        >>> loss = step(x=x, y=y)
+    """
+
+    def __init__(self, loss_fn: Callable[..., Any], model: Module, optimizer: Optimizer, specs: dict[str, InputSpec],
+                 device: str, options: dict[str, Any]) -> None:
+        self._loss_fn, self._optimizer, self._device, self._options = loss_fn, optimizer, device, options
+        self._init_compiled(model, specs)
         self._grads: dict[str, np.ndarray] | None = None
+        self._grad_norm = float("nan")
+        if not self._dynamic:
+            self._variants[None] = self._build(specs)
 
-    def __call__(self, **arrays: Any) -> float:
-        feeds = _check_feeds(self._names, arrays, self._specs, set())
-        hyper = self._optimizer._hyper()  # checks settings changed since construction
-        out = self._exe.run(feeds, hyper, [0])
-        return struct.unpack("<f", out[0])[0]
+    def _build(self, specs: dict[str, InputSpec]) -> _Variant:
+        model = self._model
+        store = model._store_for(self._device)
+        if not store.entries():
+            raise RlxError("the model has no parameters to train")
+        t, out, nodes = _trace(self._loss_fn, model, specs, store, training=True)
+        aux: dict[str, Any] = {}
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+            out, aux = out
+        if not isinstance(out, Tensor):
+            raise RlxError(f"loss_fn must return an rlx.Tensor (or (loss, aux dict)), got {type(out).__name__}")
+        if out.shape != () or out.dtype != "float32":
+            raise ShapeError(f"[loss] loss_fn must return a float32 scalar, got {out.dtype} {out.shape}")
+        for k, v in aux.items():
+            if not isinstance(k, str) or not isinstance(v, Tensor):
+                raise RlxError(f"aux must map names to rlx Tensors; '{k}' is a {type(v).__name__}")
+        tensors = model._tensors()
+        trainable = [n for n, _, _ in store.entries() if tensors[n].requires_grad and not tensors[n]._is_buffer]
+        if not trainable:
+            raise RlxError("every parameter is frozen (requires_grad=False): nothing to train")
+        backward = t.graph.grad(out._id, [nodes[n] for n in trainable])
+        aux_names = list(aux)
+        names_of = {id(p): n for n, p in tensors.items()}
+        updates = [(names_of[i], v) for i, (b, v) in t.__dict__.get("buffer_updates", {}).items() if i in names_of]
+        extra = [aux[n]._id for n in aux_names] + [v._id for _, v in updates]
+        n_before = len(backward.outputs())
+        if extra:
+            backward.set_outputs(list(backward.outputs()) + extra)
+        buffer_updates = [[n_before + len(aux_names) + k, name] for k, (name, _) in enumerate(updates)]
+        state = self._optimizer._state_for(store)
+        spec = json.dumps({"rule": self._optimizer._rule, "trainable": trainable, "buffer_updates": buffer_updates,
+                           **self._options})
+        exe = _rlx.Executable(backward, store, self._device, (spec, state))
+        var = _Variant(exe, specs)
+        var.state = state
+        var.trainable = trainable
+        var.aux = aux_names
+        n = len(var.outs)
+        # loss, the aux outputs, and the statistics (last); buffer updates stay in the arena.
+        var.read = [0, *range(1 + len(trainable), 1 + len(trainable) + len(aux_names)), n - 1]
+        return var
+
+    def __call__(self, **arrays: Any) -> Any:
+        var = self._pick(arrays)
+        feeds = _check_feeds(var.names, arrays, var.specs, set())
+        hyper = self._optimizer._prepare(var.state)
+        out = var.exe.run(feeds, hyper, var.read)
+        if var is not self._last:
+            self._last, self._grads = var, None
+        stats = np.frombuffer(out[-1], dtype=np.float32)
+        self._grad_norm = float(stats[0])
+        var.skipped = float(stats[1])
+        loss = struct.unpack("<f", out[0])[0]
+        if not var.aux:
+            return loss
+        aux = {}
+        for name, raw, i in zip(var.aux, out[1:-1], range(1 + len(var.trainable), len(var.outs))):
+            shape, dtype = var.outs[i]
+            aux[name] = np.frombuffer(raw, dtype=_NP[dtype]).reshape(shape)
+        return loss, aux
 
     @property
     def grads(self) -> dict[str, np.ndarray]:
-        """The last step's gradients by parameter name (views where the host can see memory)."""
+        """The last call's gradients by parameter name (read-only views where the host can see
+        the memory; frozen parameters have none).
+
+        Example:
+            >>> step.grads["fc1.weight"].shape
+            (256, 64)
+        """
+        var = self._last or next(iter(self._variants.values()), None)
+        if var is None:
+            return {}
         if self._grads is None:
-            self._grads = {n: _output(self._exe, i + 1) for i, n in enumerate(self._grad_names)}
+            self._grads = {n: _output(var.exe, i + 1) for i, n in enumerate(var.trainable)}
         return dict(self._grads)
 
-    def memory(self) -> dict[str, int]:
-        """Planned bytes: ``arena_bytes`` vs ``naive_bytes`` (no reuse), ``param_bytes``,
-        ``optimizer_state_bytes``."""
-        return dict(self._exe.memory())
+    @property
+    def grad_norm(self) -> float:
+        """The global L2 norm of the gradient of the last update, before clipping. Computed when
+        the step clips (``clip_grad_norm``) or skips non-finite steps; NaN otherwise and before
+        the first update (the norm costs a pass over every gradient).
+
+        Example:
+            >>> step = rlx.compile_train_step(loss_fn, model, opt, specs, clip_grad_norm=1.0)
+            >>> step(x=x, y=y); step.grad_norm > 0
+            True
+        """
+        return self._grad_norm
+
+    @property
+    def skipped(self) -> int:
+        """Calls that changed nothing because the loss or gradient was not finite
+        (``skip_nonfinite=True``).
+
+        Example:
+            >>> step.skipped
+            0
+        """
+        return int(sum(v.skipped for v in self._variants.values()))
 
 
 def _output(exe: Any, i: int) -> np.ndarray:
@@ -176,40 +401,77 @@ def _output(exe: Any, i: int) -> np.ndarray:
     return arr
 
 
-class Function(_Prefetching):
+class Function(_Compiled):
     """A compiled inference function: ``fn(**arrays)`` returns fresh numpy arrays (copies that the
     next call does not touch) — one array, or a tuple when the traced function returned one.
-    ``fn()`` without arrays consumes the next prefetched batch (or runs on bound inputs)."""
+    ``fn()`` without arrays consumes the next prefetched batch (or runs on bound inputs).
 
-    def __init__(self, exe: Any, specs: dict[str, InputSpec], tuple_out: bool) -> None:
-        self._exe = exe
-        self._specs = specs
-        self._names = [n for n, *_ in exe.input_slots()]
-        self._outs = exe.outputs()
-        self._tuple = tuple_out
+    Example:
+        >>> predict = rlx.compile(lambda m, x: m(x), model, {"x": rlx.InputSpec((None, 64))})
+        >>> predict(x=np.zeros((5, 64), np.float32)).shape
+        (5, 10)
+    """
+
+    def __init__(self, forward_fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], device: str,
+                 training: bool) -> None:
+        self._forward_fn, self._device, self._training = forward_fn, device, training
         self._bound: set[str] = set()
+        self._init_compiled(model, specs)
+        if not self._dynamic:
+            self._variants[None] = self._build(specs)
+            self._exe = self._variants[None].exe
+
+    def _build(self, specs: dict[str, InputSpec]) -> _Variant:
+        store = self._model._store_for(self._device)
+        t, out, _ = _trace(self._forward_fn, self._model, specs, store, training=self._training)
+        outs = out if isinstance(out, tuple) else (out,)
+        ids = []
+        for o in outs:
+            if not isinstance(o, Tensor):
+                o = t.constant(o) if isinstance(o, (np.ndarray, float, int)) else o
+            if not isinstance(o, Tensor):
+                raise RlxError(f"forward_fn must return rlx.Tensor(s), got {type(o).__name__}")
+            ids.append(o._id)
+        t.graph.set_outputs(ids)
+        exe = _rlx.Executable(t.graph, store, self._device, None)
+        var = _Variant(exe, specs)
+        var.tuple = isinstance(out, tuple)
+        return var
 
     def __call__(self, **arrays: Any) -> Any:
-        feeds = _check_feeds(self._names, arrays, self._specs, self._bound)
-        raw = self._exe.run(feeds, None, list(range(len(self._outs))))
-        outs = [np.frombuffer(b, dtype=_NP[d]).reshape(s) for b, (s, d) in zip(raw, self._outs)]
-        return tuple(outs) if self._tuple else outs[0]
+        var = self._pick(arrays)
+        self._last = var
+        feeds = _check_feeds(var.names, arrays, var.specs, self._bound)
+        raw = var.exe.run(feeds, None, list(range(len(var.outs))))
+        outs = [np.frombuffer(b, dtype=_NP[d]).reshape(s) for b, (s, d) in zip(raw, var.outs)]
+        return tuple(outs) if var.tuple else outs[0]
 
     def _spec(self, name: str) -> InputSpec:
+        self._check_model()
+        if self._dynamic:
+            raise UnsupportedError("resident inputs (bind, view, write_rows) need fixed shapes; this function has None dimensions")
         if not isinstance(name, str) or name not in self._specs:
             raise InputError(f"[{name}] unknown input; expected {sorted(self._specs)}")
-        if name not in self._names:
+        if name not in self._variants[None].names:
             raise InputError(f"[{name}] this input is not used by the function")
         return self._specs[name]
 
     def bind(self, name: str, array: Any) -> None:
-        """Places a resident input (e.g. a KV cache) in the arena once; later calls omit it."""
+        """Places a resident input (e.g. a KV cache) in the arena once; later calls omit it.
+
+        Example:
+            >>> fn.bind("k_cache", np.zeros((1, 4, 64, 16), np.float32))
+        """
         spec = self._spec(name)
         self._exe.bind(name, convert(name, spec.shape, spec.dtype, array))
         self._bound.add(name)
 
     def view(self, name: str) -> np.ndarray:
-        """The arena view of input ``name`` (writable; host-visible devices only)."""
+        """The arena view of input ``name`` (writable; host-visible devices only).
+
+        Example:
+            >>> fn.view("k_cache")[:, :, 0] = 0.0
+        """
         spec = self._spec(name)
         raw = self._exe.input_view(name)
         if raw is None:
@@ -218,7 +480,11 @@ class Function(_Prefetching):
 
     def write_rows(self, name: str, start: int, rows: Any, axis: int = 0) -> None:
         """Writes ``rows`` into input ``name`` in place from index ``start`` along ``axis``
-        (bounds-checked: rows past the end raise ``InputError`` and nothing is written)."""
+        (bounds-checked: rows past the end raise ``InputError`` and nothing is written).
+
+        Example:
+            >>> fn.write_rows("k_cache", pos, k_new, axis=2)   # append one token's keys
+        """
         spec = self._spec(name)
         start = _check.integer("write_rows", "start", start)
         axis = _check.integer("write_rows", "axis", axis)
@@ -237,14 +503,30 @@ class Function(_Prefetching):
             raise ShapeError(f"[{name}] rows of shape {rows.shape} do not match {spec.shape} outside axis {axis}")
         self._exe.write_rows(name, axis, start, convert(name, rows.shape, spec.dtype, rows))
 
-    def memory(self) -> dict[str, int]:
-        return dict(self._exe.memory())
 
+def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Optimizer,
+                       inputs: Mapping[str, Any], device: str = "cpu", *, clip_grad_norm: float | None = None,
+                       accumulate: int = 1, skip_nonfinite: bool = False) -> TrainStep:
+    """Traces ``loss_fn(model, **tensors)`` (in train mode), differentiates it w.r.t. every
+    trainable parameter and compiles forward, backward and the optimizer update into one
+    executable on ``device``.
 
-def compile_train_step(loss_fn: Callable[..., Tensor], model: Module, optimizer: Optimizer,
-                       inputs: Mapping[str, Any], device: str = "cpu") -> TrainStep:
-    """Traces ``loss_fn(model, **tensors)``, differentiates it w.r.t. every parameter and compiles
-    forward, backward and the optimizer update into one executable on ``device``."""
+    Args:
+        loss_fn: ``loss_fn(model, **tensors)`` returning a float32 scalar Tensor, or
+            ``(loss, aux)`` with ``aux`` a dict of Tensors returned by every call.
+        clip_grad_norm: scale gradients so their global L2 norm is at most this (PyTorch's
+            ``clip_grad_norm_``), inside the same native call; ``step.grad_norm`` is the norm
+            before clipping.
+        accumulate: each call adds its gradients; the update, with their mean, runs on every
+            ``accumulate``-th call.
+        skip_nonfinite: a call whose loss or gradient norm is not finite changes nothing;
+            ``step.skipped`` counts them.
+
+    Example:
+        >>> step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model,
+        ...                               rlx.optim.Adam(1e-3), {"x": rlx.InputSpec((64, 64)),
+        ...                               "y": rlx.InputSpec((64,), "int32")}, clip_grad_norm=1.0)
+    """
     if not isinstance(model, Module):
         raise RlxError(f"compile_train_step needs an rlx.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, Optimizer):
@@ -252,37 +534,35 @@ def compile_train_step(loss_fn: Callable[..., Tensor], model: Module, optimizer:
     _check.function("compile_train_step", "loss_fn", loss_fn)
     device = _rlx.check_device(_check.device(device))
     specs = _specs(inputs)
-    store = model._store_for(device)
-    if not store.entries():
-        raise RlxError("the model has no parameters to train")
-    t, loss, param_ids = _trace(loss_fn, model, specs, store)
-    if not isinstance(loss, Tensor):
-        raise RlxError(f"loss_fn must return an rlx.Tensor, got {type(loss).__name__}")
-    if loss.shape != () or loss.dtype != "float32":
-        raise ShapeError(f"[loss] loss_fn must return a float32 scalar, got {loss.dtype} {loss.shape}")
-    backward = t.graph.grad(loss._id, param_ids)
-    state = optimizer._state_for(store)
-    exe = _rlx.Executable(backward, store, device, (optimizer._rule_name(), state))
-    return TrainStep(exe, model, optimizer, specs, [n for n, _, _ in store.entries()])
+    options: dict[str, Any] = {}
+    if clip_grad_norm is not None:
+        c = _check.number("compile_train_step", "clip_grad_norm", clip_grad_norm, lo=0.0)
+        if c <= 0.0:
+            raise InputError(f"[compile_train_step] clip_grad_norm must be > 0, got {c}")
+        options["clip"] = c
+    options["accumulate"] = _check.integer("compile_train_step", "accumulate", accumulate, lo=1)
+    if not isinstance(skip_nonfinite, (bool, np.bool_)):
+        raise InputError(f"[compile_train_step] skip_nonfinite must be True or False, got {skip_nonfinite!r}")
+    options["skip_nonfinite"] = bool(skip_nonfinite)
+    if options["accumulate"] > 1 and any(s.dynamic for s in specs.values()):
+        raise UnsupportedError("[compile_train_step] accumulate > 1 needs fixed input shapes (no None dimensions)")
+    return TrainStep(loss_fn, model, optimizer, specs, device, options)
 
 
-def compile(forward_fn: Callable[..., Any], model: Module, inputs: Mapping[str, Any], device: str = "cpu") -> Function:
-    """Traces ``forward_fn(model, **tensors)`` into an inference executable on ``device``."""
+def compile(forward_fn: Callable[..., Any], model: Module, inputs: Mapping[str, Any], device: str = "cpu",
+            training: bool = False) -> Function:
+    """Traces ``forward_fn(model, **tensors)`` into an inference executable on ``device``, in
+    eval mode unless ``training=True``.
+
+    Example:
+        >>> predict = rlx.compile(lambda m, x: m(x), model, {"x": rlx.InputSpec((10, 64))})
+        >>> logits = predict(x=np.zeros((10, 64), np.float32))
+    """
     if not isinstance(model, Module):
         raise RlxError(f"compile needs an rlx.nn.Module, got {type(model).__name__}")
     _check.function("compile", "forward_fn", forward_fn)
     device = _rlx.check_device(_check.device(device))
     specs = _specs(inputs)
-    store = model._store_for(device)
-    t, out, _ = _trace(forward_fn, model, specs, store)
-    outs = out if isinstance(out, tuple) else (out,)
-    ids = []
-    for o in outs:
-        if not isinstance(o, Tensor):
-            o = t.constant(o) if isinstance(o, (np.ndarray, float, int)) else o
-        if not isinstance(o, Tensor):
-            raise RlxError(f"forward_fn must return rlx.Tensor(s), got {type(o).__name__}")
-        ids.append(o._id)
-    t.graph.set_outputs(ids)
-    exe = _rlx.Executable(t.graph, store, device, None)
-    return Function(exe, specs, isinstance(out, tuple))
+    if not isinstance(training, (bool, np.bool_)):
+        raise InputError(f"[compile] training must be True or False, got {training!r}")
+    return Function(forward_fn, model, specs, device, bool(training))

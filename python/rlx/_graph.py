@@ -14,15 +14,34 @@ from .errors import InputError, RlxError
 
 class Graph:
     """A graph built op by op: ``input``/``param`` give Tensors, rlx ops on them add nodes,
-    ``output`` marks results, ``compile(device)`` gives an ``Executable``."""
+    ``output`` marks results, ``compile(device)`` gives an ``Executable``.
+
+    Example:
+        >>> g = rlx.Graph()
+        >>> x, w = g.input("x", (4, 3)), g.param("w", (3, 2))
+        >>> g.output(rlx.relu(x @ w))
+        >>> exe = g.compile("cpu")
+        >>> exe.set_param("w", np.ones((3, 2), np.float32))
+        >>> (y,) = exe.run(x=np.ones((4, 3), np.float32))
+    """
 
     def __init__(self, _native: Any | None = None) -> None:
         self._trace = Trace(_native)
 
     def input(self, name: str, shape: Sequence[int], dtype: str = "float32") -> Tensor:
+        """A named runtime input of ``shape`` and ``dtype``; returns its Tensor.
+
+        Example:
+            >>> x = g.input("x", (4, 3))
+        """
         return Tensor(self._trace, self._trace.graph.input(*self._leaf("input", name, shape, dtype)))
 
     def param(self, name: str, shape: Sequence[int], dtype: str = "float32") -> Tensor:
+        """A named parameter (weights set with ``Executable.set_param``); returns its Tensor.
+
+        Example:
+            >>> w = g.param("w", (3, 2))
+        """
         return Tensor(self._trace, self._trace.graph.param(*self._leaf("param", name, shape, dtype)))
 
     @staticmethod
@@ -34,9 +53,19 @@ class Graph:
         return _check.name(kind, name), list(_check.shape(kind, shape)), dtype
 
     def constant(self, value: Any) -> Tensor:
+        """A constant (numpy array or Python number) in the graph.
+
+        Example:
+            >>> c = g.constant(np.eye(3, dtype=np.float32))
+        """
         return self._trace.constant(value)
 
     def output(self, *tensors: Tensor) -> None:
+        """
+
+        Example:
+            >>> g.output(loss, logits)
+        """
         if not tensors:
             raise RlxError("output() needs at least one tensor")
         for t in tensors:
@@ -46,12 +75,22 @@ class Graph:
 
     @property
     def outputs(self) -> list[Tensor]:
+        """
+
+        Example:
+            >>> [t.shape for t in g.outputs()]
+        """
         return [Tensor(self._trace, i) for i in self._trace.graph.outputs()]
 
     def __len__(self) -> int:
         return len(self._trace.graph)
 
     def compile(self, device: str = "cpu") -> "Executable":
+        """
+
+        Example:
+            >>> exe = g.compile("cpu")
+        """
         if not self._trace.graph.outputs():
             raise RlxError("the graph has no outputs; call graph.output(...) first")
         device = _rlx.check_device(_check.device(device))
@@ -62,7 +101,14 @@ class Graph:
 
 
 def grad(graph: Graph, wrt: Sequence[str | Tensor]) -> Graph:
-    """The backward graph of ``graph``'s single scalar output: outputs ``[loss, *grads]``."""
+    """The backward graph of ``graph``'s single scalar output: outputs ``[loss, *grads]``.
+
+    Example:
+        >>> g = rlx.Graph()
+        >>> x, w = g.input("x", (4, 3)), g.param("w", (3,))
+        >>> g.output(((x * w).sum(axis=1) ** 2).mean())
+        >>> bw = rlx.grad(g, ["w"])            # outputs [loss, d loss / d w]
+    """
     if not isinstance(graph, Graph):
         raise RlxError(f"grad needs an rlx.Graph, got {type(graph).__name__}")
     if isinstance(wrt, (str, Tensor)) or not isinstance(wrt, Sequence):
@@ -88,7 +134,13 @@ class Executable:
     """A hand-built graph compiled for a device. Params start at zero; set them with ``set_param``.
 
     Every input declared with ``graph.input`` is accepted by ``run`` (its shape and dtype checked),
-    also one the outputs do not read, which is then ignored: the rule ``rlx.compile`` follows."""
+    also one the outputs do not read, which is then ignored: the rule ``rlx.compile`` follows.
+
+    Example:
+        >>> exe = g.compile("cpu")
+        >>> exe.set_param("w", w0)
+        >>> loss, dw = exe.run(x=x)
+    """
 
     def __init__(
         self,
@@ -104,12 +156,22 @@ class Executable:
         self._bound: set[str] = set()
 
     def set_param(self, name: str, array: Any) -> None:
+        """Writes the values of parameter ``name``.
+
+        Example:
+            >>> exe.set_param("w", np.ones((3, 2), np.float32))
+        """
         if not isinstance(name, str) or name not in self._params:
             raise InputError(f"[{name}] unknown param; expected {sorted(self._params)}")
         shape, dtype = self._params[name]
         self._store.write(name, convert(name, shape, dtype, array))
 
     def bind(self, name: str, array: Any) -> None:
+        """Places a resident input once; later runs omit it.
+
+        Example:
+            >>> exe.bind("table", table)
+        """
         if not isinstance(name, str) or name not in self._declared:
             raise InputError(f"[{name}] unknown input; expected {sorted(self._declared)}")
         if name not in self._inputs:
@@ -119,6 +181,11 @@ class Executable:
         self._bound.add(name)
 
     def run(self, **arrays: Any) -> list[np.ndarray]:
+        """Runs once on the given inputs; returns every output as a fresh array.
+
+        Example:
+            >>> outs = exe.run(x=np.ones((4, 3), np.float32))
+        """
         unknown = sorted(set(arrays) - set(self._declared))
         if unknown:
             raise InputError(f"[{unknown[0]}] unknown input; expected {sorted(self._declared)}")
@@ -133,4 +200,9 @@ class Executable:
         return [np.frombuffer(b, dtype=_NP[d]).reshape(s) for b, (s, d) in zip(raw, outs)]
 
     def memory(self) -> dict[str, int]:
+        """Planned sizes in bytes (``arena_bytes``, ``naive_bytes``, ...).
+
+        Example:
+            >>> exe.memory()["arena_bytes"]
+        """
         return dict(self._exe.memory())

@@ -8,7 +8,14 @@ _rng = np.random.default_rng()
 
 
 def seed(n: int) -> None:
-    """Seeds every random choice rlx makes (parameter initialisation)."""
+    """Seeds every random choice rlx makes (parameter initialisation).
+
+    Example:
+        >>> rlx.seed(0)
+        >>> a = rlx.nn.Linear(4, 2).state_dict()
+        >>> rlx.seed(0)
+        >>> b = rlx.nn.Linear(4, 2).state_dict()   # the same values as a
+    """
     from ._check import integer
 
     global _rng

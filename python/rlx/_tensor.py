@@ -156,7 +156,13 @@ def _axes(axis: int | Sequence[int] | None, where: str = "reduce") -> list[int] 
 
 
 class Tensor:
-    """A symbolic value in a traced function. Operators and methods add ops to the graph."""
+    """A symbolic value in a traced function. Operators and methods add ops to the graph.
+
+    Example:
+        >>> def forward(model, x):                 # x is an rlx.Tensor
+        ...     h = (x @ x.T).reshape(-1)
+        ...     return h.sum() / h.shape[0]
+    """
 
     __array_priority__ = 1000
     __array_ufunc__ = None  # numpy operands defer to Tensor's reflected operators
@@ -167,14 +173,17 @@ class Tensor:
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The static shape, a tuple of ints."""
         return tuple(self._trace.graph.shape(self._id))
 
     @property
     def dtype(self) -> str:
+        """The element type: ``"float32"`` or ``"int32"``."""
         return self._trace.graph.dtype(self._id)
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return len(self.shape)
 
     def __repr__(self) -> str:
@@ -268,6 +277,7 @@ class Tensor:
         raise RlxError("a symbolic rlx.Tensor has no truth value while tracing; use rlx.where for choices")
 
     def reshape(self, *shape: int | Sequence[int]) -> "Tensor":
+        """The same values in a new shape (one ``-1`` is inferred); an alias, not a copy."""
         if len(shape) == 1 and not isinstance(shape[0], (int, np.integer)):
             if isinstance(shape[0], (str, bytes)) or not isinstance(shape[0], Sequence):
                 raise ShapeError(f"[reshape] expected ints or a sequence of ints, got {shape[0]!r}")
@@ -276,6 +286,7 @@ class Tensor:
         return Tensor(self._trace, self._trace.graph.reshape(self._id, dims))
 
     def transpose(self, *axes: int | Sequence[int]) -> "Tensor":
+        """Permutes the axes (reverses them when none are given), as numpy."""
         if len(axes) == 1 and not isinstance(axes[0], (int, np.integer)):
             if isinstance(axes[0], (str, bytes)) or not isinstance(axes[0], Sequence):
                 raise ShapeError(f"[transpose] expected axes as ints, got {axes[0]!r}")
@@ -285,18 +296,22 @@ class Tensor:
 
     @property
     def T(self) -> "Tensor":
+        """The axes reversed (``transpose()``)."""
         return self.transpose()
 
     def _reduce(self, kind: str, axis: Any, keepdims: bool) -> "Tensor":
         return Tensor(self._trace, self._trace.graph.reduce(kind, self._id, _axes(axis, kind), bool(keepdims)))
 
     def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
+        """Sum over ``axis`` (all axes when None)."""
         return self._reduce("sum", axis, keepdims)
 
     def mean(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
+        """Mean over ``axis`` (all axes when None)."""
         return self._reduce("mean", axis, keepdims)
 
     def max(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
+        """Maximum over ``axis`` (all axes when None)."""
         return self._reduce("max", axis, keepdims)
 
     def __getitem__(self, key: Any) -> "Tensor":
@@ -337,6 +352,7 @@ class Tensor:
         return out.reshape(*final) if tuple(final) != out.shape else out
 
     def astype(self, dtype: str) -> "Tensor":
+        """The values converted to ``dtype`` (``"float32"`` / ``"int32"``)."""
         return Tensor(self._trace, self._trace.graph.cast(self._id, str(dtype)))
 
 
@@ -357,43 +373,96 @@ def _int_pow(x: Tensor, p: int) -> Tensor:
 
 
 def matmul(a: Any, b: Any) -> Tensor:
-    """Matrix product over the last two dims; leading (batch) dims broadcast like numpy."""
+    """Matrix product over the last two dims; leading (batch) dims broadcast like numpy.
+
+    Example:
+        >>> def forward(model, x):          # inside a traced function
+        ...     return rlx.matmul(x, x.T)
+    """
     t = _trace_of(a, b)
     a, b = _as_tensor(a, t), _as_tensor(b, t)
     return Tensor(t, t.graph.matmul(a._id, b._id))
 
 
 def relu(x: Any) -> Tensor:
+    """``max(x, 0)`` elementwise.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.relu(model.fc(x))
+    """
     return _unary("relu", x)
 
 
 def tanh(x: Any) -> Tensor:
+    """Hyperbolic tangent, elementwise.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.tanh(model.fc(x))
+    """
     return _unary("tanh", x)
 
 
 def sigmoid(x: Any) -> Tensor:
+    """``1 / (1 + exp(-x))``, elementwise.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.sigmoid(model.fc(x))
+    """
     return _unary("sigmoid", x)
 
 
 def exp(x: Any) -> Tensor:
+    """``e**x``, elementwise.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.exp(-x * x)
+    """
     return _unary("exp", x)
 
 
 def log(x: Any) -> Tensor:
+    """Natural logarithm, elementwise.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.log(rlx.sigmoid(x))
+    """
     return _unary("log", x)
 
 
 def sqrt(x: Any) -> Tensor:
+    """Square root, elementwise.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.sqrt((x * x).mean(axis=-1))
+    """
     return _unary("sqrt", x)
 
 
 def softmax(x: Any, axis: int = -1) -> Tensor:
+    """Softmax along ``axis`` (numerically stable).
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.softmax(model.fc(x), axis=-1)
+    """
     t = _trace_of(x)
     x = _as_tensor(x, t)
     return Tensor(t, t.graph.softmax(x._id, _check.integer("softmax", "axis", axis, lo=-(2**62), hi=2**62), False))
 
 
 def log_softmax(x: Any, axis: int = -1) -> Tensor:
+    """Log-softmax along ``axis`` (numerically stable).
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.log_softmax(model.fc(x), axis=-1)
+    """
     t = _trace_of(x)
     x = _as_tensor(x, t)
     return Tensor(t, t.graph.softmax(x._id, _check.integer("log_softmax", "axis", axis, lo=-(2**62), hi=2**62), True))
@@ -401,7 +470,12 @@ def log_softmax(x: Any, axis: int = -1) -> Tensor:
 
 def where(cond: Any, a: Any, b: Any) -> Tensor:
     """``a`` where ``cond`` is non-zero, else ``b`` (all broadcast; ``a`` and ``b`` promoted to
-    one dtype as binary ops are)."""
+    one dtype as binary ops are).
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.where(x > 0, x, 0.01 * x)       # leaky ReLU
+    """
     t = _trace_of(cond, a, b)
     c = _as_tensor(cond, t)
     a, b = _promoted(t, a, b)
@@ -409,14 +483,24 @@ def where(cond: Any, a: Any, b: Any) -> Tensor:
 
 
 def cross_entropy(logits: Any, labels: Any) -> Tensor:
-    """Mean softmax cross-entropy of ``logits`` (N, C) against int32 class ids ``labels`` (N,)."""
+    """Mean softmax cross-entropy of ``logits`` (N, C) against int32 class ids ``labels`` (N,).
+
+    Example:
+        >>> def loss_fn(model, x, y):
+        ...     return rlx.cross_entropy(model(x), y)   # y: int32 (N,)
+    """
     t = _trace_of(logits, labels)
     lg, lb = _as_tensor(logits, t), _as_tensor(labels, t)
     return Tensor(t, t.graph.cross_entropy(lg._id, lb._id))
 
 
 def mse_loss(pred: Any, target: Any) -> Tensor:
-    """Mean squared error of two tensors of the same shape."""
+    """Mean squared error of two tensors of the same shape.
+
+    Example:
+        >>> def loss_fn(model, x, y):
+        ...     return rlx.mse_loss(model(x), y)
+    """
     t = _trace_of(pred, target)
     p, q = _as_tensor(pred, t), _as_tensor(target, t)
     return Tensor(t, t.graph.mse(p._id, q._id))
@@ -424,7 +508,12 @@ def mse_loss(pred: Any, target: Any) -> Tensor:
 
 def gelu(x: Any, approximate: bool | str = False) -> Tensor:
     """GELU. Exact ``x * Phi(x)`` (erf) by default, as PyTorch; ``approximate=True`` (or
-    ``"tanh"``) uses the tanh approximation."""
+    ``"tanh"``) uses the tanh approximation.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.gelu(model.fc(x))
+    """
     if approximate in (True, "tanh"):
         return _unary("gelu_tanh", x)
     if approximate in (False, "none", None):
@@ -433,7 +522,12 @@ def gelu(x: Any, approximate: bool | str = False) -> Tensor:
 
 
 def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) -> Tensor:
-    """Normalises over the last axis, then scales by ``weight`` and shifts by ``bias``."""
+    """Normalises over the last axis, then scales by ``weight`` and shifts by ``bias``.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.layer_norm(x, model.ln.weight, model.ln.bias)
+    """
     t = _trace_of(x, weight, bias)
     x = _as_tensor(x, t)
     y = Tensor(t, t.graph.normalize(x._id, _check.number("layer_norm", "eps", eps, lo=0.0)))
@@ -445,14 +539,24 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
 
 
 def embedding(table: Any, ids: Any) -> Tensor:
-    """Rows of ``table`` (num, dim) picked by int32 ``ids`` of any shape: ``ids.shape + (dim,)``."""
+    """Rows of ``table`` (num, dim) picked by int32 ``ids`` of any shape: ``ids.shape + (dim,)``.
+
+    Example:
+        >>> def forward(model, ids):
+        ...     return rlx.embedding(model.tok.weight, ids)   # (B, T) -> (B, T, dim)
+    """
     t = _trace_of(table, ids)
     tb, ix = _as_tensor(table, t), _as_tensor(ids, t)
     return Tensor(t, t.graph.gather(tb._id, ix._id))
 
 
 def concat(tensors: Sequence[Any], axis: int = 0) -> Tensor:
-    """Joins tensors along ``axis`` (int32 and float32 parts give float32, as numpy's rules)."""
+    """Joins tensors along ``axis`` (int32 and float32 parts give float32, as numpy's rules).
+
+    Example:
+        >>> def forward(model, a, b):
+        ...     return rlx.concat([a, b], axis=-1)
+    """
     if not tensors:
         raise ShapeError("[concat] needs at least one tensor")
     t = _trace_of(*tensors)
@@ -461,7 +565,13 @@ def concat(tensors: Sequence[Any], axis: int = 0) -> Tensor:
 
 
 def split(x: Any, sections: int | Sequence[int], axis: int = -1) -> list[Tensor]:
-    """Splits ``x`` along ``axis`` into ``sections`` equal parts, or parts of the given sizes."""
+    """Splits ``x`` along ``axis`` into ``sections`` equal parts, or parts of the given sizes.
+
+    Example:
+        >>> def forward(model, x):
+        ...     q, k, v = rlx.split(x, 3, axis=-1)
+        ...     return q + k + v
+    """
     t = _trace_of(x)
     x = _as_tensor(x, t)
     axis = _check.integer("split", "axis", axis, lo=-x.ndim, hi=x.ndim - 1) if x.ndim else 0
@@ -502,6 +612,10 @@ def scaled_dot_product_attention(
     with the last key (offset ``Tk - Tq``), the convention for decoding Tq new tokens after
     ``Tk - Tq`` cached ones (PyTorch's ``causal_lower_right``). The two agree when Tq == Tk. A
     query that sees no key (bottom-right with Tq > Tk) gives NaN, as a softmax over no values.
+
+    Example:
+        >>> def forward(model, q, k, v):
+        ...     return rlx.scaled_dot_product_attention(q, k, v, causal=True)
     """
     if causal_align not in ("top_left", "bottom_right"):
         raise InputError(

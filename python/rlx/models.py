@@ -18,8 +18,13 @@ class GPT(nn.Module):
     """A decoder-only transformer: token + learned position embeddings, ``layers`` pre-norm
     blocks, a final LayerNorm and an untied linear head without bias.
 
-    Initialised as the benchmark spec (bench-anchors/common.py): every Linear weight and both
+    Initialised as the GPT workload of ``benches/bench_cpu.py``: every Linear weight and both
     embeddings ~ N(0, 0.02), biases 0, LayerNorm scale 1 and shift 0.
+
+    Example:
+        >>> model = rlx.models.GPT(vocab=256, dim=128, heads=4, layers=2, seq_len=64)
+        >>> step = rlx.compile_train_step(lambda m, x, y: m.loss(x, y), model, rlx.optim.AdamW(1e-3),
+        ...                               {"x": rlx.InputSpec((16, 64), "int32"), "y": rlx.InputSpec((16, 64), "int32")})
     """
 
     def __init__(self, vocab: int = 256, dim: int = 128, heads: int = 4, layers: int = 2,
@@ -51,14 +56,22 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, idx: Any, targets: Any) -> Tensor:
-        """Mean next-token cross-entropy over all B*T positions."""
+        """Mean next-token cross-entropy over all B*T positions.
+
+        Example:
+            >>> step = rlx.compile_train_step(lambda m, x, y: m.loss(x, y), model, opt, specs)
+        """
         logits = self(idx)
         b, t, v = logits.shape
         return cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t))
 
     def decode(self, token: Any, pos: Any, caches: list[tuple[Any, Any]]) -> tuple[Tensor, ...]:
         """One cached step: logits (B, vocab) for ``token`` (B, 1) at position ``pos`` (1,), and the
-        new key and value rows of every layer (to be written into the caches at ``pos``)."""
+        new key and value rows of every layer (to be written into the caches at ``pos``).
+
+        Example:
+            >>> gen = rlx.models.Generator(model)       # compiles decode() once, with resident caches
+        """
         x = self.tok(token) + embedding(self.pos.weight, pos)
         rows = []
         for block, (k_cache, v_cache) in zip(self.blocks, caches):
@@ -75,6 +88,10 @@ class Generator:
     (B, heads, max_len, head_dim) are bound into its arena once. Every step feeds one token,
     and the new token's key/value rows are written into the caches in place (``write_rows``);
     the caches are never copied whole.
+
+    Example:
+        >>> gen = rlx.models.Generator(model, batch=1)
+        >>> tokens = gen.generate([72, 105], n=20, temperature=0.8)
     """
 
     def __init__(self, model: GPT, batch: int = 1, max_len: int | None = None, device: str = "cpu") -> None:
@@ -100,11 +117,19 @@ class Generator:
         self.pos = 0
 
     def reset(self) -> None:
-        """Starts a new sequence (old cache rows are masked out, not cleared)."""
+        """Starts a new sequence (old cache rows are masked out, not cleared).
+
+        Example:
+            >>> gen.reset()
+        """
         self.pos = 0
 
     def step(self, tokens: Any) -> np.ndarray:
-        """Feeds one token per batch row at the current position; returns logits (B, vocab)."""
+        """Feeds one token per batch row at the current position; returns logits (B, vocab).
+
+        Example:
+            >>> logits = gen.step(np.array([[72]], np.int32))
+        """
         if self.pos >= self.max_len:
             raise InputError(f"[Generator] the cache is full ({self.max_len} positions)")
         try:
@@ -124,7 +149,11 @@ class Generator:
 
     def generate(self, prompt: list[int], n: int, temperature: float = 1.0,
                  sample: Callable[[np.ndarray], int] | None = None) -> list[int]:
-        """Feeds ``prompt`` then samples ``n`` more tokens (batch 1); returns prompt + new tokens."""
+        """Feeds ``prompt`` then samples ``n`` more tokens (batch 1); returns prompt + new tokens.
+
+        Example:
+            >>> gen.generate([72, 105], n=20, temperature=0.8)
+        """
         if self.batch != 1:
             raise ShapeError("[Generator.generate] needs batch=1")
         if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple)):

@@ -4,24 +4,51 @@ the device's weight store, which every executable compiled from the model shares
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+import sys
+import threading
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
 from . import _check, _rlx
 from ._arrays import contiguous
 from ._random import rng
-from ._tensor import Tensor, _matmul_nt, concat, embedding, gelu, layer_norm, matmul, relu, softmax, where
-from .errors import CheckpointError, DTypeError, RlxError, ShapeError
+from ._tensor import Tensor, _as_tensor, _matmul_nt, _trace_of, concat, embedding, gelu, layer_norm, matmul, relu, softmax, where
+from .errors import CheckpointError, DTypeError, InputError, RlxError, ShapeError
 
 _DTYPES = {"float32": np.float32, "int32": np.int32}
 
 
-class Parameter:
-    """A trainable tensor. After compiling on a host-visible device, ``numpy()`` is a zero-copy
-    view into the weight store: writing to it changes what the next step computes."""
+#: Bumped whenever a Parameter, buffer or sub-module is assigned, replaced or removed anywhere;
+#: compiled executables re-check their model's structure only when it moved.
+_STRUCTURE = [0]
+#: Serialises weight-store creation (two threads compiling one fresh model share one store).
+_STORE_LOCK = threading.RLock()
+#: Metadata key rlx writes into checkpoints: the Linear weight layout.
+LAYOUT_KEY = "rlx.layout"
+LAYOUT = "out_in"
 
-    def __init__(self, data: Any) -> None:
+
+def _bump() -> None:
+    _STRUCTURE[0] += 1
+
+
+class Parameter:
+    """A trainable float32 tensor.
+
+    Before compiling, ``numpy()`` returns the parameter's own host array. After compiling on a
+    host-visible device it is a zero-copy view into the weight store: writing to it changes what
+    the next step computes. ``requires_grad=False`` freezes it (no gradient, no update, no decay).
+
+    Example:
+        >>> p = rlx.nn.Parameter(np.zeros((2, 3)))
+        >>> p.shape, np.asarray(p).dtype
+        ((2, 3), dtype('float32'))
+    """
+
+    _is_buffer = False
+
+    def __init__(self, data: Any, requires_grad: bool = True) -> None:
         try:
             arr = np.asarray(data)
         except (TypeError, ValueError) as e:
@@ -32,17 +59,47 @@ class Parameter:
         self._store: Any = None
         self._name: str | None = None
         self._view: np.ndarray | None = None
+        if not isinstance(requires_grad, (bool, np.bool_)):
+            raise InputError(f"[Parameter] requires_grad must be True or False, got {requires_grad!r}")
+        self._requires_grad = bool(requires_grad)  # a new parameter is in no compiled model yet
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether training updates this tensor (False freezes it; buffers are always False)."""
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        if not isinstance(value, (bool, np.bool_)):
+            raise InputError(f"[Parameter] requires_grad must be True or False, got {value!r}")
+        if value and self._is_buffer:
+            raise InputError("[buffer] buffers are not trained; requires_grad stays False")
+        self._requires_grad = bool(value)
+        _bump()  # compiled steps train a fixed set of parameters: they must be compiled again
 
     @property
     def shape(self) -> tuple[int, ...]:
+        """The shape, a tuple of ints."""
         return tuple(self.numpy().shape) if self._host is None else self._host.shape
 
     @property
     def dtype(self) -> str:
+        """The element type, ``"float32"``."""
         return "float32"
 
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions."""
+        return len(self.shape)
+
     def numpy(self) -> np.ndarray:
-        """The values: a zero-copy view of the weight store where the host can see it, else a copy."""
+        """The values: a zero-copy view of the weight store where the host can see it, else a copy.
+
+        Example:
+            >>> lin = rlx.nn.Linear(3, 2)
+            >>> lin.weight.numpy().shape
+            (2, 3)
+        """
         if self._store is None:
             assert self._host is not None
             return self._host
@@ -54,6 +111,14 @@ class Parameter:
             return np.frombuffer(self._store.read(self._name), dtype=np.float32).reshape(shape).copy()
         self._view = np.frombuffer(raw, dtype=np.float32).reshape(shape)
         return self._view
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        # Before compiling, a copy: a live reference to the host array would be left behind when
+        # the values move into the weight store.
+        values = self.numpy()
+        if self._store is None or copy:
+            values = values.copy()
+        return values if dtype is None else values.astype(dtype, copy=False)
 
     def _assign(self, values: np.ndarray) -> None:
         """Overwrites the values in place (shape already checked)."""
@@ -68,8 +133,27 @@ class Parameter:
         self._store_shape = self.shape
         self._store, self._name, self._view, self._host = store, name, None, None
 
+    def _detach_check(self, name: str) -> None:
+        """Refuses to move the values into a store while a ``numpy()`` array taken before
+        compiling is still referenced (it would silently stop following the weights)."""
+        if self._host is not None and sys.getrefcount(self._host) > 2:
+            raise RlxError(
+                f"[compile] '{name}'.numpy() was taken before compiling and is still referenced; once "
+                "compiled, the weights live in the device's weight store and that array would no longer "
+                "follow them. Drop it (or keep a copy: np.array(p)) and call numpy() after compiling"
+            )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"data": np.array(self.numpy(), dtype=np.float32), "requires_grad": self._requires_grad}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._host = np.array(state["data"], dtype=np.float32)
+        self._store, self._name, self._view = None, None, None
+        self._requires_grad = bool(state.get("requires_grad", True))
+
     def __repr__(self) -> str:
-        return f"Parameter(shape={self.shape}, dtype=float32)"
+        frozen = "" if self._requires_grad or self._is_buffer else ", requires_grad=False"
+        return f"{type(self).__name__}(shape={self.shape}, dtype=float32{frozen})"
 
     # Parameters take part in traced arithmetic like tensors.
     def _t(self) -> Tensor:
@@ -81,6 +165,46 @@ class Parameter:
         if name.startswith("_"):
             raise AttributeError(name)
         return getattr(self._t(), name)
+
+
+class Buffer(Parameter):
+    """Non-trainable state saved in checkpoints (e.g. running statistics); made by
+    ``Module.register_buffer``. It lives in the weight store beside the parameters.
+
+    Example:
+        >>> m = rlx.nn.Module()
+        >>> m.register_buffer("running_mean", np.zeros(4, np.float32))
+        >>> list(m.buffers())
+        ['running_mean']
+    """
+
+    _is_buffer = True
+
+    def __init__(self, data: Any) -> None:
+        super().__init__(data, requires_grad=False)
+
+    def update(self, value: Any) -> None:
+        """Inside a traced training step: after each call of the compiled step (one that is not
+        skipped), this buffer holds ``value`` — written in place inside the same native call.
+        Used by layers that keep running statistics; ignored by ``rlx.compile`` functions.
+
+        Example:
+            >>> def __call__(self, x):                       # in a layer, in train mode
+            ...     mean = x.mean(axis=0)
+            ...     self.running_mean.update(0.9 * self.running_mean + 0.1 * mean)
+            ...     return x - mean
+        """
+        from ._tensor import _current
+
+        trace = _current()
+        if trace is None:
+            raise RlxError("[Buffer.update] only inside a traced function (a layer's __call__ during compile)")
+        if not isinstance(value, Tensor):
+            value = trace.constant(np.broadcast_to(np.asarray(value, np.float32), self.shape))
+        if tuple(value.shape) != self.shape or value.dtype != "float32":
+            raise ShapeError(f"[Buffer.update] the buffer is float32 {self.shape}, the update {value.dtype} {tuple(value.shape)}")
+        updates = trace.__dict__.setdefault("buffer_updates", {})
+        updates[id(self)] = (self, value)
 
 
 # The Python operator dunders (arithmetic and reflected, unary, comparisons, indexing): those
@@ -118,30 +242,127 @@ def _forward_ops() -> None:
         setattr(Parameter, name, method)
     Parameter.__hash__ = object.__hash__  # type: ignore[method-assign]  # defining __eq__ would drop it
     Parameter.__array_priority__ = 1000  # type: ignore[attr-defined]
+    Parameter.__array_ufunc__ = None  # type: ignore[attr-defined]  # numpy operands defer to us
 
 
 _forward_ops()
 
 
-class Module:
-    """Base class of models: assign Parameters and sub-Modules as attributes, define ``__call__``."""
+class IncompatibleKeys(NamedTuple):
+    """What ``load_state_dict(..., strict=False)`` returns: names the model has that the dict
+    lacks, and names the dict has that the model lacks.
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    Example:
+        >>> missing, unexpected = model.load_state_dict(partial, strict=False)
+    """
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def _holds_modules(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, (Module, Parameter)) for v in value)
+    if isinstance(value, dict):
+        return any(isinstance(v, (Module, Parameter)) for v in value.values())
+    return False
+
+
+def _to_array(name: str, value: Any) -> np.ndarray:
+    """``value`` (numpy, PyTorch tensor, anything with ``__array__`` / ``__dlpack__``) as numpy."""
+    mod = type(value).__module__ or ""
+    if mod.startswith("torch") and hasattr(value, "detach"):
+        t = value.detach().cpu()
+        if str(t.dtype) in ("torch.bfloat16", "torch.float16"):
+            t = t.float()
+        return t.numpy()
+    try:
+        if not hasattr(value, "__array__") and hasattr(value, "__dlpack__"):
+            return np.from_dlpack(value)
+        arr = np.asarray(value)
+    except (TypeError, ValueError, RuntimeError, BufferError) as e:
+        raise CheckpointError(f"'{name}': cannot read a {type(value).__name__} as an array: {e}") from None
+    if arr.dtype == object:
+        raise CheckpointError(f"'{name}': cannot read a {type(value).__name__} as an array of numbers")
+    return arr
+
+
+def _cast(name: str, arr: np.ndarray) -> np.ndarray:
+    """Casts to float32 as PyTorch's ``copy_`` does (integers, bools, float16/64, bfloat16)."""
+    if arr.dtype.kind in "biuf" or arr.dtype.name == "bfloat16":
+        return np.ascontiguousarray(arr, dtype=np.float32)
+    raise CheckpointError(f"'{name}': cannot load a {arr.dtype} array into a float32 parameter")
+
+
+#: Float dtypes (safetensors names) a checkpoint may hold for float32 parameters, by size.
+_FILE_FLOATS = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
+_FILE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I32": "int32", "I64": "int64"}
+
+
+def _from_file(dtype: str, shape: list[int], data: bytes) -> np.ndarray:
+    if dtype == "bfloat16":
+        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
+
+
+class Module:
+    """Base class of models: assign Parameters and sub-Modules as attributes, define ``__call__``
+    (or ``forward``).
+
+    Example:
+        >>> class MLP(rlx.nn.Module):
+        ...     def __init__(self):
+        ...         self.fc1, self.fc2 = rlx.nn.Linear(4, 8), rlx.nn.Linear(8, 2)
+        ...     def __call__(self, x):
+        ...         return self.fc2(rlx.relu(self.fc1(x)))
+        >>> list(MLP().parameters())
+        ['fc1.weight', 'fc1.bias', 'fc2.weight', 'fc2.bias']
+    """
+
+    #: True in training mode (the default), False after ``eval()``.
+    training = True
+    _children: dict[str, Any]
+    _stores: dict[str, Any]
+
+    def _init_registry(self) -> None:
         if "_children" not in self.__dict__:
             object.__setattr__(self, "_children", {})
             object.__setattr__(self, "_stores", {})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._init_registry()
+        if _holds_modules(value):
+            kind = "dict" if isinstance(value, dict) else type(value).__name__
+            holder = "rlx.nn.ModuleDict" if isinstance(value, dict) else "rlx.nn.ModuleList"
+            raise RlxError(
+                f"[{type(self).__name__}.{name}] a plain {kind} of modules or parameters is not registered "
+                f"(its parameters would not be trained or saved); use {holder}(...)"
+            )
+        old = self._children.get(name)
         if isinstance(value, (Parameter, Module)):
             self._children[name] = value
-        else:
-            self._children.pop(name, None)
+            if old is not value:
+                _bump()
+        elif old is not None:
+            del self._children[name]
+            _bump()
         object.__setattr__(self, name, value)
 
-    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
-        seen: set[int] = set()
-        for name, p in self._walk(prefix):
-            if id(p) not in seen:
-                seen.add(id(p))
-                yield name, p
+    def __delattr__(self, name: str) -> None:
+        if name in self.__dict__.get("_children", {}):
+            del self._children[name]
+            _bump()
+        object.__delattr__(self, name)
+
+    def register_buffer(self, name: str, value: Any) -> None:
+        """Adds non-trainable state ``name`` (saved in checkpoints, listed by ``buffers()``).
+
+        Example:
+            >>> m = rlx.nn.Module()
+            >>> m.register_buffer("count", np.zeros(1, np.float32))
+        """
+        setattr(self, name, value if isinstance(value, Buffer) else Buffer(value))
 
     def _walk(self, prefix: str) -> Iterator[tuple[str, Parameter]]:
         for name, child in self.__dict__.get("_children", {}).items():
@@ -150,9 +371,78 @@ class Module:
             else:
                 yield from child._walk(prefix + name + ".")
 
+    def _tensors(self) -> dict[str, Parameter]:
+        """Parameters and buffers by dotted name, each once, in assignment order."""
+        out: dict[str, Parameter] = {}
+        seen: set[int] = set()
+        for name, p in self._walk(""):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[name] = p
+        return out
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        """``(dotted name, Parameter)`` pairs, each parameter once (buffers left out).
+
+        Example:
+            >>> [n for n, _ in rlx.nn.Linear(3, 2).named_parameters()]
+            ['weight', 'bias']
+        """
+        for name, p in self._tensors().items():
+            if not p._is_buffer:
+                yield prefix + name, p
+
     def parameters(self) -> dict[str, Parameter]:
-        """Every parameter by dotted name (``"fc1.weight"``), in assignment order."""
+        """Every parameter by dotted name (``"fc1.weight"``), in assignment order.
+
+        Example:
+            >>> list(rlx.nn.Linear(3, 2).parameters())
+            ['weight', 'bias']
+        """
         return dict(self.named_parameters())
+
+    def buffers(self) -> dict[str, Parameter]:
+        """Every buffer (non-trainable saved state) by dotted name.
+
+        Example:
+            >>> rlx.nn.Linear(3, 2).buffers()
+            {}
+        """
+        return {n: p for n, p in self._tensors().items() if p._is_buffer}
+
+    def modules(self) -> Iterator[tuple[str, "Module"]]:
+        """``(dotted name, Module)`` for this module (name ``""``) and every sub-module.
+
+        Example:
+            >>> [n for n, _ in rlx.nn.Sequential(rlx.nn.Linear(2, 2)).modules()]
+            ['', '0']
+        """
+        yield "", self
+        for name, child in self.__dict__.get("_children", {}).items():
+            if isinstance(child, Module):
+                for sub, m in child.modules():
+                    yield (name + "." + sub if sub else name), m
+
+    def train(self, mode: bool = True) -> "Module":
+        """Sets training mode on this module and every sub-module; returns ``self``.
+
+        Example:
+            >>> m = rlx.nn.Linear(2, 2).eval()
+            >>> m.training
+            False
+        """
+        for _, m in self.modules():
+            object.__setattr__(m, "training", bool(mode))
+        return self
+
+    def eval(self) -> "Module":
+        """Sets evaluation mode (``train(False)``); returns ``self``.
+
+        Example:
+            >>> model.eval().training
+            False
+        """
+        return self.train(False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = getattr(self, "forward", None)
@@ -160,30 +450,51 @@ class Module:
             raise RlxError(f"{type(self).__name__} defines neither __call__ nor forward")
         return forward(*args, **kwargs)
 
+    # --- weight stores -------------------------------------------------------------------------
+
     def _store_for(self, device: str) -> Any:
-        """The weight store of this model on ``device``, created (with the current values) once."""
-        if "_stores" not in self.__dict__:
-            object.__setattr__(self, "_children", {})
-            object.__setattr__(self, "_stores", {})
-        params = self.parameters()
-        layout = [(n, list(p.shape), "float32") for n, p in params.items()]
-        store = self._stores.get(device)
-        if store is not None and store.entries() == [(n, s, d) for n, s, d in layout] and all(
-            p._store is store and p._name == n for n, p in params.items()
-        ):
+        """The weight store of this model on ``device``, created (with the current values) once;
+        made again (values carried over) when parameters were added or replaced since."""
+        with _STORE_LOCK:
+            self._init_registry()
+            params = self._tensors()
+            layout = [(n, list(p.shape), "float32") for n, p in params.items()]
+            store = self._stores.get(device)
+            if store is not None and store.entries() == [(n, s, d) for n, s, d in layout] and all(
+                p._store is store and p._name == n for n, p in params.items()
+            ):
+                return store
+            for n, p in params.items():
+                p._detach_check(n)
+            store = _rlx.Store(device, layout)
+            for n, p in params.items():
+                store.write(n, contiguous(p.numpy(), np.float32).reshape(-1))
+            for n, p in params.items():
+                p._bind(store, n)
+            self._stores[device] = store
             return store
-        store = _rlx.Store(device, layout)
-        for n, p in params.items():
-            store.write(n, contiguous(p.numpy(), np.float32).reshape(-1))
-        for n, p in params.items():
-            p._bind(store, n)
-        self._stores[device] = store
-        return store
+
+    def _signature(self) -> tuple[Any, ...]:
+        """What compiled executables depend on: every tensor's name, identity and trainability."""
+        return tuple((n, id(p), p._requires_grad) for n, p in self._tensors().items())
+
+    # --- copies --------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_stores"] = {}  # the copy is uncompiled; its parameters carry the current values
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+    # --- state dicts and checkpoints -----------------------------------------------------------
 
     def _snapshot(self) -> dict[str, np.ndarray]:
-        """Copies of every parameter, each weight store read under its lock: the values of one
-        step, never half of one update and half of the next."""
-        params = self.parameters()
+        """Copies of every parameter and buffer, each weight store read under its lock: the
+        values of one step, never half of one update and half of the next."""
+        params = self._tensors()
         stores = {id(p._store): p._store for p in params.values() if p._store is not None}
         read = {sid: dict(store.read_all()) for sid, store in stores.items()}
         out = {}
@@ -193,67 +504,305 @@ class Module:
                 out[n] = p._host.copy()
             else:
                 raw = read[id(p._store)][p._name]
-                out[n] = np.frombuffer(raw, dtype=np.float32).reshape(p._store_shape)
+                out[n] = np.frombuffer(raw, dtype=np.float32).reshape(p._store_shape).copy()
         return out
 
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of every parameter and buffer by dotted name (PyTorch's names and layouts).
+
+        Example:
+            >>> sd = rlx.nn.Linear(3, 2).state_dict()
+            >>> {k: v.shape for k, v in sd.items()}
+            {'weight': (2, 3), 'bias': (2,)}
+        """
+        return self._snapshot()
+
+    def _linear_weights(self) -> dict[str, tuple[int, int]]:
+        """Dotted names of every Linear weight with its (out_features, in_features)."""
+        out = {}
+        for prefix, m in self.modules():
+            if isinstance(m, Linear) and isinstance(m.__dict__.get("weight"), Parameter):
+                out[(prefix + "." if prefix else "") + "weight"] = (m.out_features, m.in_features)
+        return out
+
+    def _check_and_assign(self, arrays: dict[str, np.ndarray], strict: bool, where: str,
+                          marked_new_layout: bool, legacy_layout: bool = False) -> IncompatibleKeys:
+        """Validates every name and shape first, then assigns (all or nothing)."""
+        params = self._tensors()
+        missing = [n for n in params if n not in arrays]
+        unexpected = [n for n in arrays if n not in params]
+        if strict and (missing or unexpected):
+            raise CheckpointError(f"{where}does not match the model: missing {missing}, unexpected {unexpected}")
+        linear = self._linear_weights()
+        ready: dict[str, np.ndarray] = {}
+        for name, p in params.items():
+            if name not in arrays:
+                continue
+            arr = arrays[name]
+            shape = tuple(arr.shape)
+            if legacy_layout and name in linear and arr.ndim == 2:
+                arr, shape = arr.T, shape[::-1]
+            if shape != p.shape:
+                if name in linear and shape == p.shape[::-1] and not marked_new_layout:
+                    raise CheckpointError(
+                        f"{where}'{name}' is {shape}: the older rlx (in_features, out_features) Linear layout. "
+                        f"rlx now stores Linear weights as PyTorch does, (out_features, in_features) = {p.shape}; "
+                        "load files saved by rlx before 0.2 with load(path, legacy_layout=True) and save them again"
+                    )
+                raise CheckpointError(f"{where}'{name}' has shape {shape} but the model's is {p.shape}")
+            ready[name] = _cast(name, arr)
+        # One write per weight store: a function running in another thread sees all old values
+        # or all new ones.
+        by_store: dict[int, tuple[Any, list[tuple[str, np.ndarray]]]] = {}
+        for name, arr in ready.items():
+            p = params[name]
+            if p._store is None:
+                p._assign(arr)
+            else:
+                by_store.setdefault(id(p._store), (p._store, []))[1].append((p._name, arr.reshape(-1)))
+        for store, writes in by_store.values():
+            store.write_many(writes)
+        return IncompatibleKeys(missing, unexpected)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
+        """Loads values by dotted name, cast to float32 as PyTorch's ``copy_`` does.
+
+        ``state_dict`` may hold numpy arrays, PyTorch tensors or anything with ``__array__`` /
+        ``__dlpack__``. With ``strict=True`` (default) a missing or unexpected name raises
+        ``CheckpointError``; with ``strict=False`` they are returned as
+        ``(missing_keys, unexpected_keys)``. A wrong shape always raises; nothing changes then.
+
+        Example:
+            >>> a, b = rlx.nn.Linear(3, 2), rlx.nn.Linear(3, 2)
+            >>> b.load_state_dict(a.state_dict())
+            IncompatibleKeys(missing_keys=[], unexpected_keys=[])
+        """
+        if not isinstance(state_dict, Mapping):
+            raise CheckpointError(f"[load_state_dict] expects a mapping of names to arrays, got {type(state_dict).__name__}")
+        if not isinstance(strict, (bool, np.bool_)):
+            raise InputError(f"[load_state_dict] strict must be True or False, got {strict!r}")
+        arrays = {}
+        for k, v in state_dict.items():
+            if not isinstance(k, str):
+                raise CheckpointError(f"[load_state_dict] names must be strings, got {k!r}")
+            arrays[k] = _to_array(k, v)
+        return self._check_and_assign(arrays, bool(strict), "[load_state_dict] ", marked_new_layout=False)
+
     def save(self, path: str) -> None:
-        """Writes every parameter to a safetensors file, atomically (a temporary file renamed
-        over ``path``; through a symbolic link, its target is replaced). The values saved are one
-        consistent snapshot even while another thread trains the model.
+        """Writes every parameter and buffer to a safetensors file, atomically (PyTorch's names
+        and layouts: ``safetensors.torch.load_file`` reads it).
 
-        Example::
-
-            model.save("mlp.safetensors")
+        Example:
+            >>> rlx.nn.Linear(3, 2).save("lin.safetensors")
         """
         path = _check.path("save", path)
         tensors = [(n, "float32", list(v.shape), v.reshape(-1)) for n, v in self._snapshot().items()]
-        _rlx.save_checkpoint(str(path), tensors)
+        _rlx.save_checkpoint(str(path), tensors, {LAYOUT_KEY: LAYOUT})
 
-    def load(self, path: str) -> None:
-        """Loads a safetensors checkpoint. Every name, shape and dtype is checked against the
-        model (from the file's header, before its data is read) and a mismatch raises
-        ``CheckpointError`` naming the tensor, changing nothing. The new values replace the old
-        ones as one change: a function running in another thread sees all old or all new.
+    def load(self, path: str, legacy_layout: bool = False) -> None:
+        """Loads a safetensors checkpoint: rlx's own, or one written by
+        ``safetensors.torch.save_file(model.state_dict(), path)`` (float16 / bfloat16 / float64
+        tensors are cast to float32). Every name and shape is checked before any weight changes;
+        on a mismatch ``CheckpointError`` is raised and nothing changes. Files from rlx before
+        0.2 stored Linear weights transposed: they are refused unless ``legacy_layout=True``.
 
-        Example::
-
-            model.load("mlp.safetensors")
+        Example:
+            >>> lin = rlx.nn.Linear(3, 2)
+            >>> lin.save("lin.safetensors"); lin.load("lin.safetensors")
         """
         path = _check.path("load", path)
-        params = self.parameters()
+        params = self._tensors()
+        # Names, dtypes and shapes first, from the header alone (before any data is read).
         header = {name: (dtype, tuple(shape)) for name, dtype, shape in _rlx.checkpoint_header(str(path))}
         missing = sorted(set(params) - set(header))
         unexpected = sorted(set(header) - set(params))
         if missing or unexpected:
-            raise CheckpointError(
-                f"{path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}"
-            )
+            raise CheckpointError(f"{path}: checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+        linear = self._linear_weights()
         for name, p in params.items():
             dtype, shape = header[name]
-            if dtype != "F32" or shape != p.shape:
-                shown = "float32" if dtype == "F32" else dtype
-                raise CheckpointError(
-                    f"{path}: '{name}' is {shown} {shape} in the checkpoint but float32 {p.shape} in the model"
-                )
-        expected = sum(4 * int(np.prod(p.shape)) for p in params.values())
-        tensors = _rlx.load_checkpoint(str(path), expected)
-        found = {name: (dtype, tuple(shape), data) for name, dtype, shape, data in tensors}
-        if set(found) != set(params) or any(found[n][:2] != ("float32", p.shape) for n, p in params.items()):
-            raise CheckpointError(f"{path}: the file changed while it was loaded")
-        by_store: dict[int, tuple[Any, list[tuple[str, np.ndarray]]]] = {}
-        for name, p in params.items():
-            values = np.frombuffer(found[name][2], dtype=np.float32)
-            if p._store is None:
-                p._assign(values.reshape(p.shape))
-            else:
-                by_store.setdefault(id(p._store), (p._store, []))[1].append((p._name, values))
-        for store, writes in by_store.values():
-            store.write_many(writes)
+            shown = _FILE_NAMES.get(dtype, dtype)
+            if dtype not in _FILE_FLOATS:
+                raise CheckpointError(f"{path}: '{name}' is {shown} {shape} in the checkpoint but float32 {p.shape} in "
+                                      "the model (float32/float16/bfloat16/float64 tensors load by casting)")
+            transposed = name in linear and shape == p.shape[::-1]
+            if shape != p.shape and not transposed:
+                raise CheckpointError(f"{path}: '{name}' is {shown} {shape} in the checkpoint but float32 {p.shape} in the model")
+        expected = sum(_FILE_FLOATS[header[n][0]] * int(np.prod(p.shape)) for n, p in params.items())
+        tensors, metadata = _rlx.load_checkpoint_raw(str(path), expected)
+        arrays = {}
+        for name, file_dtype, file_shape, data in tensors:
+            if file_dtype not in ("float32", "float16", "bfloat16", "float64"):
+                raise CheckpointError(f"{path}: '{name}' is {file_dtype}; parameters load from float tensors only")
+            arrays[name] = _from_file(file_dtype, file_shape, data)
+        self._check_and_assign(arrays, True, f"{path}: ", marked_new_layout=metadata.get(LAYOUT_KEY) == LAYOUT,
+                               legacy_layout=bool(legacy_layout))
+
+    # --- printing ------------------------------------------------------------------------------
+
+    def extra_repr(self) -> str:
+        """The text inside this module's parentheses in ``repr`` (override in layers).
+
+        Example:
+            >>> class Scale(rlx.nn.Module):
+            ...     def extra_repr(self):
+            ...         return "factor=2"
+        """
+        return ""
+
+    def __repr__(self) -> str:
+        children = self.__dict__.get("_children", {})
+        name = type(self).__name__
+        if not children or (self.extra_repr() and all(isinstance(c, Parameter) for c in children.values())):
+            return f"{name}({self.extra_repr()})"
+        lines = [f"{name}(" + self.extra_repr()]
+        for key, child in children.items():
+            text = repr(child).replace("\n", "\n  ")
+            lines.append(f"  ({key}): {text}")
+        return "\n".join(lines) + "\n)"
+
+
+class ModuleList(Module):
+    """A list of sub-modules, registered as ``"0"``, ``"1"``, ... (plain lists are not).
+
+    Example:
+        >>> layers = rlx.nn.ModuleList([rlx.nn.Linear(4, 4) for _ in range(2)])
+        >>> list(layers.parameters())
+        ['0.weight', '0.bias', '1.weight', '1.bias']
+    """
+
+    _items: list[Module]
+
+    def __init__(self, modules: Iterable[Module] = ()) -> None:
+        object.__setattr__(self, "_items", [])
+        self.extend(modules)
+
+    def _register(self) -> None:
+        self._init_registry()
+        self._children.clear()
+        for i, m in enumerate(self._items):
+            self._children[str(i)] = m
+        _bump()
+
+    @staticmethod
+    def _checked(m: Any, i: int) -> Module:
+        if not isinstance(m, Module):
+            raise RlxError(f"[ModuleList] item {i} is a {type(m).__name__}, not an rlx.nn.Module")
+        return m
+
+    def append(self, module: Module) -> "ModuleList":
+        """Adds ``module`` at the end.
+
+        Example:
+            >>> layers.append(rlx.nn.Linear(4, 4))
+        """
+        self._items.append(self._checked(module, len(self._items)))
+        self._register()
+        return self
+
+    def extend(self, modules: Iterable[Module]) -> "ModuleList":
+        """Adds every module of ``modules`` at the end.
+
+        Example:
+            >>> layers.extend([rlx.nn.Linear(4, 4), rlx.nn.Linear(4, 4)])
+        """
+        for m in modules:
+            self._items.append(self._checked(m, len(self._items)))
+        self._register()
+        return self
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return ModuleList(self._items[i])
+        return self._items[i]
+
+    def __setitem__(self, i: int, module: Module) -> None:
+        self._items[i] = self._checked(module, i)
+        self._register()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[Module]:
+        return iter(list(self._items))
+
+
+class ModuleDict(Module):
+    """A dict of sub-modules by name (plain dicts are not registered).
+
+    Example:
+        >>> heads = rlx.nn.ModuleDict({"cls": rlx.nn.Linear(4, 3)})
+        >>> list(heads.parameters())
+        ['cls.weight', 'cls.bias']
+    """
+
+    def __init__(self, modules: Mapping[str, Module] | None = None) -> None:
+        self._init_registry()
+        for k, v in (modules or {}).items():
+            self[k] = v
+
+    def __setitem__(self, key: str, module: Module) -> None:
+        if not isinstance(key, str) or not key or "." in key:
+            raise RlxError(f"[ModuleDict] keys must be non-empty strings without '.', got {key!r}")
+        if not isinstance(module, Module):
+            raise RlxError(f"[ModuleDict] '{key}' is a {type(module).__name__}, not an rlx.nn.Module")
+        self._init_registry()
+        if self._children.get(key) is not module:
+            self._children[key] = module
+            _bump()
+
+    def __getitem__(self, key: str) -> Module:
+        return self._children[key]
+
+    def __delitem__(self, key: str) -> None:
+        del self._children[key]
+        _bump()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._children
+
+    def __len__(self) -> int:
+        return len(self._children)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._children))
+
+    def keys(self) -> list[str]:
+        """The names, in insertion order.
+
+        Example:
+            >>> heads.keys()
+            ['cls']
+        """
+        return list(self._children)
+
+    def values(self) -> list[Module]:
+        """The modules, in insertion order.
+
+        Example:
+            >>> len(heads.values())
+            1
+        """
+        return list(self._children.values())
+
+    def items(self) -> list[tuple[str, Module]]:
+        """``(name, module)`` pairs, in insertion order.
+
+        Example:
+            >>> [k for k, _ in heads.items()]
+            ['cls']
+        """
+        return list(self._children.items())
 
 
 class Linear(Module):
-    """``y = x @ weight + bias`` with ``weight`` of shape (in_features, out_features).
-    Initialised as PyTorch's default: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias."""
+    """``y = x @ weight.T + bias`` with ``weight`` of shape (out_features, in_features), PyTorch's
+    layout. Initialised as PyTorch's default: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
+
+    Example:
+        >>> rlx.nn.Linear(64, 10)
+        Linear(in_features=64, out_features=10, bias=True)
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         in_features = _check.integer("Linear", "in_features", in_features, lo=1)
@@ -261,34 +810,51 @@ class Linear(Module):
         _check.fits_in_memory("Linear", (in_features, out_features))
         bound = 1.0 / math.sqrt(in_features)
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(rng().uniform(-bound, bound, (in_features, out_features)))
+        self.weight = Parameter(rng().uniform(-bound, bound, (out_features, in_features)))
         self.bias = Parameter(rng().uniform(-bound, bound, (out_features,))) if bias else None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
     def __call__(self, x: Any) -> Tensor:
         shape = x.shape
         if len(shape) < 1 or shape[-1] != self.in_features:
             raise ShapeError(f"[Linear] expects inputs (..., {self.in_features}), got {tuple(shape)}")
         flat = x.reshape(-1, self.in_features) if len(shape) != 2 else x
-        y = flat @ self.weight
+        t = _trace_of(flat, self.weight)
+        y = _matmul_nt(_as_tensor(flat, t), _as_tensor(self.weight, t))
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features) if len(shape) != 2 else y
 
 
 class ReLU(Module):
+    """``max(x, 0)`` as a module.
+
+    Example:
+        >>> rlx.nn.Sequential(rlx.nn.Linear(4, 8), rlx.nn.ReLU(), rlx.nn.Linear(8, 2))
+    """
     def __call__(self, x: Any) -> Tensor:
         return relu(x)
 
 
 class Sequential(Module):
-    """Applies its modules in order; they are named ``"0"``, ``"1"``, ..."""
+    """Applies its modules in order; they are named ``"0"``, ``"1"``, ...
+
+    Example:
+        >>> net = rlx.nn.Sequential(rlx.nn.Linear(4, 8), rlx.nn.ReLU(), rlx.nn.Linear(8, 2))
+        >>> list(net.parameters())
+        ['0.weight', '0.bias', '2.weight', '2.bias']
+    """
+
+    _layers: list[Module]
 
     def __init__(self, *modules: Module) -> None:
         for i, m in enumerate(modules):
             if not isinstance(m, Module):
                 raise RlxError(f"[Sequential] item {i} is a {type(m).__name__}, not an rlx.nn.Module")
             setattr(self, str(i), m)
-        self._layers = list(modules)
+        object.__setattr__(self, "_layers", list(modules))
 
     def __call__(self, x: Any) -> Any:
         for m in self._layers:
@@ -303,17 +869,28 @@ class Sequential(Module):
 
 
 class GELU(Module):
-    """GELU activation; exact (erf) by default, ``approximate=True`` for the tanh form."""
+    """GELU activation; exact (erf) by default, ``approximate=True`` for the tanh form.
+
+    Example:
+        >>> rlx.nn.Sequential(rlx.nn.Linear(4, 16), rlx.nn.GELU(), rlx.nn.Linear(16, 4))
+    """
 
     def __init__(self, approximate: bool | str = False) -> None:
         self.approximate = approximate
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}" if self.approximate else ""
 
     def __call__(self, x: Any) -> Tensor:
         return gelu(x, self.approximate)
 
 
 class Embedding(Module):
-    """A lookup table of ``num`` vectors of size ``dim``; initialised N(0, 1) as PyTorch."""
+    """A lookup table of ``num`` vectors of size ``dim``; initialised N(0, 1) as PyTorch.
+
+    Example:
+        >>> tok = rlx.nn.Embedding(256, 64)          # ids (B, T) -> (B, T, 64)
+    """
 
     def __init__(self, num: int, dim: int) -> None:
         num = _check.integer("Embedding", "num", num, lo=1)
@@ -322,12 +899,19 @@ class Embedding(Module):
         self.num, self.dim = num, dim
         self.weight = Parameter(rng().standard_normal((num, dim)))
 
+    def extra_repr(self) -> str:
+        return f"{self.num}, {self.dim}"
+
     def __call__(self, ids: Any) -> Tensor:
         return embedding(self.weight, ids)
 
 
 class LayerNorm(Module):
-    """Layer normalisation over the last axis with a learned scale (ones) and shift (zeros)."""
+    """Layer normalisation over the last axis with a learned scale (ones) and shift (zeros).
+
+    Example:
+        >>> ln = rlx.nn.LayerNorm(64)
+    """
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         dim = _check.integer("LayerNorm", "dim", dim, lo=1)
@@ -336,6 +920,9 @@ class LayerNorm(Module):
         self.dim, self.eps = dim, eps
         self.weight = Parameter(np.ones(dim, np.float32))
         self.bias = Parameter(np.zeros(dim, np.float32))
+
+    def extra_repr(self) -> str:
+        return f"({self.dim},), eps={self.eps}"
 
     def __call__(self, x: Any) -> Tensor:
         if x.shape[-1] != self.dim:
@@ -346,10 +933,13 @@ class LayerNorm(Module):
 class MultiHeadAttention(Module):
     """Multi-head self-attention over (B, T, dim) inputs.
 
-    ``qkv`` projects to queries, keys and values at once (weight (dim, 3*dim), q|k|v
-    concatenated); ``proj`` maps the merged heads back. Initialised as PyTorch's
+    ``qkv`` projects to queries, keys and values at once (weight (3*dim, dim), q|k|v
+    stacked as PyTorch's ``in_proj_weight``); ``proj`` maps the merged heads back. Initialised as PyTorch's
     ``nn.MultiheadAttention``: Xavier-uniform input projection, zero biases.
     ``decode`` runs one new token against a resident key/value cache.
+
+    Example:
+        >>> attn = rlx.nn.MultiHeadAttention(64, num_heads=4, causal=True)   # (B, T, 64) -> (B, T, 64)
     """
 
     def __init__(self, dim: int, num_heads: int, causal: bool = False) -> None:
@@ -360,7 +950,7 @@ class MultiHeadAttention(Module):
         self.dim, self.num_heads, self.head_dim, self.causal = dim, num_heads, dim // num_heads, causal
         self.qkv = Linear(dim, 3 * dim)
         bound = math.sqrt(6.0 / (dim + 3 * dim))
-        self.qkv.weight = Parameter(rng().uniform(-bound, bound, (dim, 3 * dim)))
+        self.qkv.weight = Parameter(rng().uniform(-bound, bound, (3 * dim, dim)))
         self.qkv.bias = Parameter(np.zeros(3 * dim, np.float32))
         self.proj = Linear(dim, dim)
         self.proj.bias = Parameter(np.zeros(dim, np.float32))
@@ -396,6 +986,9 @@ class MultiHeadAttention(Module):
         Returns:
             ``(y, k_new, v_new)``: the output (B, 1, dim) and the new token's key and value rows
             (B, H, 1, head_dim), to be written into the caches at row ``pos``.
+
+        Example:
+            >>> y, k_new, v_new = attn.decode(x, k_cache, v_cache, pos)
         """
         q, k, v = self._heads(x)
         t_max = k_cache.shape[2]
@@ -410,7 +1003,11 @@ class MultiHeadAttention(Module):
 
 
 class TransformerBlock(Module):
-    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + fc2(gelu(fc1(ln2(x))))``."""
+    """Pre-norm block: ``x + attn(ln1(x))``, then ``x + fc2(gelu(fc1(ln2(x))))``.
+
+    Example:
+        >>> block = rlx.nn.TransformerBlock(64, num_heads=4)          # (B, T, 64) -> (B, T, 64)
+    """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: int = 4, causal: bool = True) -> None:
         _check.integer("TransformerBlock", "mlp_ratio", mlp_ratio, lo=1)
@@ -432,5 +1029,5 @@ class TransformerBlock(Module):
         return self._mlp(x + a), k, v
 
 
-__all__ = ["Module", "Parameter", "Linear", "ReLU", "GELU", "Sequential", "Embedding", "LayerNorm",
-           "MultiHeadAttention", "TransformerBlock"]
+__all__ = ["Module", "Parameter", "Buffer", "ModuleList", "ModuleDict", "IncompatibleKeys", "Linear", "ReLU", "GELU",
+           "Sequential", "Embedding", "LayerNorm", "MultiHeadAttention", "TransformerBlock"]

@@ -40,8 +40,7 @@ fn profile_key(instr: &Instr) -> String {
             let shapes: Vec<String> = ins.iter().map(|t| t.shape.to_string()).collect();
             format!("{} {}->{}", op.name(), shapes.join(","), out.shape)
         }
-        Instr::CountStep { .. } => "count_step".into(),
-        Instr::Optim { rule, .. } => format!("optimizer {rule:?}"),
+        Instr::Update(plan) => format!("update {:?}", plan.rule),
     }
 }
 
@@ -55,18 +54,7 @@ impl CpuProgram {
                     check_kernel(op, ins, out)?;
                     (ins.iter().collect(), vec![out])
                 }
-                Instr::CountStep { counter } => (vec![], vec![counter]),
-                Instr::Optim {
-                    param,
-                    grad,
-                    state,
-                    counter,
-                    ..
-                } => {
-                    let mut w = vec![param];
-                    w.extend(state.iter());
-                    (vec![grad, counter], w)
-                }
+                Instr::Update(plan) => crate::train::operands(plan),
             };
             for t in reads.iter().chain(&writes) {
                 let len = lens.get(t.buf as usize).copied().unwrap_or(0);
@@ -146,32 +134,9 @@ impl CpuProgram {
             // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
             match instr {
                 Instr::Op { op, ins, out } => unsafe { run_op(b, op, ins, out)? },
-                Instr::CountStep { counter } => unsafe { b.get_mut::<i32>(counter)[0] += 1 },
-                Instr::Optim {
-                    rule,
-                    param,
-                    grad,
-                    state,
-                    counter,
-                } => {
-                    let hyper = hyper.ok_or_else(|| {
-                        Error::Graph("optimizer step without hyper-parameters".into())
-                    })?;
-                    crate::isa::dispatch(|| unsafe {
-                        let step = b.get::<i32>(counter)[0];
-                        let g = b.get::<f32>(grad);
-                        let mut st: Vec<&mut [f32]> =
-                            state.iter().map(|s| b.get_mut::<f32>(s)).collect();
-                        kernels::optim::update(
-                            *rule,
-                            hyper,
-                            step,
-                            b.get_mut::<f32>(param),
-                            g,
-                            &mut st,
-                        );
-                    })
-                }
+                // SAFETY: `CpuProgram::new` proved the update's written tensors disjoint from
+                // each other and from everything it reads.
+                Instr::Update(plan) => unsafe { crate::train::run(b, plan, hyper)? },
             }
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
                 let e = p.entry(profile_key(instr)).or_default();

@@ -34,6 +34,7 @@ pub mod isa;
 mod kernels;
 mod mem;
 mod pool;
+mod train;
 
 use rlx_runtime::{Backend, Compiled, CopyEngine, DeviceBuffer, Program, Result};
 use std::sync::Arc;

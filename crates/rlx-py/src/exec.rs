@@ -4,7 +4,7 @@ use crate::devices::backend;
 use crate::errors::{to_py, IntoPy};
 use crate::gate::native;
 use crate::graph::PyGraph;
-use crate::store::{parse_rule, PyStore};
+use crate::store::PyStore;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 use rlx_ir::Error;
@@ -34,10 +34,9 @@ impl PyExecutable {
     ) -> PyResult<PyExecutable> {
         let b = backend(device).py_err(py)?;
         let optimizer = match optimizer {
-            Some((rule, state)) => Some(OptimizerSetup {
-                rule: parse_rule(&rule).py_err(py)?,
-                state: state.store.clone(),
-            }),
+            Some((spec, state)) => {
+                Some(OptimizerSetup::parse(&spec, state.store.clone()).py_err(py)?)
+            }
             None => None,
         };
         let g = graph.graph.clone();
@@ -104,6 +103,11 @@ impl PyExecutable {
                 .collect();
             self.exe.prefetch(owned)
         })
+    }
+
+    /// A readable listing of the lowered program (ops, shapes, buffer offsets).
+    fn listing(&self) -> String {
+        self.exe.listing()
     }
 
     /// Batches waiting in the prefetch queue.

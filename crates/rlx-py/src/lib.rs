@@ -23,6 +23,7 @@ fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::save_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(store::optimizer_slots, m)?)?;
     m.add_function(wrap_pyfunction!(store::load_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(store::load_checkpoint_raw, m)?)?;
     m.add_function(wrap_pyfunction!(store::checkpoint_header, m)?)?;
     m.add_function(wrap_pyfunction!(gate::_before_fork, m)?)?;
     m.add_function(wrap_pyfunction!(gate::_after_fork, m)?)?;

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use rlx_ir::{Error, Shape};
 use rlx_runtime::{checkpoint, OptimRule, Store};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -16,24 +17,11 @@ pub struct PyStore {
     pub store: Arc<Store>,
 }
 
-pub fn parse_rule(rule: &str) -> Result<OptimRule, Error> {
-    match rule {
-        "sgd" => Ok(OptimRule::Sgd { momentum: false }),
-        "sgd_momentum" => Ok(OptimRule::Sgd { momentum: true }),
-        "adam" => Ok(OptimRule::Adam),
-        "adamw" => Ok(OptimRule::AdamW),
-        r => Err(Error::unsupported(
-            "optimizer",
-            format!("unknown update rule '{r}'"),
-        )),
-    }
-}
-
-/// The state tensors optimizer `rule` keeps per parameter (`Store.for_optimizer` names them
-/// `<param>.<slot>`).
+/// The parameter-shaped state tensors optimizer `rule` keeps per parameter
+/// (`Store.for_optimizer` names them `<param>.<slot>`): the one list, read by Python too.
 #[pyfunction]
 pub fn optimizer_slots(py: Python<'_>, rule: &str) -> PyResult<Vec<&'static str>> {
-    Ok(parse_rule(rule).py_err(py)?.slots().to_vec())
+    Ok(OptimRule::parse(rule).py_err(py)?.slots().to_vec())
 }
 
 #[pymethods]
@@ -57,13 +45,21 @@ impl PyStore {
         })
     }
 
-    /// The state store of optimizer `rule` for the weights in `params`.
+    /// The state store of optimizer `rule` for the weights in `params`; with `hyper_table`, it
+    /// holds a `hyper` table of settings, one row per parameter, that updates read.
     #[staticmethod]
-    fn for_optimizer(py: Python<'_>, rule: &str, params: &PyStore) -> PyResult<PyStore> {
+    #[pyo3(signature = (rule, params, hyper_table=true))]
+    fn for_optimizer(
+        py: Python<'_>,
+        rule: &str,
+        params: &PyStore,
+        hyper_table: bool,
+    ) -> PyResult<PyStore> {
         let b = backend(params.store.device()).py_err(py)?;
-        let rule = parse_rule(rule).py_err(py)?;
+        let rule = OptimRule::parse(rule).py_err(py)?;
+        let store = Store::for_optimizer(b.as_ref(), rule, &params.store, hyper_table);
         Ok(PyStore {
-            store: Arc::new(Store::for_optimizer(b.as_ref(), rule, &params.store).py_err(py)?),
+            store: Arc::new(store.py_err(py)?),
         })
     }
 
@@ -134,12 +130,15 @@ impl PyStore {
     }
 }
 
-/// Writes `[(name, dtype, shape, array)]` to `path` atomically in the safetensors format.
+/// Writes `[(name, dtype, shape, array)]` to `path` atomically in the safetensors format, with
+/// optional string `metadata` in the header.
 #[pyfunction]
+#[pyo3(signature = (path, tensors, metadata=None))]
 pub fn save_checkpoint(
     py: Python<'_>,
     path: PathBuf,
     tensors: Vec<(String, String, Vec<usize>, Bound<'_, PyAny>)>,
+    metadata: Option<HashMap<String, String>>,
 ) -> PyResult<()> {
     let mut owned = Vec::with_capacity(tensors.len());
     for (name, dtype, shape, data) in &tensors {
@@ -154,7 +153,9 @@ pub fn save_checkpoint(
         .iter()
         .map(|(n, d, s, b)| (*n, *d, *s, b.as_slice()))
         .collect();
-    native(py, || checkpoint::save(&path, &views))
+    native(py, || {
+        checkpoint::save_with_metadata(&path, &views, metadata)
+    })
 }
 
 /// One loaded tensor as Python sees it: (name, dtype, shape, bytes).
@@ -174,6 +175,29 @@ pub fn load_checkpoint<'py>(
         .into_iter()
         .map(|t| (t.name, t.dtype.name(), t.shape, PyBytes::new(py, &t.data)))
         .collect())
+}
+
+/// A loaded file as Python sees it: `([(name, dtype, shape, bytes)], metadata)`.
+type LoadedFile<'py> = (
+    Vec<(String, &'static str, Vec<usize>, Bound<'py, PyBytes>)>,
+    HashMap<String, String>,
+);
+
+/// Like `load_checkpoint`, but tensors of any common dtype (named as numpy names them, e.g.
+/// `"bfloat16"`, `"int64"`) and the header's metadata are returned; the caller converts.
+#[pyfunction]
+#[pyo3(signature = (path, max_bytes=None))]
+pub fn load_checkpoint_raw<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    max_bytes: Option<u64>,
+) -> PyResult<LoadedFile<'py>> {
+    let (tensors, metadata) = native(py, || checkpoint::load_raw(&path, max_bytes))?;
+    let tensors = tensors
+        .into_iter()
+        .map(|t| (t.name, t.dtype, t.shape, PyBytes::new(py, &t.data)))
+        .collect();
+    Ok((tensors, metadata))
 }
 
 /// `[(name, dtype, shape)]` of a safetensors file's tensors, read from its header only (dtype as

@@ -3,6 +3,7 @@ use crate::{Error, Result};
 use rlx_ir::DType;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
+use std::collections::HashMap;
 use std::fs;
 use std::io::Write;
 use std::path::Path;
@@ -62,6 +63,15 @@ fn tmp_prefix(file_name: &str) -> String {
 /// synced, then renamed over `path`, so a crash leaves either the old file or the new one.
 /// A symbolic link is followed: its target is replaced and the link stays.
 pub fn save(path: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) -> Result<()> {
+    save_with_metadata(path, tensors, None)
+}
+
+/// [`save`] with string metadata in the header (`__metadata__`), e.g. the weight layout.
+pub fn save_with_metadata(
+    path: &Path,
+    tensors: &[(&str, DType, &[usize], &[u8])],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
     let shown = path;
     let target = resolve_links(path)?;
     let path = target.as_path();
@@ -73,7 +83,7 @@ pub fn save(path: &Path, tensors: &[(&str, DType, &[usize], &[u8])]) -> Result<(
                 .map_err(|e| err(path, e))
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None).map_err(|e| err(path, e))?;
+    let bytes = safetensors::serialize(views, metadata).map_err(|e| err(path, e))?;
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => std::path::PathBuf::from("."),
@@ -223,12 +233,71 @@ fn read_header(path: &Path) -> Result<(String, [u8; 8], u64, fs::File)> {
     Ok((text, len8, file_len, f))
 }
 
-/// Reads and validates every tensor of `path` (header, offsets, sizes, dtypes) before returning.
+/// One named tensor as stored, in any of the dtypes [`load_raw`] accepts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RawTensor {
+    pub name: String,
+    /// numpy's name of the stored dtype: `"float32"`, `"bfloat16"`, `"int64"`, ...
+    pub dtype: &'static str,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+fn dtype_name(d: Dtype) -> Option<&'static str> {
+    Some(match d {
+        Dtype::BOOL => "bool",
+        Dtype::U8 => "uint8",
+        Dtype::I8 => "int8",
+        Dtype::I16 => "int16",
+        Dtype::U16 => "uint16",
+        Dtype::F16 => "float16",
+        Dtype::BF16 => "bfloat16",
+        Dtype::I32 => "int32",
+        Dtype::U32 => "uint32",
+        Dtype::F32 => "float32",
+        Dtype::I64 => "int64",
+        Dtype::U64 => "uint64",
+        Dtype::F64 => "float64",
+        _ => return None,
+    })
+}
+
+/// Reads and validates every tensor of `path` (header, offsets, sizes, dtypes) before returning;
+/// only float32 and int32 tensors are accepted (see [`load_raw`] for the others).
+pub fn load(path: &Path, max_bytes: Option<u64>) -> Result<Vec<Tensor>> {
+    let (raw, _) = load_raw(path, max_bytes)?;
+    raw.into_iter()
+        .map(|t| {
+            let dtype = match t.dtype {
+                "float32" => DType::F32,
+                "int32" => DType::I32,
+                other => {
+                    return Err(err(
+                        path,
+                        format!("tensor '{}' has unsupported dtype {other}", t.name),
+                    ))
+                }
+            };
+            Ok(Tensor {
+                name: t.name,
+                dtype,
+                shape: t.shape,
+                data: t.data,
+            })
+        })
+        .collect()
+}
+
+/// Reads and validates every tensor of `path` (header, offsets, sizes, dtypes) and the header's
+/// string metadata, in any common dtype (the caller converts).
 ///
 /// Nothing large is read before the header has been checked against the file: a FIFO, a device
 /// or a file whose size disagrees with its header is refused after at most the header's bytes,
 /// and so is one holding more than `max_bytes` of tensor data (the caller's expectation).
-pub fn load(path: &Path, max_bytes: Option<u64>) -> Result<Vec<Tensor>> {
+pub fn load_raw(
+    path: &Path,
+    max_bytes: Option<u64>,
+) -> Result<(Vec<RawTensor>, HashMap<String, String>)> {
     use std::io::Read;
     let (text, len8, file_len, f) = read_header(path)?;
     let n = text.len() as u64;
@@ -270,19 +339,18 @@ pub fn load(path: &Path, max_bytes: Option<u64>) -> Result<Vec<Tensor>> {
     }
     let st = SafeTensors::deserialize(&bytes)
         .map_err(|e| err(path, format!("not a valid safetensors file: {e}")))?;
+    let metadata = SafeTensors::read_metadata(&bytes)
+        .map(|(_, m)| m.metadata().clone().unwrap_or_default())
+        .map_err(|e| err(path, format!("not a valid safetensors file: {e}")))?;
     let mut out = Vec::new();
     for (name, view) in st.iter() {
-        let dtype = match view.dtype() {
-            Dtype::F32 => DType::F32,
-            Dtype::I32 => DType::I32,
-            other => {
-                return Err(err(
-                    path,
-                    format!("tensor '{name}' has unsupported dtype {other:?}"),
-                ))
-            }
-        };
-        out.push(Tensor {
+        let dtype = dtype_name(view.dtype()).ok_or_else(|| {
+            err(
+                path,
+                format!("tensor '{name}' has unsupported dtype {:?}", view.dtype()),
+            )
+        })?;
+        out.push(RawTensor {
             name: name.to_string(),
             dtype,
             shape: view.shape().to_vec(),
@@ -290,7 +358,7 @@ pub fn load(path: &Path, max_bytes: Option<u64>) -> Result<Vec<Tensor>> {
         });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
+    Ok((out, metadata))
 }
 
 #[cfg(test)]

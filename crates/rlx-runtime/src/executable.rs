@@ -3,17 +3,13 @@ use crate::backend::check_range;
 use crate::lower::lower;
 use crate::{
     Backend, Buf, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, Error, HostBytes, Instr,
-    OptimHyper, OptimRule, Program, Result, Store, TRef,
+    OptimHyper, Program, Result, Store, TRef,
 };
 use rlx_ir::{planner::align_up, BarrierToken, DType, Graph, Op};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-/// The optimizer of a training executable: its rule and its state store.
-pub struct OptimizerSetup {
-    pub rule: OptimRule,
-    pub state: Arc<Store>,
-}
+pub use crate::train::OptimizerSetup;
 
 /// A named input's pinned slot in the arena.
 #[derive(Clone, Debug)]
@@ -139,49 +135,28 @@ impl Executable {
         let low = lower(graph, &params, backend.alignment())?;
         let backend_ref = backend.as_ref();
         let mut program = low.program;
-        let outputs: Vec<TRef> = graph
+        let mut outputs: Vec<TRef> = graph
             .outputs()
             .iter()
             .map(|&o| low.loc[o].clone().expect("outputs are live"))
             .collect();
+        let mut arena_bytes = low.arena_bytes;
         if let Some(opt) = &optimizer {
-            let counter = state_ref(&opt.state, "step")?;
-            program.instrs.push(Instr::CountStep {
-                counter: counter.clone(),
-            });
-            let graph_params = graph.params();
-            if outputs.len() != graph_params.len() + 1 {
-                return Err(Error::Graph(format!(
-                    "a training graph needs outputs [loss, one gradient per parameter]: {} outputs for {} parameters",
-                    outputs.len(),
-                    graph_params.len()
-                )));
-            }
-            for ((id, name), grad) in graph_params.iter().zip(&outputs[1..]) {
-                let param = low.loc[*id].clone().unwrap_or_else(|| {
-                    let e = params.entry(name).expect("checked by lower");
-                    TRef {
-                        buf: Buf::Params,
-                        offset: e.offset,
-                        shape: e.shape.clone(),
-                        dtype: e.dtype,
-                    }
-                });
-                let slots = opt.rule.slots();
-                let state = slots
-                    .iter()
-                    .map(|s| state_ref(&opt.state, &format!("{name}.{s}")))
-                    .collect::<Result<_>>()?;
-                program.instrs.push(Instr::Optim {
-                    rule: opt.rule,
-                    param,
-                    grad: grad.clone(),
-                    state,
-                    counter: counter.clone(),
-                });
-            }
+            // The update ends the program; its statistics become the last output.
+            let up = crate::train::plan_update(
+                graph,
+                &low.loc,
+                low.arena_bytes,
+                &params,
+                &outputs,
+                opt,
+                backend.alignment(),
+            )?;
+            program.instrs.push(up.instr);
+            outputs.push(up.stats);
+            arena_bytes = up.arena_bytes;
         }
-        let arena = backend_ref.alloc(low.arena_bytes)?;
+        let arena = backend_ref.alloc(arena_bytes)?;
         for (offset, bytes) in &low.consts {
             arena.write(*offset, bytes)?;
         }
@@ -240,6 +215,17 @@ impl Executable {
 
     pub fn outputs(&self) -> &[TRef] {
         &self.outputs
+    }
+
+    /// A readable listing of the lowered program (see [`crate::listing`]).
+    pub fn listing(&self) -> String {
+        crate::listing::program(
+            &self.program,
+            &self.input_names,
+            &self.outputs,
+            &self.memory,
+            (&self.params, self.state.as_deref()),
+        )
     }
 
     /// The buffer a tensor reference points into.
@@ -612,18 +598,6 @@ fn retarget(program: &Program, remap: &[(usize, usize)], base: usize) -> Program
         })
         .collect();
     Program { instrs }
-}
-
-fn state_ref(state: &Store, name: &str) -> Result<TRef> {
-    let e = state
-        .entry(name)
-        .ok_or_else(|| Error::Graph(format!("optimizer state has no '{name}'")))?;
-    Ok(TRef {
-        buf: Buf::State,
-        offset: e.offset,
-        shape: e.shape.clone(),
-        dtype: e.dtype,
-    })
 }
 
 fn find_slot<'a>(slots: &'a [InputSlot], name: &str) -> Result<&'a InputSlot> {

@@ -8,12 +8,17 @@ pub mod backend;
 pub mod checkpoint;
 pub mod conformance;
 pub mod executable;
+pub mod listing;
 pub mod lower;
 pub mod program;
 pub mod store;
+pub mod train;
 
 pub use backend::{Backend, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, HostBytes};
 pub use executable::{Executable, InputSlot, MemoryReport, OptimizerSetup};
-pub use program::{Buf, Instr, OptimHyper, OptimRule, Program, TRef};
+pub use program::{
+    hyper_col, stat, Buf, Instr, OptimHyper, OptimRule, Program, TRef, UpdateParam, UpdatePlan,
+};
 pub use rlx_ir::{Error, Result};
 pub use store::{Store, StoreEntry};
+pub use train::TrainOptions;

@@ -33,28 +33,130 @@ impl TRef {
     }
 }
 
-/// The update rules, as PyTorch defines them.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// The update rules, as PyTorch defines them (`torch.optim.*`, default options).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OptimRule {
-    /// `state = [momentum_buffer]` when momentum is on, else empty.
-    Sgd { momentum: bool },
-    /// `state = [exp_avg, exp_avg_sq]`; weight decay is L2 added to the gradient.
+    /// SGD with optional momentum, dampening, Nesterov and L2 weight decay. The momentum buffer is
+    /// always allocated, so momentum may be switched on between steps (it starts as PyTorch's
+    /// does: the first step with momentum copies the gradient).
+    Sgd,
+    /// Adam; weight decay is L2 added to the gradient.
     Adam,
     /// Adam with decoupled weight decay.
     AdamW,
+    /// RMSprop (not centred); momentum optional.
+    RmsProp,
+    /// Adagrad with learning-rate decay.
+    Adagrad,
 }
 
 impl OptimRule {
-    /// The per-parameter state tensors of the rule, in the order `Instr::Optim::state` lists them;
-    /// the optimizer store names them `<param>.<slot>` (PyTorch's names). The one list of them:
-    /// the stores, the executables and Python's `Optimizer.state` all read it from here.
+    /// Parses the Python-side name of a rule.
+    pub fn parse(name: &str) -> rlx_ir::Result<OptimRule> {
+        Ok(match name {
+            // "sgd_momentum" is accepted for callers written before momentum became a setting.
+            "sgd" | "sgd_momentum" => OptimRule::Sgd,
+            "adam" => OptimRule::Adam,
+            "adamw" => OptimRule::AdamW,
+            "rmsprop" => OptimRule::RmsProp,
+            "adagrad" => OptimRule::Adagrad,
+            r => {
+                return Err(rlx_ir::Error::unsupported(
+                    "optimizer",
+                    format!("unknown update rule '{r}'"),
+                ))
+            }
+        })
+    }
+
+    /// The parameter-shaped float32 state buffers of each parameter, as `"{param}.{slot}"`.
     pub fn slots(self) -> &'static [&'static str] {
         match self {
-            OptimRule::Sgd { momentum: false } => &[],
-            OptimRule::Sgd { momentum: true } => &["momentum_buffer"],
+            OptimRule::Sgd => &["momentum_buffer"],
             OptimRule::Adam | OptimRule::AdamW => &["exp_avg", "exp_avg_sq"],
+            OptimRule::RmsProp => &["square_avg", "momentum_buffer"],
+            OptimRule::Adagrad => &["sum"],
         }
     }
+}
+
+/// Columns of one row of an optimizer's `hyper` state entry (one row per parameter, so
+/// parameter groups may differ); written by the front end whenever a setting changes.
+pub mod hyper_col {
+    pub const LR: usize = 0;
+    pub const WEIGHT_DECAY: usize = 1;
+    pub const MOMENTUM: usize = 2;
+    pub const DAMPENING: usize = 3;
+    /// 1.0 for Nesterov momentum (SGD).
+    pub const NESTEROV: usize = 4;
+    pub const BETA1: usize = 5;
+    pub const BETA2: usize = 6;
+    pub const EPS: usize = 7;
+    /// RMSprop's smoothing constant.
+    pub const ALPHA: usize = 8;
+    /// Adagrad's learning-rate decay.
+    pub const LR_DECAY: usize = 9;
+    /// `1 - alpha`, `1 - dampening`, `1 - beta1`, `1 - beta2`, computed by the front end in
+    /// double precision and rounded once, as PyTorch passes them to its kernels.
+    pub const ONE_MINUS_ALPHA: usize = 10;
+    pub const ONE_MINUS_DAMPENING: usize = 11;
+    pub const ONE_MINUS_BETA1: usize = 12;
+    pub const ONE_MINUS_BETA2: usize = 13;
+    /// Row length.
+    pub const LEN: usize = 14;
+}
+
+/// Columns of a training step's statistics output (float32, [`stat::LEN`]).
+pub mod stat {
+    /// Global L2 norm of the gradient of the last update, before clipping (NaN unless the step
+    /// clips or skips non-finite steps: the norm costs a pass over every gradient).
+    pub const GRAD_NORM: usize = 0;
+    /// Calls skipped because the loss or the gradient was not finite.
+    pub const SKIPPED: usize = 1;
+    /// Calls accumulated since the last update.
+    pub const MICRO: usize = 2;
+    /// 1.0 when the last call updated the weights.
+    pub const UPDATED: usize = 3;
+    pub const LEN: usize = 4;
+}
+
+/// One parameter's part of an update.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UpdateParam {
+    pub param: TRef,
+    /// Read only: clipping and averaging scale it on the fly.
+    pub grad: TRef,
+    /// With gradient accumulation: the running sum of gradients (arena tail).
+    pub acc: Option<TRef>,
+    /// The rule's state buffers, in [`OptimRule::slots`] order.
+    pub state: Vec<TRef>,
+    /// int32 scalar: this parameter's update count (PyTorch keeps one per parameter).
+    pub step: TRef,
+    /// SGD: int32 scalar, 1 once the momentum buffer holds a value.
+    pub started: Option<TRef>,
+    /// This parameter's row of the `hyper` table.
+    pub row: usize,
+}
+
+/// The end of a training step: gradient accumulation, the non-finite check, the global norm and
+/// clipping, then the optimizer rule over every trained parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UpdatePlan {
+    pub rule: OptimRule,
+    pub params: Vec<UpdateParam>,
+    /// float32 [n, hyper_col::LEN] in the state store; `None`: every row is the run's
+    /// [`OptimHyper`].
+    pub hyper: Option<TRef>,
+    pub loss: TRef,
+    /// float32 [stat::LEN] (arena tail), persistent across runs.
+    pub stats: TRef,
+    pub clip: Option<f32>,
+    pub accumulate: u32,
+    pub skip_nonfinite: bool,
+    /// Buffers (non-trained weights, e.g. running statistics) set from a tensor of this run:
+    /// `(source, destination in the weight store)`, copied at the end of every run that is not
+    /// skipped.
+    pub buffer_updates: Vec<(TRef, TRef)>,
 }
 
 /// Hyper-parameters read at every run, so they may change between steps.
@@ -73,16 +175,8 @@ pub struct OptimHyper {
 pub enum Instr {
     /// Computes `out = op(ins...)`.
     Op { op: Op, ins: Vec<TRef>, out: TRef },
-    /// Adds one to the int32 step counter.
-    CountStep { counter: TRef },
-    /// Updates `param` in place from `grad` and its `state` buffers.
-    Optim {
-        rule: OptimRule,
-        param: TRef,
-        grad: TRef,
-        state: Vec<TRef>,
-        counter: TRef,
-    },
+    /// The training update (see [`UpdatePlan`]).
+    Update(Box<UpdatePlan>),
 }
 
 /// A whole program.

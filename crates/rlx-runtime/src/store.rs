@@ -55,14 +55,33 @@ impl Store {
         })
     }
 
-    /// The state an optimizer with `rule` keeps for the parameters of `params`.
-    pub fn for_optimizer(backend: &dyn Backend, rule: OptimRule, params: &Store) -> Result<Store> {
-        let slots = rule.slots();
-        let mut specs = vec![("step".to_string(), Shape::scalar(), DType::I32)];
+    /// The state an optimizer with `rule` keeps for the parameters of `params`: per parameter
+    /// its rule's buffers (`"{name}.{slot}"`), an int32 update count (`"{name}.step"`) and, for
+    /// SGD, whether the momentum buffer holds a value (`"{name}.started"`). With `hyper_table`,
+    /// also the `hyper` table, one row of settings per parameter (parameter groups), which the
+    /// update then reads instead of the run's single set of hyper-parameters.
+    pub fn for_optimizer(
+        backend: &dyn Backend,
+        rule: OptimRule,
+        params: &Store,
+        hyper_table: bool,
+    ) -> Result<Store> {
+        let mut specs = Vec::new();
         for p in params.entries() {
-            for s in slots {
+            for s in rule.slots() {
                 specs.push((format!("{}.{s}", p.name), p.shape.clone(), p.dtype));
             }
+            specs.push((format!("{}.step", p.name), Shape::scalar(), DType::I32));
+            if rule == OptimRule::Sgd {
+                specs.push((format!("{}.started", p.name), Shape::scalar(), DType::I32));
+            }
+        }
+        if hyper_table {
+            specs.push((
+                "hyper".to_string(),
+                Shape::new([params.entries().len(), crate::hyper_col::LEN]),
+                DType::F32,
+            ));
         }
         Store::new(backend, &specs)
     }
