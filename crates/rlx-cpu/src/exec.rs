@@ -157,7 +157,7 @@ impl CpuProgram {
                     let hyper = hyper.ok_or_else(|| {
                         Error::Graph("optimizer step without hyper-parameters".into())
                     })?;
-                    crate::isa::dispatch(|| unsafe {
+                    unsafe {
                         let step = b.get::<i32>(counter)[0];
                         let g = b.get::<f32>(grad);
                         let mut st: Vec<&mut [f32]> =
@@ -170,7 +170,7 @@ impl CpuProgram {
                             g,
                             &mut st,
                         );
-                    })
+                    }
                 }
             }
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {

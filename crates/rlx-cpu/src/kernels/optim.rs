@@ -13,19 +13,21 @@ pub fn update(
 ) {
     let (lr, wd) = (h.lr, h.weight_decay);
     match rule {
-        OptimRule::Sgd { momentum: false } => {
+        OptimRule::Sgd { momentum: false } => crate::isa::dispatch(|| {
             for (p, &g) in p.iter_mut().zip(g) {
                 *p -= lr * (g + wd * *p);
             }
-        }
+        }),
         OptimRule::Sgd { momentum: true } => {
             let buf = &mut *state[0];
             let first = step <= 1;
-            for ((p, &g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
-                let d = g + wd * *p;
-                *b = if first { d } else { h.momentum * *b + d };
-                *p -= lr * *b;
-            }
+            crate::isa::dispatch(|| {
+                for ((p, &g), b) in p.iter_mut().zip(g).zip(buf.iter_mut()) {
+                    let d = g + wd * *p;
+                    *b = if first { d } else { h.momentum * *b + d };
+                    *p -= lr * *b;
+                }
+            });
         }
         OptimRule::Adam | OptimRule::AdamW => {
             let t = step.max(1);
@@ -43,15 +45,17 @@ pub fn update(
             let (m, v) = (&mut *m[0], &mut *v[0]);
             let n = p.len().min(g.len()).min(m.len()).min(v.len());
             let (p, g, m, v) = (&mut p[..n], &g[..n], &mut m[..n], &mut v[..n]);
-            for i in 0..n {
-                let pi = p[i] * decay;
-                let gi = g[i] + l2 * pi;
-                let mi = b1 * m[i] + (1.0 - b1) * gi;
-                let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
-                m[i] = mi;
-                v[i] = vi;
-                p[i] = pi - step_size * mi / (vi.sqrt() * inv_bc2_sqrt + eps);
-            }
+            crate::isa::dispatch(|| {
+                for i in 0..n {
+                    let pi = p[i] * decay;
+                    let gi = g[i] + l2 * pi;
+                    let mi = b1 * m[i] + (1.0 - b1) * gi;
+                    let vi = b2 * v[i] + (1.0 - b2) * gi * gi;
+                    m[i] = mi;
+                    v[i] = vi;
+                    p[i] = pi - step_size * mi / (vi.sqrt() * inv_bc2_sqrt + eps);
+                }
+            });
         }
     }
 }
