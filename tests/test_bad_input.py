@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -1006,6 +1007,29 @@ def test_graph_bad_outputs_and_grad():
     raises_rlx(lambda: rlx.grad("graph", ["x"]))
     raises_rlx(lambda: g.compile("tpu"), rlx.DeviceError)
     raises_rlx(lambda: g.compile(None))
+
+
+def test_graph_accepts_a_declared_input_the_outputs_do_not_read():
+    # one rule with rlx.compile: every declared input is accepted and checked, unread ones ignored
+    g = rlx.Graph()
+    x = g.input("x", (2,))
+    g.input("unused", (3,), "int32")
+    g.output(x * 2.0)
+    exe = g.compile(DEVICE)
+    ok = np.array([1.0, 2.0], np.float32)
+    np.testing.assert_array_equal(exe.run(x=ok, unused=np.arange(3, dtype=np.int32))[0], [2.0, 4.0])
+    np.testing.assert_array_equal(exe.run(x=ok)[0], [2.0, 4.0])  # and may be left out
+    assert re.search(r"\[unused\]", str(raises_rlx(lambda: exe.run(x=ok, unused=np.zeros(2, np.int32)), rlx.ShapeError)))
+    assert re.search(r"\[unused\]", str(raises_rlx(lambda: exe.run(x=ok, unused=np.zeros(3, np.float32)), rlx.DTypeError)))
+    assert re.search(r"\[nope\] unknown input", str(raises_rlx(lambda: exe.run(x=ok, nope=ok), rlx.InputError)))
+    assert "not used" in str(raises_rlx(lambda: exe.bind("unused", np.zeros(3, np.int32)), rlx.InputError))
+    fn = rlx.compile(lambda m, x, unused: x * 2.0, Empty(),
+                     {"x": rlx.InputSpec((2,)), "unused": rlx.InputSpec((3,), "int32")}, device=DEVICE)
+    np.testing.assert_array_equal(fn(x=ok, unused=np.arange(3, dtype=np.int32)), [2.0, 4.0])
+    assert re.search(r"\[unused\]", str(raises_rlx(lambda: fn(x=ok, unused=np.zeros(2, np.int32)), rlx.ShapeError)))
+    fn.prefetch(x=ok, unused=np.arange(3, dtype=np.int32))
+    np.testing.assert_array_equal(fn(), [2.0, 4.0])
+    assert re.search(r"\[unused\]", str(raises_rlx(lambda: fn.prefetch(x=ok, unused=ok), rlx.DTypeError)))
 
 
 def test_graph_with_params_compiles_runs_and_refuses_bad_values():

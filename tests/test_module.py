@@ -103,6 +103,54 @@ def test_parameters_act_as_tensors_in_a_trace():
         assert_close(o, r, rtol=1e-6, atol=1e-6)
 
 
+def test_every_tensor_operator_behaves_the_same_on_a_parameter():
+    from conftest import make_module
+
+    # systematically: each operator dunder of Tensor is also Parameter's (forwarded, not object's)
+    tensor_ops = {n for n in vars(rlx.Tensor) if n.startswith("__") and n.endswith("__")}
+    dunders = tensor_ops & rlx.nn.OPERATOR_DUNDERS
+    assert {"__eq__", "__ne__", "__floordiv__", "__mod__", "__rmod__", "__getitem__", "__neg__"} <= dunders
+    for name in dunders:
+        assert name in vars(rlx.nn.Parameter), name
+    # and Tensor's other dunders are not operators (so nothing is missed by the list)
+    others = tensor_ops - dunders - {"__init__", "__repr__", "__hash__", "__bool__", "__array_ufunc__",
+                                     "__array_priority__", "__dict__", "__doc__", "__module__", "__weakref__",
+                                     "__annotations__", "__firstlineno__", "__static_attributes__"}
+    assert not others, f"Tensor dunders neither forwarded nor known: {sorted(others)}"
+    w = np.array([[1.0, -2.0, 3.0], [0.0, 2.0, -1.0]], np.float32)
+    x = np.array([1.0, 2.0, 3.0], np.float32)
+    cases = {
+        "==": (lambda p, x: p == x, lambda w, x: w == x), "!=": (lambda p, x: p != x, lambda w, x: w != x),
+        "== scalar": (lambda p, x: p == 2.0, lambda w, x: w == 2.0),
+        "!= scalar": (lambda p, x: p != 0.0, lambda w, x: w != 0.0),
+        "scalar ==": (lambda p, x: 3.0 == p, lambda w, x: 3.0 == w),
+        "<": (lambda p, x: p < x, lambda w, x: w < x), ">=": (lambda p, x: p >= x, lambda w, x: w >= x),
+        "//": (lambda p, x: p // 2.0, lambda w, x: w // 2.0), "%": (lambda p, x: p % 2.0, lambda w, x: w % 2.0),
+        "r%": (lambda p, x: 5.0 % p, lambda w, x: np.remainder(5.0, w)),
+        "r//": (lambda p, x: 5.0 // p, lambda w, x: np.floor_divide(5.0, w)),
+        "+": (lambda p, x: p + x, lambda w, x: w + x), "r-": (lambda p, x: 1.0 - p, lambda w, x: 1.0 - w),
+        "r/": (lambda p, x: 6.0 / p, lambda w, x: 6.0 / w), "neg": (lambda p, x: -p, lambda w, x: -w),
+        "[]": (lambda p, x: p[1, :2], lambda w, x: w[1, :2]), "@": (lambda p, x: p @ x.reshape(3, 1), lambda w, x: w @ x.reshape(3, 1)),
+    }
+    m = make_module(w=w)
+    for name, (op, ref) in cases.items():
+        with np.errstate(divide="ignore", invalid="ignore"):
+            expected = np.asarray(ref(w, x)).astype(np.float32)
+        as_param = rlx.compile(lambda m, x, op=op: op(m.w, x), m, {"x": rlx.InputSpec((3,))})(x=x)
+        as_tensor = rlx.compile(lambda m, x, op=op: op(m.w * 1.0, x), m, {"x": rlx.InputSpec((3,))})(x=x)
+        np.testing.assert_array_equal(as_param, expected, err_msg=name)
+        np.testing.assert_array_equal(as_tensor, expected, err_msg=name)
+
+
+def test_parameter_equality_outside_a_trace_is_identity_and_hashing_is_kept():
+    p, q = rlx.nn.Parameter(np.zeros(2)), rlx.nn.Parameter(np.zeros(2))
+    assert p == p and p != q and not (p == q) and not (p != p)
+    assert {p: 1, q: 2}[q] == 2 and len({p, q, p}) == 2
+    assert q in [p, q] and [p, q].index(q) == 1
+    assert hash(p) == object.__hash__(p)
+    assert bool(p)  # a Parameter is truthy outside a trace, as any object
+
+
 def test_nested_module_forward():
     m = Nested()
     x = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import rlx
-from conftest import assert_close, check_op_grads, run_forward, run_grads
+from conftest import Empty, assert_close, check_op_grads, run_forward, run_grads
 
 
 def rng_for(*key):
@@ -192,6 +192,187 @@ def test_numpy_array_constant_on_the_left():
     x64 = x.astype(np.float64)
     assert isinstance(out, np.ndarray) and out.dtype == np.float32
     assert_close(out, NUMPY_CONST * x64 + NUMPY_CONST - x64, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# integer division, floor division, remainder, int/float promotion (numpy's rules, float32)
+# ----------------------------------------------------------------------------------------------
+INT_A = np.array([7, -7, 7, -7, 0, 5, -(2**31), 2**31 - 1, -1, 3], dtype=np.int32)
+INT_B = np.array([2, 2, -2, -2, 3, 7, -1, -1, 5, -(2**31)], dtype=np.int32)
+
+
+def test_int_true_division_gives_float32():
+    out = run_forward(lambda a, b: a / b, {"a": INT_A, "b": INT_B})
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, (INT_A / INT_B).astype(np.float32))  # float64 rounded once
+
+
+def test_int_true_division_by_zero_is_inf_or_nan():
+    a = np.array([1, -1, 0], np.int32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = (a / np.zeros(3, np.int32)).astype(np.float32)
+    out = run_forward(lambda a, b: a / b, {"a": a, "b": np.zeros(3, np.int32)})
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("name", ["//", "%"])
+def test_int_floor_division_and_remainder_match_numpy(name):
+    op = (lambda a, b: a // b) if name == "//" else (lambda a, b: a % b)
+    with np.errstate(over="ignore"):
+        expected = op(INT_A, INT_B)  # INT_MIN // -1 wraps to INT_MIN, as numpy's
+    out = run_forward(op, {"a": INT_A, "b": INT_B})
+    assert out.dtype == np.int32
+    np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("name", ["//", "%"])
+def test_int_floor_division_broadcasts_and_takes_scalars(name):
+    op = (lambda a, b: a // b) if name == "//" else (lambda a, b: a % b)
+    rng = np.random.default_rng(5)
+    a = rng.integers(-50, 50, (3, 4)).astype(np.int32)
+    b = rng.choice([-7, -3, 2, 5], (4,)).astype(np.int32)
+    out = run_forward(lambda a, b: (op(a, b), op(a, 3), op(-9, b)), {"a": a, "b": b})
+    for got, want in zip(out, (op(a, b), op(a, 3), op(-9, b))):
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["//", "%"])
+def test_int_division_by_zero_raises_at_run_time(name):
+    op = (lambda a, b: a // b) if name == "//" else (lambda a, b: a % b)
+    fn = rlx.compile(lambda m, a, b: op(a, b), Empty(),
+                     {"a": rlx.InputSpec((3,), "int32"), "b": rlx.InputSpec((3,), "int32")})
+    a = np.array([1, 2, 3], np.int32)
+    with pytest.raises(rlx.RlxError, match=r"\[(floor_divide|remainder)\] integer division by zero"):
+        fn(a=a, b=np.array([1, 0, 2], np.int32))
+    # the function keeps working with a valid divisor
+    np.testing.assert_array_equal(fn(a=a, b=np.array([2, 2, 2], np.int32)), op(a, np.int32(2)))
+
+
+def test_int_division_by_zero_in_a_train_step_changes_nothing():
+    from conftest import make_module
+
+    model = make_module(w=np.array([1.0, 2.0, 3.0], np.float32))
+    step = rlx.compile_train_step(lambda m, i, d: (m.w * (i // d).astype("float32")).sum(), model,
+                                  rlx.optim.SGD(lr=0.5), {"i": rlx.InputSpec((3,), "int32"), "d": rlx.InputSpec((3,), "int32")})
+    i = np.array([4, 5, 6], np.int32)
+    with pytest.raises(rlx.RlxError, match=r"\[floor_divide\] integer division by zero"):
+        step(i=i, d=np.array([2, 0, 2], np.int32))
+    np.testing.assert_array_equal(model.w.numpy(), [1.0, 2.0, 3.0])  # no update ran
+    assert step(i=i, d=np.array([2, 2, 2], np.int32)) == 1.0 * 2 + 2.0 * 2 + 3.0 * 3
+    np.testing.assert_array_equal(model.w.numpy(), [1.0 - 0.5 * 2, 2.0 - 0.5 * 2, 3.0 - 0.5 * 3])
+
+
+@pytest.mark.parametrize("name", ["//", "%"])
+def test_float_floor_division_and_remainder_match_numpy(name):
+    op, ref = ((lambda a, b: a // b), np.floor_divide) if name == "//" else ((lambda a, b: a % b), np.remainder)
+    a = np.array([7.5, -7.5, 7.5, -7.5, 0.0, -0.0, 1.0, -1.0, 5.0, 3.0], np.float32)
+    b = np.array([2.0, 2.0, -2.0, -2.0, 3.0, 3.0, 0.0, np.inf, 0.1, -0.0], np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = ref(a, b)
+    out = run_forward(op, {"a": a, "b": b})
+    assert out.dtype == np.float32
+    np.testing.assert_array_equal(out, expected)  # NaN and the sign of zero included
+
+
+def test_float_remainder_gradient_against_finite_differences():
+    rng = np.random.default_rng(6)
+    a = rng.uniform(0.1, 0.9, (3, 4)).astype(np.float32) + rng.integers(-3, 3, (3, 4))  # away from jumps
+    b = rng.choice([1.0, 2.0], (4,)).astype(np.float32)  # a/b never an integer
+    check_op_grads(lambda a, b: a % b, np.remainder, {"a": a.astype(np.float32), "b": b})
+
+
+def test_floor_division_has_zero_gradient():
+    a = np.array([1.5, -2.5, 3.2], np.float32)
+    _, grads = run_grads(lambda m: ((m.a // 2.0) * m.a).sum(), {"a": a})
+    np.testing.assert_array_equal(grads["a"], np.floor_divide(a, 2.0))  # d(a // 2)/da = 0
+
+
+PROMOTION = {  # name: (rlx op, numpy reference, result dtype)
+    "int+float": (lambda i, f: i + 1.5, None, "float32"),
+    "int*int": (lambda i, f: i * 3, None, "int32"),
+    "float+int": (lambda i, f: f + 2, None, "float32"),
+    "int+floattensor": (lambda i, f: i + f, None, "float32"),
+    "floattensor-int": (lambda i, f: f - i, None, "float32"),
+    "int<float": (lambda i, f: i < 1.5, None, "float32"),
+    "where(int, float)": (lambda i, f: rlx.where(f > 0, i, 0.5), lambda i, f: np.where(f > 0, i, 0.5), "float32"),
+    "where(int, int)": (lambda i, f: rlx.where(f > 0, i, -1), lambda i, f: np.where(f > 0, i, -1), "int32"),
+    "neg int": (lambda i, f: -i, None, "int32"),
+    "int+float64 array": (lambda i, f: i + np.array([0.25, 0.5, 0.75]), None, "float32"),
+    "int+int array": (lambda i, f: i + np.array([1, 2, 3]), None, "int32"),
+    "relu int": (lambda i, f: rlx.relu(i), lambda i, f: np.maximum(i, 0), "int32"),
+    "exp int": (lambda i, f: rlx.exp(i // 2**28), lambda i, f: np.exp(i // 2**28), "float32"),
+    "sqrt int": (lambda i, f: rlx.sqrt(i * i), lambda i, f: np.sqrt((i * i).astype(np.float64)), "float32"),
+    "concat(int, float)": (lambda i, f: rlx.concat([i, f]), lambda i, f: np.concatenate([i, f]), "float32"),
+    "concat(int, int)": (lambda i, f: rlx.concat([i, i]), lambda i, f: np.concatenate([i, i]), "int32"),
+    "int**0": (lambda i, f: i**0, None, "int32"),
+    "int**1": (lambda i, f: i**1, None, "int32"),
+    "int**5": (lambda i, f: i**5, None, "int32"),
+    "int**0.5": (lambda i, f: (i * i) ** 0.5, lambda i, f: ((i * i).astype(np.float32) ** 0.5), "float32"),
+}
+
+
+@pytest.mark.parametrize("name", list(PROMOTION))
+def test_int_float_promotion_follows_numpy(name):
+    op, ref, dtype = PROMOTION[name]
+    i = np.array([-(2**31), -2, 5], np.int32)
+    f = np.array([0.5, -1.25, 3.0], np.float32)
+    out = run_forward(op, {"i": i, "f": f})
+    assert out.dtype == np.dtype(dtype)
+    with np.errstate(over="ignore"):
+        expected = np.asarray((ref or op)(i, f))  # numpy's result (float64 where numpy promotes)
+    if name in ("exp int", "sqrt int", "int**0.5"):  # transcendental: float32 rounding
+        assert_close(out, expected, rtol=1e-6, atol=0)
+    else:
+        np.testing.assert_array_equal(out, expected.astype(dtype))
+
+
+def test_int_to_a_negative_int_power_is_a_dtype_error():
+    with pytest.raises(rlx.DTypeError, match=r"\[pow\].*negative int power"):
+        run_forward(lambda i: i**-1, {"i": np.ones(3, np.int32)})
+
+
+def test_pow_of_negative_infinity_follows_c_pow():
+    # C's pow and numpy: (-inf) ** -0.5 is 0 (PyTorch's pow gives NaN here; a documented difference)
+    x = np.array([-np.inf, np.inf, -4.0, 0.0], np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        expected = np.power(x, np.float32(-0.5))
+    np.testing.assert_array_equal(run_forward(lambda x: x**-0.5, {"x": x}), expected)
+
+
+def test_int_constant_out_of_range_is_a_dtype_error():
+    with pytest.raises(rlx.DTypeError, match=r"\[constant\].*int32"):
+        run_forward(lambda i: i + 2**40, {"i": np.zeros(3, np.int32)})
+
+
+# ----------------------------------------------------------------------------------------------
+# NaN through backward passes (as PyTorch: relu passes the upstream gradient at NaN)
+# ----------------------------------------------------------------------------------------------
+def test_relu_gradient_at_nan_passes_through():
+    x = np.array([np.nan, 1.0, -1.0, 0.0], np.float32)
+    # d/dx relu(x) * w: w where x > 0, 0 where x <= 0, and w at NaN (PyTorch's threshold_backward)
+    w = np.array([2.0, 3.0, 4.0, 5.0], np.float32)
+    _, grads = run_grads(lambda m, w: (rlx.relu(m.x * 1.0) * w).sum(), {"x": x}, {"w": w})
+    np.testing.assert_array_equal(grads["x"], [2.0, 3.0, 0.0, 0.0])
+    out = run_forward(lambda x: rlx.relu(x), {"x": x})
+    np.testing.assert_array_equal(out, [np.nan, 1.0, 0.0, 0.0])
+
+
+def test_nan_propagates_through_backward_of_max_where_and_unary_ops():
+    x = np.array([[np.nan, 1.0, 2.0], [0.5, 3.0, 1.0]], np.float32)
+    # max: a row holding NaN has a NaN maximum, and gets NaN gradients (PyTorch's amax)
+    _, g = run_grads(lambda m: m.x.max(axis=1).sum(), {"x": x})
+    assert np.isnan(g["x"][0]).all()
+    np.testing.assert_array_equal(g["x"][1], [0.0, 1.0, 0.0])
+    for name, f in {"tanh": rlx.tanh, "sigmoid": rlx.sigmoid, "exp": rlx.exp, "gelu": rlx.gelu,
+                    "sqrt": rlx.sqrt, "log": rlx.log, "pow": lambda t: t**3}.items():
+        _, g = run_grads(lambda m, f=f: f(m.x).sum(), {"x": x})
+        assert np.isnan(g["x"][0, 0]), name
+        assert np.isfinite(g["x"][1]).all(), name
+    # where: the NaN sits in the branch not taken, so no gradient reaches it; the taken branch
+    # passes the upstream gradient unchanged
+    _, g = run_grads(lambda m: rlx.where(m.x > 1.5, m.x, 0.0).sum(), {"x": x})
+    np.testing.assert_array_equal(g["x"], [[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -85,6 +85,55 @@ def test_embedding(ids_shape):
     np.testing.assert_array_equal(grads["table"][unused], 0.0)
 
 
+def _np_attention(q, k, v, offset):
+    """Reference attention with key j visible to query i when j <= i + offset (None: no mask)."""
+    s = q.astype(np.float64) @ np.swapaxes(k, -1, -2) / math.sqrt(q.shape[-1])
+    if offset is not None:
+        keep = np.tril(np.ones(s.shape[-2:], bool), k=offset)
+        s = np.where(keep, s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (p / p.sum(axis=-1, keepdims=True)) @ v
+
+
+@pytest.mark.parametrize("tq,tk", [(3, 6), (4, 4), (1, 5)])
+@pytest.mark.parametrize("align", [None, "top_left", "bottom_right"])
+def test_sdpa_causal_alignment(tq, tk, align):
+    rng = np.random.default_rng(tq * 10 + tk)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in [(2, tq, 8), (2, tk, 8), (2, tk, 5)])
+    kw = {} if align is None else {"causal_align": align}
+    out = run_forward(lambda q, k, v: rlx.scaled_dot_product_attention(q, k, v, causal=True, **kw),
+                      {"q": q, "k": k, "v": v})
+    # the default is PyTorch's is_causal=True: top-left aligned (query i sees keys 0..i)
+    offset = tk - tq if align == "bottom_right" else 0
+    assert_close(out, _np_attention(q, k, v, offset), rtol=1e-4, atol=1e-5)
+    if tq == tk:  # the two alignments agree on square masks
+        other = run_forward(lambda q, k, v: rlx.scaled_dot_product_attention(
+            q, k, v, causal=True, causal_align="bottom_right"), {"q": q, "k": k, "v": v})
+        np.testing.assert_array_equal(out, other)
+    check_op_grads(lambda q, k, v: rlx.scaled_dot_product_attention(q, k, v, causal=True, **kw),
+                   lambda q, k, v: _np_attention(q, k, v, offset), {"q": q, "k": k, "v": v})
+
+
+def test_sdpa_more_queries_than_keys():
+    rng = np.random.default_rng(3)
+    q, k = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32)
+    top = run_forward(lambda q, k: rlx.scaled_dot_product_attention(q, k, k, causal=True), {"q": q, "k": k})
+    assert_close(top, _np_attention(q, k, k, 0), rtol=1e-4, atol=1e-5)  # later queries see every key
+    bottom = run_forward(lambda q, k: rlx.scaled_dot_product_attention(q, k, k, causal=True, causal_align="bottom_right"),
+                         {"q": q, "k": k})
+    assert np.isnan(bottom[:2]).all()  # queries that see no key: a softmax over nothing
+    with np.errstate(invalid="ignore"):  # the reference's fully masked rows
+        expected = _np_attention(q, k, k, -2)
+    assert_close(bottom[2:], expected[2:], rtol=1e-4, atol=1e-5)
+
+
+def test_sdpa_bad_alignment_is_an_input_error():
+    q = np.zeros((2, 3, 4), np.float32)
+    with pytest.raises(rlx.InputError, match=r"\[scaled_dot_product_attention\] causal_align"):
+        run_forward(lambda q: rlx.scaled_dot_product_attention(q, q, q, causal=True, causal_align="left"),
+                    {"q": q})
+
+
 def test_embedding_out_of_range_id_raises():
     from conftest import Empty
 

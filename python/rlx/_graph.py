@@ -57,7 +57,8 @@ class Graph:
         device = _rlx.check_device(_check.device(device))
         params = self._trace.graph.params()
         store = _rlx.Store(device, [tuple(p) for p in params])
-        return Executable(_rlx.Executable(self._trace.graph, store, device, None), store, params)
+        declared = self._trace.graph.inputs()
+        return Executable(_rlx.Executable(self._trace.graph, store, device, None), store, params, declared)
 
 
 def grad(graph: Graph, wrt: Sequence[str | Tensor]) -> Graph:
@@ -84,12 +85,22 @@ def grad(graph: Graph, wrt: Sequence[str | Tensor]) -> Graph:
 
 
 class Executable:
-    """A hand-built graph compiled for a device. Params start at zero; set them with ``set_param``."""
+    """A hand-built graph compiled for a device. Params start at zero; set them with ``set_param``.
 
-    def __init__(self, exe: Any, store: Any, params: list[tuple[str, list[int], str]]) -> None:
+    Every input declared with ``graph.input`` is accepted by ``run`` (its shape and dtype checked),
+    also one the outputs do not read, which is then ignored: the rule ``rlx.compile`` follows."""
+
+    def __init__(
+        self,
+        exe: Any,
+        store: Any,
+        params: list[tuple[str, list[int], str]],
+        declared: list[tuple[str, list[int], str]] | None = None,
+    ) -> None:
         self._exe, self._store = exe, store
         self._params = {n: (s, d) for n, s, d in params}
-        self._inputs = {n: (s, d) for n, s, d, _ in exe.input_slots()}
+        self._inputs = {n: (s, d) for n, s, d, _ in exe.input_slots()}  # the ones the outputs read
+        self._declared = {n: (s, d) for n, s, d in declared} if declared is not None else dict(self._inputs)
         self._bound: set[str] = set()
 
     def set_param(self, name: str, array: Any) -> None:
@@ -99,20 +110,24 @@ class Executable:
         self._store.write(name, convert(name, shape, dtype, array))
 
     def bind(self, name: str, array: Any) -> None:
-        if not isinstance(name, str) or name not in self._inputs:
-            raise InputError(f"[{name}] unknown input; expected {sorted(self._inputs)}")
+        if not isinstance(name, str) or name not in self._declared:
+            raise InputError(f"[{name}] unknown input; expected {sorted(self._declared)}")
+        if name not in self._inputs:
+            raise InputError(f"[{name}] this input is not used by the graph's outputs")
         shape, dtype = self._inputs[name]
         self._exe.bind(name, convert(name, shape, dtype, array))
         self._bound.add(name)
 
     def run(self, **arrays: Any) -> list[np.ndarray]:
-        unknown = sorted(set(arrays) - set(self._inputs))
+        unknown = sorted(set(arrays) - set(self._declared))
         if unknown:
-            raise InputError(f"[{unknown[0]}] unknown input; expected {sorted(self._inputs)}")
+            raise InputError(f"[{unknown[0]}] unknown input; expected {sorted(self._declared)}")
         missing = [n for n in self._inputs if n not in arrays and n not in self._bound]
         if missing:
             raise InputError(f"[{missing[0]}] missing input")
-        feeds = {n: convert(n, *self._inputs[n], v) for n, v in arrays.items()}
+        # Every array is checked; only those the outputs read are fed.
+        checked = {n: convert(n, *self._declared[n], v) for n, v in arrays.items()}
+        feeds = {n: v for n, v in checked.items() if n in self._inputs}
         outs = self._exe.outputs()
         raw = self._exe.run(feeds, None, list(range(len(outs))))
         return [np.frombuffer(b, dtype=_NP[d]).reshape(s) for b, (s, d) in zip(raw, outs)]

@@ -34,10 +34,14 @@ class Trace:
     def __exit__(self, *exc: object) -> None:
         _local.trace = self._prev
 
-    def constant(self, value: Any, like: "Tensor | None" = None) -> "Tensor":
-        """A constant node from a Python scalar or numpy array (dtype follows ``like`` for scalars)."""
+    def constant(self, value: Any, like: "Tensor | None" = None, dtype: str | None = None) -> "Tensor":
+        """A constant node from a Python scalar or numpy array. A scalar's dtype is ``dtype`` when
+        given, else int32 for an int next to an int32 ``like``, else float32; an array's follows
+        its kind (floats become float32, integers int32) unless ``dtype`` says otherwise."""
         if isinstance(value, (bool, int, float, np.number)) and not isinstance(value, np.ndarray):
-            dtype = "int32" if (like is not None and like.dtype == "int32" and isinstance(value, (int, np.integer))) else "float32"
+            if dtype is None:
+                is_int = isinstance(value, (int, np.integer))
+                dtype = "int32" if (like is not None and like.dtype == "int32" and is_int) else "float32"
             key = (dtype, float(value))
             if key not in self._consts:
                 if dtype == "int32" and not -(2**31) <= int(value) < 2**31:
@@ -46,6 +50,8 @@ class Trace:
                 self._consts[key] = self.graph.constant(arr.reshape(-1), [], dtype)
             return Tensor(self, self._consts[key])
         arr = np.asarray(value)
+        if dtype == "float32" and arr.dtype.kind in "iubf":
+            arr = arr.astype(np.float32)
         if arr.dtype.kind == "f":
             arr = arr.astype(np.float32)
             dtype = "float32"
@@ -70,7 +76,7 @@ def _trace_of(*xs: Any) -> Trace:
     return t
 
 
-def _as_tensor(x: Any, trace: Trace, like: "Tensor | None" = None) -> "Tensor":
+def _as_tensor(x: Any, trace: Trace, like: "Tensor | None" = None, dtype: str | None = None) -> "Tensor":
     if isinstance(x, Tensor):
         if x._trace is not trace:
             raise RlxError("cannot mix tensors from two different graphs")
@@ -85,21 +91,57 @@ def _as_tensor(x: Any, trace: Trace, like: "Tensor | None" = None) -> "Tensor":
                 "model being compiled"
             )
         return Tensor(trace, node)
-    return trace.constant(x, like)
+    return trace.constant(x, like, dtype)
+
+
+def _kind(x: Any) -> str:
+    """``"int"`` or ``"float"``: the kind an operand brings to numpy's promotion rules."""
+    if isinstance(x, Tensor):
+        return "int" if x.dtype == "int32" else "float"
+    if isinstance(x, (bool, int, np.integer, np.bool_)):
+        return "int"
+    if isinstance(x, np.ndarray) and x.dtype.kind in "iub":
+        return "int"
+    if isinstance(x, (list, tuple)):
+        return "int" if np.asarray(x).dtype.kind in "iub" else "float"
+    return "float"  # Python/numpy floats, float arrays, Parameters
+
+
+def _promoted(t: Trace, *xs: Any) -> list["Tensor"]:
+    """The operands as tensors of one dtype, by numpy's rules with float32 as the float type:
+    all integer -> int32; any float (a Python float scalar included) -> float32, casting int32
+    tensors and integer constants up."""
+    dtype = "int32" if all(_kind(x) == "int" for x in xs) else "float32"
+    out = []
+    for x in xs:
+        x = _as_tensor(x, t, dtype=dtype)
+        if x.dtype != dtype:
+            x = x.astype(dtype)
+        out.append(x)
+    return out
 
 
 def _binary(kind: str, a: Any, b: Any) -> "Tensor":
     t = _trace_of(a, b)
-    ta = a if isinstance(a, Tensor) else None
-    tb = b if isinstance(b, Tensor) else None
-    a = _as_tensor(a, t, tb)
-    b = _as_tensor(b, t, ta)
+    a, b = _promoted(t, a, b)
     return Tensor(t, t.graph.binary(kind, a._id, b._id))
+
+
+# Unary functions with float values: int32 arguments are cast to float32 first (numpy and
+# PyTorch give a float for exp/log/... of integers).
+_FLOAT_VALUED = {"tanh", "sigmoid", "exp", "log", "sqrt", "gelu", "gelu_tanh"}
 
 
 def _unary(kind: str, x: Any) -> "Tensor":
     t = _trace_of(x)
     x = _as_tensor(x, t)
+    if x.dtype == "int32":
+        if kind in _FLOAT_VALUED:
+            x = x.astype("float32")
+        elif kind == "relu":
+            return where(x < 0, 0, x)  # stays int32, as PyTorch's relu of an int tensor
+        elif kind == "neg":
+            return _binary("sub", 0, x)  # wraps at INT_MIN, as numpy's
     return Tensor(t, t.graph.unary(kind, x._id))
 
 
@@ -157,10 +199,28 @@ class Tensor:
         return _binary("mul", o, self)
 
     def __truediv__(self, o: Any) -> "Tensor":
+        """True division; int32 operands give a float32 quotient (as numpy/PyTorch give a float)."""
         return _binary("div", self, o)
 
     def __rtruediv__(self, o: Any) -> "Tensor":
         return _binary("div", o, self)
+
+    def __floordiv__(self, o: Any) -> "Tensor":
+        """Floor division (rounds toward -inf). On int32, division by zero raises ``RlxError`` when
+        the function runs and ``INT_MIN // -1`` wraps to ``INT_MIN``; on floats, x // 0 is +-inf
+        or NaN. Gradient zero (piecewise constant)."""
+        return _binary("floordiv", self, o)
+
+    def __rfloordiv__(self, o: Any) -> "Tensor":
+        return _binary("floordiv", o, self)
+
+    def __mod__(self, o: Any) -> "Tensor":
+        """Remainder with the divisor's sign (Python's rule, PyTorch's ``remainder``). On int32,
+        modulo zero raises ``RlxError`` when the function runs; on floats, x % 0 is NaN."""
+        return _binary("mod", self, o)
+
+    def __rmod__(self, o: Any) -> "Tensor":
+        return _binary("mod", o, self)
 
     def __matmul__(self, o: Any) -> "Tensor":
         return matmul(self, o)
@@ -172,9 +232,17 @@ class Tensor:
         return _unary("neg", self)
 
     def __pow__(self, p: float) -> "Tensor":
+        """``x ** p`` for a Python scalar ``p`` (C's ``pow``: ``(-inf) ** -0.5`` is 0, as numpy).
+        An int32 tensor to a non-negative int power stays int32 (wrapping, as numpy); to a float
+        power it is cast to float32 first."""
         if not isinstance(p, (int, float, np.number)):
             raise DTypeError(f"[pow] the exponent must be a Python scalar, got {type(p).__name__}")
-        return Tensor(self._trace, self._trace.graph.pow(self._id, float(p)))
+        x = self
+        if x.dtype == "int32":
+            if isinstance(p, (int, np.integer)):
+                return _int_pow(x, int(p))
+            x = x.astype("float32")
+        return Tensor(x._trace, x._trace.graph.pow(x._id, float(p)))
 
     def __lt__(self, o: Any) -> "Tensor":
         return _binary("lt", self, o)
@@ -272,6 +340,22 @@ class Tensor:
         return Tensor(self._trace, self._trace.graph.cast(self._id, str(dtype)))
 
 
+def _int_pow(x: Tensor, p: int) -> Tensor:
+    """``x ** p`` on int32 by repeated squaring (products wrap, as numpy's)."""
+    if p < 0:
+        raise DTypeError(f"[pow] an int32 tensor to a negative int power ({p}) is not an integer; use a float exponent")
+    result: Tensor | None = None
+    square = x
+    while True:
+        if p & 1:
+            result = square if result is None else result * square
+        p >>= 1
+        if not p:
+            break
+        square = square * square
+    return result if result is not None else x * 0 + 1
+
+
 def matmul(a: Any, b: Any) -> Tensor:
     """Matrix product over the last two dims; leading (batch) dims broadcast like numpy."""
     t = _trace_of(a, b)
@@ -316,10 +400,11 @@ def log_softmax(x: Any, axis: int = -1) -> Tensor:
 
 
 def where(cond: Any, a: Any, b: Any) -> Tensor:
-    """``a`` where ``cond`` is non-zero, else ``b`` (all broadcast)."""
+    """``a`` where ``cond`` is non-zero, else ``b`` (all broadcast; ``a`` and ``b`` promoted to
+    one dtype as binary ops are)."""
     t = _trace_of(cond, a, b)
-    ta = a if isinstance(a, Tensor) else (b if isinstance(b, Tensor) else None)
-    c, a, b = _as_tensor(cond, t), _as_tensor(a, t, ta), _as_tensor(b, t, ta)
+    c = _as_tensor(cond, t)
+    a, b = _promoted(t, a, b)
     return Tensor(t, t.graph.where_(c._id, a._id, b._id))
 
 
@@ -367,11 +452,11 @@ def embedding(table: Any, ids: Any) -> Tensor:
 
 
 def concat(tensors: Sequence[Any], axis: int = 0) -> Tensor:
-    """Joins tensors along ``axis``."""
+    """Joins tensors along ``axis`` (int32 and float32 parts give float32, as numpy's rules)."""
     if not tensors:
         raise ShapeError("[concat] needs at least one tensor")
     t = _trace_of(*tensors)
-    ts = [_as_tensor(x, t) for x in tensors]
+    ts = _promoted(t, *tensors)
     return Tensor(t, t.graph.concat([x._id for x in ts], int(axis)))
 
 
@@ -405,13 +490,29 @@ def _matmul_nt(a: Tensor, b: Tensor) -> Tensor:
     return Tensor(a._trace, a._trace.graph.matmul(a._id, b._id, False, True))
 
 
-def scaled_dot_product_attention(q: Any, k: Any, v: Any, causal: bool = False) -> Tensor:
-    """``softmax(q @ k^T / sqrt(d) [+ causal mask]) @ v`` over (..., T, d) tensors."""
+def scaled_dot_product_attention(
+    q: Any, k: Any, v: Any, causal: bool = False, *, causal_align: str = "top_left"
+) -> Tensor:
+    """``softmax(q @ k^T / sqrt(d) [+ causal mask]) @ v`` over (..., Tq, d) queries and
+    (..., Tk, d) keys/values.
+
+    ``causal=True`` lets query ``i`` see keys ``j`` with ``j <= i + offset``. With the default
+    ``causal_align="top_left"`` the offset is 0, as PyTorch's ``is_causal=True`` (query 0 sees
+    key 0 only, whatever Tq and Tk are). ``causal_align="bottom_right"`` aligns the last query
+    with the last key (offset ``Tk - Tq``), the convention for decoding Tq new tokens after
+    ``Tk - Tq`` cached ones (PyTorch's ``causal_lower_right``). The two agree when Tq == Tk. A
+    query that sees no key (bottom-right with Tq > Tk) gives NaN, as a softmax over no values.
+    """
+    if causal_align not in ("top_left", "bottom_right"):
+        raise InputError(
+            f"[scaled_dot_product_attention] causal_align must be 'top_left' or 'bottom_right', got {causal_align!r}"
+        )
     t = _trace_of(q, k, v)
     q, k, v = _as_tensor(q, t), _as_tensor(k, t), _as_tensor(v, t)
     scores = _matmul_nt(q * (1.0 / float(np.sqrt(q.shape[-1]))), k)
     if causal:
         tq, tk = scores.shape[-2], scores.shape[-1]
-        mask = np.tril(np.ones((tq, tk), dtype=np.float32), k=tk - tq)
+        offset = tk - tq if causal_align == "bottom_right" else 0
+        mask = np.tril(np.ones((tq, tk), dtype=np.float32), k=offset)
         scores = where(mask, scores, float("-inf"))
     return matmul(softmax(scores, axis=-1), v)

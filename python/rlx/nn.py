@@ -83,15 +83,40 @@ class Parameter:
         return getattr(self._t(), name)
 
 
+# The Python operator dunders (arithmetic and reflected, unary, comparisons, indexing): those
+# Tensor defines, Parameter forwards. Others (hashing, truth value, numpy hooks, pickling) are
+# not operators and keep Parameter's own behaviour: identity hashing (usable as a dict key or set
+# member), truthiness as any object, ``np.asarray(parameter)``.
+_BINARY_OPS = ["add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "divmod", "pow", "lshift", "rshift",
+               "and", "xor", "or"]
+OPERATOR_DUNDERS = frozenset(
+    [f"__{op}__" for op in _BINARY_OPS] + [f"__r{op}__" for op in _BINARY_OPS]
+    + [f"__{op}__" for op in ["neg", "pos", "abs", "invert", "lt", "le", "eq", "ne", "gt", "ge", "getitem"]]
+)
+
+
 def _forward_ops() -> None:
-    for op in ["add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "matmul", "rmatmul",
-               "neg", "pow", "lt", "le", "gt", "ge", "getitem"]:
-        name = f"__{op}__"
+    """Every operator of ``Tensor`` (``==``/``!=`` included) behaves the same on a Parameter
+    inside a traced function. ``==`` and ``!=`` outside a trace compare identity (Python's
+    default), so Parameters in lists and dicts work as before."""
+    from ._tensor import _current
+
+    own = set(vars(Parameter))
+    for name in sorted(OPERATOR_DUNDERS & set(vars(Tensor)) - own):
 
         def method(self: Parameter, *args: Any, _name: str = name) -> Any:
             return getattr(self._t(), _name)(*args)
 
+        if name in ("__eq__", "__ne__"):
+
+            def method(self: Parameter, other: Any, _name: str = name) -> Any:  # noqa: F811
+                if _current() is None and not isinstance(other, Tensor):
+                    return NotImplemented  # identity comparison outside a trace
+                return getattr(self._t(), _name)(other)
+
+        method.__name__ = name
         setattr(Parameter, name, method)
+    Parameter.__hash__ = object.__hash__  # type: ignore[method-assign]  # defining __eq__ would drop it
     Parameter.__array_priority__ = 1000  # type: ignore[attr-defined]
 
 

@@ -1,7 +1,7 @@
 //! Runs a lowered program on the host: checks every range once, then dispatches each instruction.
 use crate::kernels;
 use crate::mem::{overlaps, Bases};
-use rlx_ir::{DType, Error, Op, Result};
+use rlx_ir::{BinaryOp, DType, Error, Op, Result};
 use rlx_runtime::backend::check_range;
 use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
 
@@ -207,21 +207,43 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
     let od = out.shape.dims();
     match op {
         Op::Unary(u) => elementwise::unary(*u, f(0), unsafe { b.get_mut(out) }),
+        Op::Fused(e) => {
+            let srcs: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
+            fused::fused(e, &srcs, unsafe { b.get_mut(out) })
+        }
         Op::Binary(bop) => unsafe {
             let (a, c) = (&ins[0], &ins[1]);
             match (a.dtype, bop.is_comparison()) {
                 (DType::F32, _) => {
                     elementwise::binary(*bop, f(0), sh(0), f(1), sh(1), od, b.get_mut(out))
                 }
-                (DType::I32, false) => elementwise::binary(
-                    *bop,
+                (DType::I32, false) if *bop == BinaryOp::Div => elementwise::int_true_div(
                     b.get::<i32>(a),
                     sh(0),
                     b.get::<i32>(c),
                     sh(1),
                     od,
-                    b.get_mut(out),
+                    b.get_mut::<f32>(out),
                 ),
+                (DType::I32, false) => {
+                    let divides = matches!(bop, BinaryOp::FloorDiv | BinaryOp::Mod);
+                    if divides && out.numel() > 0 && elementwise::has_zero(b.get::<i32>(c)) {
+                        return Err(Error::Graph(format!(
+                            "[{}] integer division by zero (the int32 divisor {} holds a 0)",
+                            op.name(),
+                            c.shape
+                        )));
+                    }
+                    elementwise::binary(
+                        *bop,
+                        b.get::<i32>(a),
+                        sh(0),
+                        b.get::<i32>(c),
+                        sh(1),
+                        od,
+                        b.get_mut(out),
+                    )
+                }
                 (DType::I32, true) => elementwise::compare_into(
                     *bop,
                     b.get::<i32>(a),

@@ -180,7 +180,8 @@ fn join_slices(
 
 fn differentiable(op: &Op) -> bool {
     match op {
-        Op::Binary(b) => !b.is_comparison(),
+        // Floor division is piecewise constant: a zero gradient almost everywhere.
+        Op::Binary(b) => !b.is_comparison() && *b != BinaryOp::FloorDiv,
         Op::Cast { to } => *to == DType::F32,
         _ => true,
     }
@@ -198,14 +199,23 @@ fn vjp(
     let shape = |g: &Graph, id: NodeId| g.node(id).shape.clone();
     Ok(match op {
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => vec![],
+        Op::Fused(_) => {
+            return Err(Error::Graph(
+                "[fused] fused expressions are made after differentiation and have no gradient"
+                    .into(),
+            ))
+        }
         Op::Unary(u) => {
             let x = ins[0];
             let d = match u {
                 UnaryOp::Neg => g.add(Op::Unary(UnaryOp::Neg), &[gy])?,
                 UnaryOp::Relu => {
+                    // Zero where the output is <= 0, else `gy`: at NaN (neither) the gradient
+                    // passes through, as PyTorch's `threshold_backward`; a mask product would
+                    // give 0.
                     let zero = g.scalar(0.0);
-                    let mask = g.add(Op::Binary(Gt), &[y, zero])?;
-                    g.add(Op::Binary(Mul), &[gy, mask])?
+                    let off = g.add(Op::Binary(Le), &[y, zero])?;
+                    g.add(Op::Where, &[off, zero, gy])?
                 }
                 UnaryOp::Tanh => {
                     let one = g.scalar(1.0);
@@ -263,6 +273,12 @@ fn vjp(
                     let da = g.add(Op::Binary(Div), &[gy, bb])?;
                     let t = g.add(Op::Binary(Mul), &[da, y])?;
                     (da, g.add(Op::Unary(UnaryOp::Neg), &[t])?)
+                }
+                // a % b = a - b * floor(a / b): d/da = 1, d/db = -floor(a / b) (PyTorch's rule).
+                Mod => {
+                    let q = g.add(Op::Binary(FloorDiv), &[a, bb])?;
+                    let t = g.add(Op::Binary(Mul), &[gy, q])?;
+                    (gy, g.add(Op::Unary(UnaryOp::Neg), &[t])?)
                 }
                 _ => return Ok(vec![None, None]),
             };

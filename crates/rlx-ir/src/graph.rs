@@ -192,7 +192,13 @@ impl Graph {
         Ok(())
     }
 
-    fn push(&mut self, op: Op, inputs: Vec<NodeId>, shape: Shape, dtype: DType) -> NodeId {
+    pub(crate) fn push(
+        &mut self,
+        op: Op,
+        inputs: Vec<NodeId>,
+        shape: Shape,
+        dtype: DType,
+    ) -> NodeId {
         self.nodes.push(Node {
             op,
             inputs,

@@ -1,5 +1,5 @@
 //! Shape and dtype inference: one rule per op, each failure naming the op, shapes and dtypes.
-use crate::{DType, Error, Node, Op, ReduceOp, Result, Shape};
+use crate::{BinaryOp, DType, Error, Node, Op, ReduceOp, Result, Shape};
 
 /// Infers the output shape and dtype of `op` applied to `ins`.
 pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
@@ -32,7 +32,8 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                 ));
             }
             let shape = broadcast(name, &ins[0].shape, &ins[1].shape)?;
-            let dtype = if b.is_comparison() {
+            // Comparisons give masks; true division of integers gives a float quotient.
+            let dtype = if b.is_comparison() || *b == BinaryOp::Div {
                 DType::F32
             } else {
                 ins[0].dtype
@@ -153,6 +154,44 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                 ));
             }
             Ok((Shape::scalar(), DType::F32))
+        }
+        Op::Fused(f) => {
+            if ins.len() != f.n_inputs {
+                return Err(Error::Graph(format!(
+                    "[fused] expects {} inputs, got {}",
+                    f.n_inputs,
+                    ins.len()
+                )));
+            }
+            for (i, x) in ins.iter().enumerate() {
+                float(i)?;
+                if broadcast(name, &x.shape, &f.shape)? != f.shape {
+                    return Err(Error::shape(
+                        name,
+                        format!(
+                            "input {i} of shape {} does not broadcast to {}",
+                            x.shape, f.shape
+                        ),
+                    ));
+                }
+            }
+            for (k, step) in f.steps.iter().enumerate() {
+                let defined = (f.n_inputs + k) as u16;
+                let regs: &[u16] = match step {
+                    crate::FusedStep::Unary(_, a) => &[*a],
+                    crate::FusedStep::Binary(_, a, b) => &[*a, *b],
+                    crate::FusedStep::Where(c, a, b) => &[*c, *a, *b],
+                };
+                if regs.iter().any(|&r| r >= defined) {
+                    return Err(Error::Graph(format!(
+                        "[fused] step {k} reads a register not yet defined"
+                    )));
+                }
+            }
+            if f.steps.is_empty() {
+                return Err(Error::Graph("[fused] an expression needs a step".into()));
+            }
+            Ok((f.shape.clone(), DType::F32))
         }
         Op::Where => {
             if ins[1].dtype != ins[2].dtype {
@@ -410,6 +449,22 @@ mod tests {
             )
             .unwrap();
         assert_eq!(g.node(d).shape, Shape::new([2, 4, 4]));
+    }
+
+    #[test]
+    fn int_division_gives_float_and_floor_division_keeps_int() {
+        let mut g = Graph::new();
+        let a = g.input("a", Shape::new([3]), DType::I32).unwrap();
+        let b = g.input("b", Shape::new([2, 1]), DType::I32).unwrap();
+        let d = g.add(Op::Binary(BinaryOp::Div), &[a, b]).unwrap();
+        assert_eq!(
+            (g.node(d).shape.clone(), g.node(d).dtype),
+            (Shape::new([2, 3]), DType::F32)
+        );
+        for op in [BinaryOp::FloorDiv, BinaryOp::Mod] {
+            let q = g.add(Op::Binary(op), &[a, b]).unwrap();
+            assert_eq!(g.node(q).dtype, DType::I32);
+        }
     }
 
     #[test]

@@ -30,7 +30,14 @@ pub enum BinaryOp {
     Add,
     Sub,
     Mul,
+    /// True division: int32 operands give a float32 quotient (as numpy and PyTorch give a float).
     Div,
+    /// Floor division (Python's `//`): rounds toward -inf. Int32 division by zero is a run-time
+    /// error; `i32::MIN // -1` wraps to `i32::MIN` (numpy's result).
+    FloorDiv,
+    /// Remainder with the divisor's sign (Python's `%`): `a - b * floor(a / b)`. Int32 by zero is
+    /// a run-time error; float by zero is NaN.
+    Mod,
     Lt,
     Le,
     Gt,
@@ -43,7 +50,12 @@ impl BinaryOp {
     pub fn is_comparison(self) -> bool {
         !matches!(
             self,
-            BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div
+            BinaryOp::Add
+                | BinaryOp::Sub
+                | BinaryOp::Mul
+                | BinaryOp::Div
+                | BinaryOp::FloorDiv
+                | BinaryOp::Mod
         )
     }
 }
@@ -149,6 +161,52 @@ pub enum Op {
     Concat {
         axis: usize,
     },
+    /// A chain of float32 elementwise ops evaluated in one pass (made by `fuse`, after
+    /// autodiff; it has no VJP).
+    Fused(Arc<Fused>),
+}
+
+/// One step of a fused expression: it reads earlier registers and appends one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FusedStep {
+    Unary(UnaryOp, u16),
+    Binary(BinaryOp, u16, u16),
+    /// `cond != 0 ? a : b` (cond a float32 mask).
+    Where(u16, u16, u16),
+}
+
+/// A fused elementwise expression over float32 registers: registers `0..n_inputs` are the
+/// inputs, each broadcast (numpy rules) to `shape`; each step appends one register; the last
+/// one is the result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fused {
+    pub shape: Shape,
+    pub n_inputs: usize,
+    pub steps: Vec<FusedStep>,
+}
+
+impl std::fmt::Display for Fused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = |i: u16| format!("r{i}");
+        let parts: Vec<String> = self
+            .steps
+            .iter()
+            .enumerate()
+            .map(|(k, s)| {
+                let out = self.n_inputs + k;
+                match *s {
+                    FusedStep::Unary(u, a) => format!("r{out}={}({})", Op::Unary(u).name(), r(a)),
+                    FusedStep::Binary(b, x, y) => {
+                        format!("r{out}={}({},{})", Op::Binary(b).name(), r(x), r(y))
+                    }
+                    FusedStep::Where(c, x, y) => {
+                        format!("r{out}=where({},{},{})", r(c), r(x), r(y))
+                    }
+                }
+            })
+            .collect();
+        write!(f, "{}", parts.join("; "))
+    }
 }
 
 impl Op {
@@ -175,6 +233,8 @@ impl Op {
                 BinaryOp::Sub => "sub",
                 BinaryOp::Mul => "mul",
                 BinaryOp::Div => "div",
+                BinaryOp::FloorDiv => "floor_divide",
+                BinaryOp::Mod => "remainder",
                 BinaryOp::Lt => "less",
                 BinaryOp::Le => "less_equal",
                 BinaryOp::Gt => "greater",
@@ -206,13 +266,14 @@ impl Op {
             Op::Slice { .. } => "slice",
             Op::Pad { .. } => "pad",
             Op::Concat { .. } => "concat",
+            Op::Fused(_) => "fused",
         }
     }
 
     /// Number of inputs the op takes; `None` for any number of at least one (`Concat`).
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
-            Op::Concat { .. } => return None,
+            Op::Concat { .. } | Op::Fused(_) => return None,
             Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => 0,
             Op::Binary(_)
             | Op::MatMul { .. }

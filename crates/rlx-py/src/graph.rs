@@ -150,6 +150,8 @@ impl PyGraph {
             "sub" => BinaryOp::Sub,
             "mul" => BinaryOp::Mul,
             "div" => BinaryOp::Div,
+            "floordiv" => BinaryOp::FloorDiv,
+            "mod" => BinaryOp::Mod,
             "lt" => BinaryOp::Lt,
             "le" => BinaryOp::Le,
             "gt" => BinaryOp::Gt,

@@ -126,6 +126,16 @@ impl Executable {
                 backend.name()
             )));
         }
+        // Elementwise chains become fused instructions (`RLX_FUSION=0` turns this off). The
+        // fused graph keeps the inputs, parameters and outputs in order, so everything below
+        // reads it like the original.
+        let fused;
+        let graph = if rlx_ir::fuse::enabled() {
+            fused = rlx_ir::fuse::fuse(graph);
+            &fused
+        } else {
+            graph
+        };
         let low = lower(graph, &params, backend.alignment())?;
         let backend_ref = backend.as_ref();
         let mut program = low.program;

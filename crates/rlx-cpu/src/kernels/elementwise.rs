@@ -32,20 +32,20 @@ const INV_SQRT_2PI: f32 = 0.398_942_3;
 
 /// `x * Phi(x)`.
 #[inline(always)]
-fn gelu(x: f32) -> f32 {
+pub(super) fn gelu(x: f32) -> f32 {
     0.5 * x * (1.0 + math::erf(x * INV_SQRT_2))
 }
 
 /// `Phi(x) + x * phi(x)`; erf(x/sqrt 2) and phi(x) share the one `exp(-x^2/2)`.
 #[inline(always)]
-fn gelu_deriv(x: f32) -> f32 {
+pub(super) fn gelu_deriv(x: f32) -> f32 {
     let e = math::exp(-0.5 * x * x);
     0.5 * (1.0 + math::erf_with_exp(x * INV_SQRT_2, e)) + x * INV_SQRT_2PI * e
 }
 
 /// The tanh approximation and its derivative.
 #[inline(always)]
-fn gelu_tanh(x: f32) -> (f32, f32) {
+pub(super) fn gelu_tanh(x: f32) -> (f32, f32) {
     let u = SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x);
     let t = math::tanh(u);
     let du = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * x * x);
@@ -61,6 +61,10 @@ pub trait Num: Copy + Send + Sync + PartialOrd + 'static {
     fn sub(a: Self, b: Self) -> Self;
     fn mul(a: Self, b: Self) -> Self;
     fn div(a: Self, b: Self) -> Self;
+    /// Floor division (Python's `//`).
+    fn floor_div(a: Self, b: Self) -> Self;
+    /// Remainder with the divisor's sign (Python's `%`).
+    fn rem(a: Self, b: Self) -> Self;
     fn from_bool(v: bool) -> Self;
 }
 
@@ -81,6 +85,38 @@ impl Num for f32 {
     fn div(a: f32, b: f32) -> f32 {
         a / b
     }
+    /// Python's algorithm (PyTorch's `div_floor_floating`): the quotient of `a - fmod(a, b)`,
+    /// corrected so it is exact for representable results; by zero, `a / b` (inf or NaN).
+    #[inline(always)]
+    fn floor_div(a: f32, b: f32) -> f32 {
+        if b == 0.0 {
+            return a / b;
+        }
+        let m = a % b;
+        let mut div = (a - m) / b;
+        if m != 0.0 && (b < 0.0) != (m < 0.0) {
+            div -= 1.0;
+        }
+        if div == 0.0 {
+            return 0.0f32.copysign(a / b);
+        }
+        let f = div.floor();
+        if div - f > 0.5 {
+            f + 1.0
+        } else {
+            f
+        }
+    }
+    /// `fmod` moved to the divisor's sign; NaN by zero.
+    #[inline(always)]
+    fn rem(a: f32, b: f32) -> f32 {
+        let m = a % b;
+        if m != 0.0 && (b < 0.0) != (m < 0.0) {
+            m + b
+        } else {
+            m
+        }
+    }
     #[inline(always)]
     fn from_bool(v: bool) -> f32 {
         v as i32 as f32
@@ -100,10 +136,38 @@ impl Num for i32 {
     fn mul(a: i32, b: i32) -> i32 {
         a.wrapping_mul(b)
     }
-    /// Integer division by zero gives 0 rather than trapping.
+    /// Truncating division, for the trait only: an int32 `Div` node computes a float32 quotient
+    /// (`int_true_div`). Callers check divisors for zero first (`has_zero`); 0 if one slips by.
     #[inline(always)]
     fn div(a: i32, b: i32) -> i32 {
         a.checked_div(b).unwrap_or(0)
+    }
+    /// Rounds toward -inf; `i32::MIN // -1` wraps to `i32::MIN` as numpy's does. Callers check
+    /// divisors for zero first (`has_zero`); 0 if one slips by.
+    #[inline(always)]
+    fn floor_div(a: i32, b: i32) -> i32 {
+        if b == 0 {
+            return 0;
+        }
+        let (q, r) = (a.wrapping_div(b), a.wrapping_rem(b));
+        if r != 0 && (r < 0) != (b < 0) {
+            q - 1
+        } else {
+            q
+        }
+    }
+    /// The remainder with the divisor's sign; `i32::MIN % -1` is 0.
+    #[inline(always)]
+    fn rem(a: i32, b: i32) -> i32 {
+        if b == 0 {
+            return 0;
+        }
+        let r = a.wrapping_rem(b);
+        if r != 0 && (r < 0) != (b < 0) {
+            r + b
+        } else {
+            r
+        }
     }
     #[inline(always)]
     fn from_bool(v: bool) -> i32 {
@@ -129,8 +193,29 @@ pub fn binary<T: Num>(
         BinaryOp::Sub => zip_with(a, ash, b, bsh, od, out, T::sub),
         BinaryOp::Mul => zip_with(a, ash, b, bsh, od, out, T::mul),
         BinaryOp::Div => zip_with(a, ash, b, bsh, od, out, T::div),
+        BinaryOp::FloorDiv => zip_with(a, ash, b, bsh, od, out, T::floor_div),
+        BinaryOp::Mod => zip_with(a, ash, b, bsh, od, out, T::rem),
         _ => compare_into(op, a, ash, b, bsh, od, out),
     }
+}
+
+/// True division of int32 tensors: a float32 quotient (computed in f64, rounded once), as numpy
+/// and PyTorch give a float for `/` on integers; by zero, +-inf or NaN.
+pub fn int_true_div(
+    a: &[i32],
+    ash: &[usize],
+    b: &[i32],
+    bsh: &[usize],
+    od: &[usize],
+    out: &mut [f32],
+) {
+    zip_with(a, ash, b, bsh, od, out, |x, y| (x as f64 / y as f64) as f32)
+}
+
+/// Whether an integer divisor holds a zero (every element of a broadcast operand is read when
+/// the output is not empty, so any zero would be divided by).
+pub fn has_zero(x: &[i32]) -> bool {
+    x.iter().fold(false, |z, &v| z | (v == 0))
 }
 
 /// Comparisons as 0/1 masks of type `O` (float32 masks from int32 operands, for instance).
@@ -253,4 +338,53 @@ pub fn select<T: Copy + Send + Sync>(
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Python's `//` and `%` on ints, by brute force over small values and the int32 edges.
+    #[test]
+    fn int_floor_div_and_rem_follow_python() {
+        for a in -20i32..=20 {
+            for b in (-7i32..=7).filter(|&b| b != 0) {
+                let (q, r) = (i32::floor_div(a, b), i32::rem(a, b));
+                assert_eq!(q, (a as f64 / b as f64).floor() as i32, "{a} // {b}");
+                assert_eq!(q * b + r, a, "{a} % {b}");
+                assert!(r == 0 || (r < 0) == (b < 0), "{a} % {b} = {r}");
+            }
+        }
+        assert_eq!(i32::floor_div(i32::MIN, -1), i32::MIN); // wraps, as numpy's
+        assert_eq!(i32::rem(i32::MIN, -1), 0);
+        assert_eq!(i32::floor_div(i32::MAX, i32::MIN), -1);
+        assert_eq!(i32::rem(i32::MAX, i32::MIN), -1);
+        assert!(has_zero(&[3, 0, 1]) && !has_zero(&[3, -1]) && !has_zero(&[]));
+    }
+
+    #[test]
+    fn float_floor_div_and_rem_follow_python() {
+        let cases = [
+            (7.5f32, 2.0f32, 3.0f32, 1.5f32),
+            (-7.5, 2.0, -4.0, 0.5),
+            (7.5, -2.0, -4.0, -0.5),
+            (-7.5, -2.0, 3.0, -1.5),
+            (1.0, f32::INFINITY, 0.0, 1.0),
+            (-1.0, f32::INFINITY, -1.0, f32::INFINITY),
+        ];
+        for (a, b, q, r) in cases {
+            assert_eq!(f32::floor_div(a, b), q, "{a} // {b}");
+            assert_eq!(f32::rem(a, b), r, "{a} % {b}");
+        }
+        assert_eq!(f32::floor_div(1.0, 0.0), f32::INFINITY);
+        assert!(f32::floor_div(0.0, 0.0).is_nan() && f32::rem(1.0, 0.0).is_nan());
+        assert!(f32::floor_div(-0.0, 3.0).is_sign_negative());
+    }
+
+    #[test]
+    fn int_true_division_is_a_float_quotient() {
+        let mut out = [0.0f32; 4];
+        int_true_div(&[7, -7, 1, i32::MIN], &[4], &[2], &[1], &[4], &mut out);
+        assert_eq!(out, [3.5, -3.5, 0.5, -1_073_741_824.0]);
+    }
 }
