@@ -155,7 +155,7 @@ impl CpuProgram {
                     counter,
                 } => {
                     let hyper = hyper.ok_or_else(|| {
-                        Error::Graph("optimizer step without hyper-parameters".into())
+                        Error::Internal("optimizer step without hyper-parameters".into())
                     })?;
                     unsafe {
                         let step = b.get::<i32>(counter)[0];
