@@ -1,8 +1,9 @@
 //! Run-time choice of the instruction set the kernels run with. The crate is built for the
-//! x86-64 baseline (so a wheel runs on any x86-64 CPU); on CPUs with AVX2 and FMA every kernel
-//! call is compiled a second time with those features enabled and chosen once per process by
-//! feature detection. `RLX_CPU_ISA=portable` forces the baseline code (`avx2` asks for the AVX2
-//! code and falls back to the baseline where the CPU lacks it; unset or `auto` detects).
+//! x86-64 baseline (so a wheel runs on any x86-64 CPU); every kernel loop is compiled a second
+//! time with AVX2 and FMA enabled, and one of the two is chosen once per process by feature
+//! detection. `RLX_CPU_ISA=portable` forces the baseline code; any other value (or none) detects,
+//! so `avx2` on a CPU without it runs the baseline. Tests compare the two bit for bit
+//! (`tests/isa.rs`, `tests/test_cpu_isa.py`).
 //!
 //! Both versions run the same Rust source, and Rust never fuses `a * b + c` into an FMA on its
 //! own, so they give bit-identical results. The `unsafe` of calling target-feature code lives

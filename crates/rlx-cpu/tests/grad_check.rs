@@ -123,6 +123,12 @@ fn binary_ops_with_broadcasting() {
             &[rand(sa, 3), positive(sb, 4)],
             op1(Op::Binary(Div)),
         );
+        // a % b = a - b * floor(a / b): smooth away from the jumps at multiples of b.
+        check(
+            &format!("Mod {sa:?} {sb:?}"),
+            &[rand(sa, 3), positive(sb, 4)],
+            op1(Op::Binary(Mod)),
+        );
     }
 }
 

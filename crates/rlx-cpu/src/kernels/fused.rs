@@ -138,11 +138,12 @@ fn at(s: Src, j: usize) -> f32 {
 
 /// `dst = f(a)` as one tight loop per op.
 fn unary(op: UnaryOp, a: Src, dst: &mut [f32]) {
+    #[inline(always)]
     fn map(a: Src, dst: &mut [f32], f: impl Fn(f32) -> f32) {
-        match a {
+        crate::isa::dispatch(|| match a {
             Src::Slice(v) => dst.iter_mut().zip(v).for_each(|(o, &x)| *o = f(x)),
             Src::Scalar(x) => dst.fill(f(x)),
-        }
+        })
     }
     match op {
         UnaryOp::Neg => map(a, dst, |x| -x),
@@ -163,8 +164,9 @@ fn unary(op: UnaryOp, a: Src, dst: &mut [f32]) {
 
 /// `dst = a (op) b` as one tight loop per op and operand kind.
 fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
+    #[inline(always)]
     fn zip(a: Src, b: Src, dst: &mut [f32], f: impl Fn(f32, f32) -> f32) {
-        match (a, b) {
+        crate::isa::dispatch(|| match (a, b) {
             (Src::Slice(x), Src::Slice(y)) => dst
                 .iter_mut()
                 .zip(x.iter().zip(y))
@@ -176,7 +178,7 @@ fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
                 dst.iter_mut().zip(y).for_each(|(o, &y)| *o = f(x, y))
             }
             (Src::Scalar(x), Src::Scalar(y)) => dst.fill(f(x, y)),
-        }
+        })
     }
     let mask = |v: bool| if v { 1.0 } else { 0.0 };
     match op {
