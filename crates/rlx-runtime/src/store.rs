@@ -118,22 +118,7 @@ impl Store {
 
     /// Overwrites the tensor `name` with `data` (its exact byte size).
     pub fn write(&self, name: &str, data: &[u8]) -> Result<()> {
-        let e = self.named(name)?;
-        if data.len() != e.bytes() {
-            return Err(Error::shape(
-                name,
-                format!(
-                    "expected {} bytes for shape {} {}, got {}",
-                    e.bytes(),
-                    e.shape,
-                    e.dtype,
-                    data.len()
-                ),
-            ));
-        }
-        check_range(name, e.offset, data.len(), self.buffer.len())?;
-        let _guard = self.lock();
-        self.buffer.write(e.offset, data)
+        self.write_many(&[(name, data)])
     }
 
     /// Overwrites several tensors as one change: every name and size is checked first, then all
