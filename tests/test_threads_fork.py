@@ -189,6 +189,50 @@ def test_fork_while_another_thread_steps_waits_for_the_step():
     check_ok(r)
 
 
+def test_fork_while_another_thread_compiles_new_sizes():
+    """rlx's Python locks (store creation, building a new size) are held across the fork and
+    fresh in the child, so a child compiling while the parent compiles elsewhere never hangs."""
+    r = run_script(
+        """
+        rlx.seed(0)
+        model = MLP()
+        step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model,
+                                      rlx.optim.SGD(lr=0.01),
+                                      {"x": rlx.InputSpec((None, 32)), "y": rlx.InputSpec((None,), "int32")})
+        stop = time.monotonic() + 3
+        def compile_sizes():
+            b = 1
+            while time.monotonic() < stop:
+                x, y = batch(b=b)
+                step(x=x, y=y)
+                fresh = MLP()
+                rlx.compile(lambda m, x: m(x), fresh, {"x": rlx.InputSpec((b, 32))})
+                b += 1
+        t = threading.Thread(target=compile_sizes); t.start()
+        for i in range(8):
+            pid = os.fork()
+            if pid == 0:
+                x, y = batch(b=1000 + i)
+                step(x=x, y=y)
+                rlx.compile(lambda m, x: m(x), MLP(), {"x": rlx.InputSpec((3, 32))})
+                os._exit(0)
+            deadline = time.monotonic() + 60
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    raise SystemExit("a child hung")
+                time.sleep(0.01)
+            assert os.waitstatus_to_exitcode(status) == 0
+        t.join()
+        print("OK")
+        """
+    )
+    check_ok(r)
+
+
 class Flat(rlx.nn.Module):
     """Two big parameters whose gradient is 1 everywhere: SGD with lr = 2**-10 moves every
     element by exactly 2**-10 per step, so a consistent snapshot has one value throughout."""

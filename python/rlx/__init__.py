@@ -2,7 +2,9 @@
 call over one planned memory arena."""
 
 import os as _os
+import threading as _threading
 
+from . import _compile as _compile_module
 from . import _rlx as _rlx_native
 from . import models, nn, optim
 from ._compile import Function, InputSpec, TrainStep, compile, compile_train_step
@@ -34,10 +36,30 @@ from .errors import CheckpointError, DeviceError, DTypeError, InputError, RlxErr
 
 __version__ = "0.1.0"
 
-# fork(): wait for every call inside native code to return first, so a child never inherits a
-# lock held by a thread it does not have (worker pools and copy engines are re-made in the child).
-_os.register_at_fork(before=_rlx_native._before_fork, after_in_parent=_rlx_native._after_fork,
-                     after_in_child=_rlx_native._after_fork)
+# fork(): rlx's Python locks are taken and every call inside native code has returned before the
+# fork, so a child never inherits a lock held by a thread it does not have (worker pools and copy
+# engines are re-made in the child; the child gets fresh Python locks).
+
+
+def _fork_prepare() -> None:
+    _compile_module._BUILD_LOCK.acquire()
+    nn._STORE_LOCK.acquire()
+    _rlx_native._before_fork()
+
+
+def _fork_parent() -> None:
+    _rlx_native._after_fork()
+    nn._STORE_LOCK.release()
+    _compile_module._BUILD_LOCK.release()
+
+
+def _fork_child() -> None:
+    _rlx_native._after_fork()
+    nn._STORE_LOCK = _threading.RLock()
+    _compile_module._BUILD_LOCK = _threading.Lock()
+
+
+_os.register_at_fork(before=_fork_prepare, after_in_parent=_fork_parent, after_in_child=_fork_child)
 
 __all__ = [
     "CheckpointError",

@@ -17,6 +17,10 @@ from .errors import DTypeError, InputError, RlxError, ShapeError, UnsupportedErr
 from .nn import _STRUCTURE, Module
 from .optim import Optimizer
 
+# Serialises building executables (rare: a first call with a new size). Module-level so that
+# rlx's fork hooks (rlx/__init__.py) can hold it across a fork().
+_BUILD_LOCK = threading.Lock()
+
 _NP = {"float32": np.dtype(np.float32), "int32": np.dtype(np.int32)}
 
 
@@ -160,7 +164,6 @@ class _Compiled:
     def _init_compiled(self, model: Module, specs: dict[str, InputSpec]) -> None:
         self._model, self._specs = model, specs
         self._variants, self._last, self._queue = {}, None, deque()
-        self._build_lock = threading.Lock()  # one compile per new size, even from two threads
         self._dynamic = any(s.dynamic for s in specs.values())
         self._signature = model._signature()
         self._generation = _STRUCTURE[0]
@@ -192,7 +195,7 @@ class _Compiled:
         key = tuple((n, concrete[n].shape) for n in sorted(concrete) if self._specs[n].dynamic)
         var = self._variants.get(key)
         if var is None:
-            with self._build_lock:
+            with _BUILD_LOCK:  # one compile per new size, even from two threads
                 var = self._variants.get(key)
                 if var is None:
                     var = self._variants[key] = self._build(concrete)
