@@ -195,6 +195,9 @@ impl std::fmt::Display for Fused {
             .map(|(k, s)| {
                 let out = self.n_inputs + k;
                 match *s {
+                    FusedStep::Unary(UnaryOp::PowScalar(p), a) => {
+                        format!("r{out}=pow({},{p})", r(a))
+                    }
                     FusedStep::Unary(u, a) => format!("r{out}={}({})", Op::Unary(u).name(), r(a)),
                     FusedStep::Binary(b, x, y) => {
                         format!("r{out}={}({},{})", Op::Binary(b).name(), r(x), r(y))

@@ -4,9 +4,11 @@ use crate::{Buf, Instr, MemoryReport, Program, Store, TRef};
 use rlx_ir::Op;
 use std::fmt::Write;
 
-/// An op's name, with the operand transposes of a matrix product.
+/// An op's name, with the operand transposes of a matrix product and a fused expression's steps
+/// (`r0`.. are the operands in order).
 fn op_name(op: &Op) -> String {
     match op {
+        Op::Fused(f) => format!("fused[{f}]"),
         Op::MatMul { trans_a, trans_b } => format!(
             "matmul{}{}",
             if *trans_a { "[a^T]" } else { "" },
