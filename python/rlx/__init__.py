@@ -5,6 +5,7 @@ import os as _os
 import threading as _threading
 
 from . import _compile as _compile_module
+from . import _random as _random_module
 from . import _rlx as _rlx_native
 from . import models, nn, optim
 from ._compile import Function, InputSpec, TrainStep, compile, compile_train_step
@@ -41,20 +42,29 @@ __version__ = "0.1.0"
 # engines are re-made in the child; the child gets fresh Python locks).
 
 
+_held_at_fork: list = []
+
+
 def _fork_prepare() -> None:
     _compile_module._BUILD_LOCK.acquire()
     nn._STORE_LOCK.acquire()
+    # The generator behind parameter initialisation draws under its own lock.
+    rng_lock = _random_module.rng().bit_generator.lock
+    rng_lock.acquire()
+    _held_at_fork.append(rng_lock)
     _rlx_native._before_fork()
 
 
 def _fork_parent() -> None:
     _rlx_native._after_fork()
+    _held_at_fork.pop().release()
     nn._STORE_LOCK.release()
     _compile_module._BUILD_LOCK.release()
 
 
 def _fork_child() -> None:
     _rlx_native._after_fork()
+    _held_at_fork.pop().release()
     nn._STORE_LOCK = _threading.RLock()
     _compile_module._BUILD_LOCK = _threading.Lock()
 
