@@ -35,7 +35,7 @@ from ._tensor import (
 )
 from .errors import CheckpointError, DeviceError, DTypeError, InputError, RlxError, ShapeError, UnsupportedError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # fork(): rlx's Python locks are taken and every call inside native code has returned before the
 # fork, so a child never inherits a lock held by a thread it does not have (worker pools and copy

@@ -80,7 +80,8 @@ def convert(name: str, spec_shape: Sequence[int], spec_dtype: str, value: Any) -
     kind = arr.dtype.kind
     if spec_dtype == "float32":
         if not (kind == "f" and arr.dtype.itemsize == 4):
-            raise DTypeError(f"[{name}] expected a float32 array, got {arr.dtype}; cast it with .astype(np.float32)")
+            how = ".astype(np.float32)" if isinstance(value, np.ndarray) else "np.asarray(value, np.float32)"
+            raise DTypeError(f"[{name}] expected a float32 array, got {arr.dtype}; convert it with {how}")
     else:
         if kind not in "iu":
             raise DTypeError(f"[{name}] expected an int32 array of ids, got {arr.dtype}")

@@ -526,7 +526,8 @@ class Module:
         return out
 
     def _check_and_assign(self, arrays: dict[str, np.ndarray], strict: bool, where: str,
-                          marked_new_layout: bool, legacy_layout: bool = False) -> IncompatibleKeys:
+                          marked_new_layout: bool, legacy_layout: bool = False,
+                          from_file: bool = False) -> IncompatibleKeys:
         """Validates every name and shape first, then assigns (all or nothing)."""
         params = self._tensors()
         missing = [n for n in params if n not in arrays]
@@ -543,13 +544,14 @@ class Module:
             if legacy_layout and name in linear and arr.ndim == 2:
                 arr, shape = arr.T, shape[::-1]
             if shape != p.shape:
-                if name in linear and shape == p.shape[::-1] and not marked_new_layout:
+                if name in linear and shape == p.shape[::-1] and not marked_new_layout and from_file:
                     raise CheckpointError(
                         f"{where}'{name}' is {shape}: the older rlx (in_features, out_features) Linear layout. "
                         f"rlx now stores Linear weights as PyTorch does, (out_features, in_features) = {p.shape}; "
                         "load files saved by rlx before 0.2 with load(path, legacy_layout=True) and save them again"
                     )
-                raise CheckpointError(f"{where}'{name}' has shape {shape} but the model's is {p.shape}")
+                hint = " (PyTorch's Linear layout is (out_features, in_features))" if name in linear else ""
+                raise CheckpointError(f"{where}'{name}' has shape {shape} but the model's is {p.shape}{hint}")
             ready[name] = _cast(name, arr)
         # One write per weight store: a function running in another thread sees all old values
         # or all new ones.
@@ -635,7 +637,7 @@ class Module:
             if file_dtype not in ("float32", "float16", "bfloat16", "float64"):
                 raise CheckpointError(f"{path}: '{name}' is {file_dtype}; parameters load from float tensors only")
             arrays[name] = _from_file(file_dtype, file_shape, data)
-        self._check_and_assign(arrays, True, f"{path}: ", marked_new_layout=metadata.get(LAYOUT_KEY) == LAYOUT,
+        self._check_and_assign(arrays, True, f"{path}: ", marked_new_layout=metadata.get(LAYOUT_KEY) == LAYOUT, from_file=True,
                                legacy_layout=bool(legacy_layout))
 
     # --- printing ------------------------------------------------------------------------------

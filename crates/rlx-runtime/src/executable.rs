@@ -174,8 +174,8 @@ impl Executable {
             }
         }
         let memory = MemoryReport {
-            arena_bytes: low.arena_bytes,
-            naive_bytes: low.naive_bytes,
+            arena_bytes, // as allocated: the plan plus the update's tail
+            naive_bytes: low.naive_bytes + (arena_bytes - low.arena_bytes), // the tail counts in both
             param_bytes: params.bytes(),
             optimizer_state_bytes: state_len,
         };
