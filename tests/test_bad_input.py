@@ -27,6 +27,7 @@ import pytest
 
 import rlx
 from conftest import DEVICE, Empty
+from models import LinearNet, ce_loss
 
 N, D, C = 6, 4, 3
 S = rlx.InputSpec
@@ -87,17 +88,11 @@ def assert_isolated_rlx_error(code, timeout=60):
         assert ln.startswith("RLX"), f"expected an rlx error, got: {ln}"
 
 
-class Net(rlx.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = rlx.nn.Linear(D, C)
-
-    def __call__(self, x):
-        return self.fc(x)
+def Net():
+    return LinearNet(D, C)
 
 
-def loss_fn(m, x, y):
-    return rlx.cross_entropy(m(x), y)
+loss_fn = ce_loss
 
 
 INPUTS = {"x": S((N, D)), "y": S((N,), "int32")}

@@ -9,24 +9,18 @@ import struct
 import numpy as np
 import pytest
 
+import models
 import rlx
 from conftest import assert_close
 
 B, D_IN, D_H, D_OUT = 4, 4, 5, 3
 
 
-class MLP(rlx.nn.Module):
-    def __init__(self, d_h=D_H):
-        super().__init__()
-        self.fc1 = rlx.nn.Linear(D_IN, d_h)
-        self.fc2 = rlx.nn.Linear(d_h, D_OUT)
-
-    def __call__(self, x):
-        return self.fc2(rlx.relu(self.fc1(x)))
+def MLP(d_h=D_H):
+    return models.MLP(D_IN, d_h, D_OUT)
 
 
-def loss_fn(m, x, y):
-    return rlx.mse_loss(m(x), y)
+loss_fn = models.mse_loss
 
 
 TRAIN_INPUTS = {"x": rlx.InputSpec((B, D_IN)), "y": rlx.InputSpec((B, D_OUT))}

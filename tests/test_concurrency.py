@@ -15,24 +15,18 @@ import time
 import numpy as np
 import pytest
 
+import models
 import rlx
 
 S = rlx.InputSpec
 JOIN_TIMEOUT = 120
 
 
-class MLP(rlx.nn.Module):
-    def __init__(self, d_in=32, d_h=64, d_out=10):
-        super().__init__()
-        self.fc1 = rlx.nn.Linear(d_in, d_h)
-        self.fc2 = rlx.nn.Linear(d_h, d_out)
-
-    def __call__(self, x):
-        return self.fc2(rlx.relu(self.fc1(x)))
+def MLP(d_in=32, d_h=64, d_out=10):
+    return models.MLP(d_in, d_h, d_out)
 
 
-def loss_fn(m, x, y):
-    return rlx.cross_entropy(m(x), y)
+loss_fn = models.ce_loss
 
 
 def make(opt_name, seed=0, b=16, d_in=32, d_h=64, d_out=10):

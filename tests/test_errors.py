@@ -6,21 +6,16 @@ import pytest
 
 import rlx
 from conftest import Empty, assert_close
+from models import LinearNet, ce_loss
 
 N, D, C = 6, 4, 3
 
 
-class Net(rlx.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = rlx.nn.Linear(D, C)
-
-    def __call__(self, x):
-        return self.fc(x)
+def Net():
+    return LinearNet(D, C)
 
 
-def loss_fn(m, x, y):
-    return rlx.cross_entropy(m(x), y)
+loss_fn = ce_loss
 
 
 INPUTS = {"x": rlx.InputSpec((N, D)), "y": rlx.InputSpec((N,), dtype="int32")}

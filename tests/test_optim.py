@@ -5,22 +5,17 @@ import pytest
 
 import rlx
 from conftest import assert_close
+from models import LinearNet, mse_loss
 
 N, D_IN, D_OUT = 8, 5, 3
 N_STEPS = 5
 
 
-class Net(rlx.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = rlx.nn.Linear(D_IN, D_OUT)
-
-    def __call__(self, x):
-        return self.fc(x)
+def Net():
+    return LinearNet(D_IN, D_OUT)
 
 
-def loss_fn(m, x, y):
-    return rlx.mse_loss(m(x), y)
+loss_fn = mse_loss
 
 
 INPUTS = {"x": rlx.InputSpec((N, D_IN)), "y": rlx.InputSpec((N, D_OUT))}

@@ -6,24 +6,18 @@ import gc
 import numpy as np
 import pytest
 
+import models
 import rlx
 from conftest import assert_close
 
 B, D_IN, D_H, D_OUT = 6, 4, 5, 3
 
 
-class MLP(rlx.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = rlx.nn.Linear(D_IN, D_H)
-        self.fc2 = rlx.nn.Linear(D_H, D_OUT)
-
-    def __call__(self, x):
-        return self.fc2(rlx.relu(self.fc1(x)))
+def MLP():
+    return models.MLP(D_IN, D_H, D_OUT)
 
 
-def loss_fn(m, x, y):
-    return rlx.mse_loss(m(x), y)
+loss_fn = models.mse_loss
 
 
 def forward_fn(m, x):

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import DTypeError, InputError, RlxError, ShapeError
+from .errors import CheckpointError, DeviceError, DTypeError, InputError, RlxError, ShapeError
 
 
 def integer(where: str, what: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
@@ -61,8 +61,6 @@ def name(where: str, v: Any) -> str:
 
 def device(v: Any) -> str:
     if not isinstance(v, str):
-        from .errors import DeviceError
-
         raise DeviceError(f"[device] a device is a str such as 'cpu' or 'cuda:0', got {type(v).__name__} {v!r}")
     return v
 
@@ -74,8 +72,6 @@ def function(where: str, what: str, f: Any) -> Any:
 
 
 def path(where: str, p: Any) -> str:
-    from .errors import CheckpointError
-
     if not isinstance(p, (str, os.PathLike)):
         raise CheckpointError(f"[{where}] a path must be a str or os.PathLike, got {type(p).__name__} {p!r}")
     return os.fspath(p)

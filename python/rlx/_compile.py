@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import _check, _rlx
-from ._arrays import contiguous
+from ._arrays import _NP, convert
 from ._tensor import Tensor, Trace
 from .errors import DTypeError, InputError, RlxError, ShapeError, UnsupportedError
 from .nn import _STRUCTURE, Module
@@ -20,9 +20,6 @@ from .optim import Optimizer
 # Serialises building executables (rare: a first call with a new size). Module-level so that
 # rlx's fork hooks (rlx/__init__.py) can hold it across a fork().
 _BUILD_LOCK = threading.Lock()
-
-_NP = {"float32": np.dtype(np.float32), "int32": np.dtype(np.int32)}
-
 
 class InputSpec:
     """The shape and dtype of one named input of a compiled function. A dimension given as
@@ -66,33 +63,6 @@ def _specs(inputs: Mapping[str, Any]) -> dict[str, InputSpec]:
         else:
             out[name] = InputSpec(spec)
     return out
-
-
-def convert(name: str, spec_shape: Sequence[int], spec_dtype: str, value: Any) -> np.ndarray:
-    """Checks ``value`` against a spec and returns a C-contiguous native array of the spec's dtype.
-    Non-contiguous, Fortran-ordered and byte-swapped arrays are converted; integer arrays are
-    accepted for int32 inputs when their values fit; anything else raises before any work."""
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError) as e:
-        raise DTypeError(f"[{name}] cannot use {type(value).__name__} as an array: {e}") from None
-    want = _NP[spec_dtype]
-    kind = arr.dtype.kind
-    if spec_dtype == "float32":
-        if not (kind == "f" and arr.dtype.itemsize == 4):
-            how = ".astype(np.float32)" if isinstance(value, np.ndarray) else "np.asarray(value, np.float32)"
-            raise DTypeError(f"[{name}] expected a float32 array, got {arr.dtype}; convert it with {how}")
-    else:
-        if kind not in "iu":
-            raise DTypeError(f"[{name}] expected an int32 array of ids, got {arr.dtype}")
-        if arr.dtype.itemsize > 4 or kind == "u":
-            if arr.size and (arr.min() < -(2**31) or arr.max() > 2**31 - 1):
-                raise InputError(f"[{name}] values {arr.min()}..{arr.max()} do not fit in int32")
-    if tuple(arr.shape) != tuple(spec_shape):
-        raise ShapeError(f"[{name}] expected shape {tuple(spec_shape)}, got {tuple(arr.shape)}")
-    # Flat: the native side takes raw bytes (and 0-d arrays export no buffer shape).
-    return contiguous(arr, want).reshape(-1)
-
 
 
 def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], store: Any,

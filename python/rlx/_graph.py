@@ -7,9 +7,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _check, _rlx
-from ._compile import _NP, convert
+from ._arrays import _NP, convert
 from ._tensor import Tensor, Trace
-from .errors import InputError, RlxError
+from .errors import DTypeError, InputError, RlxError
 
 
 class Graph:
@@ -46,8 +46,6 @@ class Graph:
 
     @staticmethod
     def _leaf(kind: str, name: Any, shape: Any, dtype: Any) -> tuple[str, list[int], str]:
-        from .errors import DTypeError
-
         if not isinstance(dtype, str):
             raise DTypeError(f"[{kind}] dtype must be 'float32' or 'int32', got {dtype!r}")
         return _check.name(kind, name), list(_check.shape(kind, shape)), dtype

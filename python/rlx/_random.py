@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._check import integer
+
 _rng = np.random.default_rng()
 
 
@@ -16,8 +18,6 @@ def seed(n: int) -> None:
         >>> rlx.seed(0)
         >>> b = rlx.nn.Linear(4, 2).state_dict()   # the same values as a
     """
-    from ._check import integer
-
     global _rng
     _rng = np.random.default_rng(integer("seed", "n", n, lo=0))
 

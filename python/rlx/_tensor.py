@@ -81,16 +81,10 @@ def _as_tensor(x: Any, trace: Trace, like: "Tensor | None" = None, dtype: str | 
         if x._trace is not trace:
             raise RlxError("cannot mix tensors from two different graphs")
         return x
-    from .nn import Parameter
-
-    if isinstance(x, Parameter):
-        node = trace.param_nodes.get(id(x))
-        if node is None:
-            raise RlxError(
-                f"a Parameter of shape {x.shape} was used in a traced function but does not belong to the "
-                "model being compiled"
-            )
-        return Tensor(trace, node)
+    # A Parameter (rlx.nn owns it) knows its node in a trace; anything else is a constant.
+    in_trace = getattr(type(x), "_in_trace", None)
+    if in_trace is not None:
+        return in_trace(x, trace)
     return trace.constant(x, like, dtype)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 from . import _check, _rlx
 from ._arrays import contiguous
 from ._random import rng
-from ._tensor import Tensor, _as_tensor, _matmul_nt, _trace_of, concat, embedding, gelu, layer_norm, matmul, relu, softmax, where
+from ._tensor import Tensor, _as_tensor, _current, _matmul_nt, _trace_of, concat, embedding, gelu, layer_norm, matmul, relu, softmax, where
 from .errors import CheckpointError, DTypeError, InputError, RlxError, ShapeError
 
 _DTYPES = {"float32": np.float32, "int32": np.int32}
@@ -157,9 +157,17 @@ class Parameter:
 
     # Parameters take part in traced arithmetic like tensors.
     def _t(self) -> Tensor:
-        from ._tensor import _as_tensor, _trace_of
+        return self._in_trace(_trace_of())
 
-        return _as_tensor(self, _trace_of())
+    def _in_trace(self, trace: Any) -> Tensor:
+        """This parameter as a tensor of ``trace`` (the graph being traced)."""
+        node = trace.param_nodes.get(id(self))
+        if node is None:
+            raise RlxError(
+                f"a Parameter of shape {self.shape} was used in a traced function but does not belong to the "
+                "model being compiled"
+            )
+        return Tensor(trace, node)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
@@ -194,8 +202,6 @@ class Buffer(Parameter):
             ...     self.running_mean.update(0.9 * self.running_mean + 0.1 * mean)
             ...     return x - mean
         """
-        from ._tensor import _current
-
         trace = _current()
         if trace is None:
             raise RlxError("[Buffer.update] only inside a traced function (a layer's __call__ during compile)")
@@ -223,8 +229,6 @@ def _forward_ops() -> None:
     """Every operator of ``Tensor`` (``==``/``!=`` included) behaves the same on a Parameter
     inside a traced function. ``==`` and ``!=`` outside a trace compare identity (Python's
     default), so Parameters in lists and dicts work as before."""
-    from ._tensor import _current
-
     own = set(vars(Parameter))
     for name in sorted(OPERATOR_DUNDERS & set(vars(Tensor)) - own):
 
