@@ -41,6 +41,18 @@ PRELUDE = textwrap.dedent(
                                       {"x": rlx.InputSpec((b, d_in)), "y": rlx.InputSpec((b,), "int32")})
         return model, step
 
+    def wait_child(pid, seconds):
+        """The child's exit code; kills it and fails if it runs longer than `seconds`."""
+        deadline = time.monotonic() + seconds
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                raise SystemExit("a child hung")
+            time.sleep(0.01)
+
     def batch(b=16, d_in=32, seed=0):
         r = np.random.default_rng(seed)
         return r.standard_normal((b, d_in)).astype(np.float32), r.integers(0, 10, b).astype(np.int32)
@@ -139,16 +151,7 @@ def test_forked_child_works_after_steps_pools_and_copies():
                 sys.stdout.write(f"child failed: {e!r}\\n"); sys.stdout.flush()
                 os._exit(3)
             sys.exit(0)                  # normal exit: executables and engines are dropped
-        deadline = time.monotonic() + 120
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, 9)
-                raise SystemExit("the child hung")
-            time.sleep(0.05)
-        assert os.waitstatus_to_exitcode(status) == 0, status
+        assert wait_child(pid, 120) == 0
         step()                           # the parent's own prefetched batch is intact
         print("OK")
         """
@@ -172,16 +175,7 @@ def test_fork_while_another_thread_steps_waits_for_the_step():
             if pid == 0:
                 step(x=x, y=y)
                 os._exit(0)
-            deadline = time.monotonic() + 60
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    os.kill(pid, 9)
-                    raise SystemExit("a child hung")
-                time.sleep(0.01)
-            assert os.waitstatus_to_exitcode(status) == 0
+            assert wait_child(pid, 60) == 0
         t.join()
         print("OK")
         """
@@ -216,16 +210,7 @@ def test_fork_while_another_thread_compiles_new_sizes():
                 step(x=x, y=y)
                 rlx.compile(lambda m, x: m(x), MLP(), {"x": rlx.InputSpec((3, 32))})
                 os._exit(0)
-            deadline = time.monotonic() + 60
-            while True:
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    os.kill(pid, 9)
-                    raise SystemExit("a child hung")
-                time.sleep(0.01)
-            assert os.waitstatus_to_exitcode(status) == 0
+            assert wait_child(pid, 60) == 0
         t.join()
         print("OK")
         """
