@@ -42,7 +42,7 @@ PRELUDE = textwrap.dedent(
         return model, step
 
     def wait_child(pid, seconds):
-        """The child's exit code; kills it and fails if it runs longer than `seconds`."""
+        # The child's exit code; kills it and fails if it runs longer than `seconds`.
         deadline = time.monotonic() + seconds
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
