@@ -174,18 +174,29 @@ pub enum Op {
     Im2Col(Window),
     /// The adjoint of `Im2Col`: sums the patches `[N, C*kh*kw, Ho*Wo]` back into an image
     /// `[N, C, size[0], size[1]]` (positions in the padding are dropped).
-    Col2Im { window: Window, size: [usize; 2] },
+    Col2Im {
+        window: Window,
+        size: [usize; 2],
+    },
     /// 2-D pooling of x `[N, C, H, W]` over `window` (output size as `Im2Col`'s). Max: padding
     /// counts as -inf; avg: the sum over the window divided by `kh*kw` (padding counts as zeros,
     /// PyTorch's `count_include_pad=True`).
-    Pool2d { window: Window, max: bool },
+    Pool2d {
+        window: Window,
+        max: bool,
+    },
     /// The VJP of `Pool2d` w.r.t. x. Inputs `(x, g)`. Max: each window's `g` goes to the first
     /// maximal element of the window (row-major order, NaN counts as maximal, as PyTorch).
-    Pool2dGrad { window: Window, max: bool },
+    Pool2dGrad {
+        window: Window,
+        max: bool,
+    },
     /// Inverted dropout: `x * keep / (1 - p)` where `keep` is a pseudo-random 0/1 mask with
     /// P(keep) = 1 - p, a pure function of (the int32 `seed` input `[2]`, the element's flat
     /// index): see [`dropout_keep`]. Inputs `(x, seed)`. Its VJP is the same op on `g`.
-    Dropout { p: f32 },
+    Dropout {
+        p: f32,
+    },
     /// `log(1 + x)`, accurate near 0.
     Log1p,
     /// The identity whose gradient is zero (nothing flows back through it).

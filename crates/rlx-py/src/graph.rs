@@ -361,12 +361,7 @@ impl PyGraph {
             "im2col" => Op::Im2Col(window),
             "max_pool2d" => Op::Pool2d { window, max: true },
             "avg_pool2d" => Op::Pool2d { window, max: false },
-            k => {
-                return Err(to_py(
-                    py,
-                    Error::unsupported(k, "unknown windowed op"),
-                ))
-            }
+            k => return Err(to_py(py, Error::unsupported(k, "unknown windowed op"))),
         };
         self.add(py, op, &[x])
     }

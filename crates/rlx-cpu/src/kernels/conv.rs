@@ -115,44 +115,50 @@ pub fn col2im(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
     });
 }
 
-/// The flat index (in the plane) of the first maximal element of window (y, xo), NaN counting
-/// as maximal; `None` when the window lies wholly in the padding.
+/// The kernel offsets `[lo, hi)` of output position `o` that land inside `0..size`, and the
+/// input index of offset `lo`.
 #[inline(always)]
-fn argmax(img: &[f32], h: usize, wd: usize, w: &Window, y: usize, xo: usize) -> Option<usize> {
-    let mut best: Option<(usize, f32)> = None;
-    for i in 0..w.kernel[0] {
-        let Some(iy) = src(y, i, w.stride[0], w.padding[0], h) else {
-            continue;
-        };
-        for j in 0..w.kernel[1] {
-            let Some(ix) = src(xo, j, w.stride[1], w.padding[1], wd) else {
-                continue;
-            };
-            let v = img[iy * wd + ix];
-            match best {
-                Some((_, b)) if !(v > b || (v.is_nan() && !b.is_nan())) => {}
-                _ => best = Some((iy * wd + ix, v)),
-            }
-        }
+fn span(o: usize, k: usize, stride: usize, pad: usize, size: usize) -> (usize, usize, usize) {
+    let start = o * stride;
+    let lo = pad.saturating_sub(start).min(k);
+    let hi = (size + pad).saturating_sub(start).min(k).max(lo);
+    if hi == lo {
+        return (lo, lo, 0);
     }
-    best.map(|(at, _)| at)
+    (lo, hi, start + lo - pad)
 }
 
-/// Sum of window (y, xo) (padding counts as zeros).
+/// The flat index (in the plane) of the first maximal element of the window with row span
+/// `ry` and column span `rx` (NaN counts as maximal); `None` for a window wholly in padding.
 #[inline(always)]
-fn window_sum(img: &[f32], h: usize, wd: usize, w: &Window, y: usize, xo: usize) -> f32 {
-    let mut s = 0.0;
-    for i in 0..w.kernel[0] {
-        let Some(iy) = src(y, i, w.stride[0], w.padding[0], h) else {
-            continue;
-        };
-        for j in 0..w.kernel[1] {
-            if let Some(ix) = src(xo, j, w.stride[1], w.padding[1], wd) {
-                s += img[iy * wd + ix];
+fn argmax(
+    img: &[f32],
+    wd: usize,
+    ry: (usize, usize, usize),
+    rx: (usize, usize, usize),
+) -> Option<usize> {
+    let (rows, cols) = (ry.1 - ry.0, rx.1 - rx.0);
+    if rows == 0 || cols == 0 {
+        return None;
+    }
+    let mut at = ry.2 * wd + rx.2;
+    let mut best = img[at];
+    if best.is_nan() {
+        return Some(at);
+    }
+    for i in 0..rows {
+        let line = (ry.2 + i) * wd + rx.2;
+        for (j, &v) in img[line..line + cols].iter().enumerate() {
+            if v > best || v.is_nan() {
+                if v.is_nan() {
+                    return Some(line + j);
+                }
+                best = v;
+                at = line + j;
             }
         }
     }
-    s
+    Some(at)
 }
 
 /// Max or average pooling of x `[N, C, H, W]` into `[N, C, Ho, Wo]`.
@@ -160,14 +166,23 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
     let (h, wd) = (xd[2], xd[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let inv = 1.0 / (w.kernel[0] * w.kernel[1]) as f32;
+    let rxs: Vec<_> = (0..ow)
+        .map(|xo| span(xo, w.kernel[1], w.stride[1], w.padding[1], wd))
+        .collect();
     planes(out, oh * ow, |nc, o| {
         let img = &x[nc * h * wd..(nc + 1) * h * wd];
         for y in 0..oh {
-            for xo in 0..ow {
+            let ry = span(y, w.kernel[0], w.stride[0], w.padding[0], h);
+            for (xo, &rx) in rxs.iter().enumerate() {
                 o[y * ow + xo] = if max {
-                    argmax(img, h, wd, w, y, xo).map_or(f32::NEG_INFINITY, |at| img[at])
+                    argmax(img, wd, ry, rx).map_or(f32::NEG_INFINITY, |at| img[at])
                 } else {
-                    window_sum(img, h, wd, w, y, xo) * inv
+                    let mut s = 0.0;
+                    for i in 0..ry.1 - ry.0 {
+                        let line = (ry.2 + i) * wd + rx.2;
+                        s += img[line..line + rx.1 - rx.0].iter().sum::<f32>();
+                    }
+                    s * inv
                 };
             }
         }
@@ -179,28 +194,28 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
     let (h, wd) = (xd[2], xd[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let inv = 1.0 / (w.kernel[0] * w.kernel[1]) as f32;
+    let rxs: Vec<_> = (0..ow)
+        .map(|xo| span(xo, w.kernel[1], w.stride[1], w.padding[1], wd))
+        .collect();
     planes(out, h * wd, |nc, gx| {
         gx.fill(0.0);
         let img = &x[nc * h * wd..(nc + 1) * h * wd];
         let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
         for y in 0..oh {
-            for xo in 0..ow {
+            let ry = span(y, w.kernel[0], w.stride[0], w.padding[0], h);
+            for (xo, &rx) in rxs.iter().enumerate() {
                 let gv = gp[y * ow + xo];
                 if max {
-                    if let Some(at) = argmax(img, h, wd, w, y, xo) {
+                    if let Some(at) = argmax(img, wd, ry, rx) {
                         gx[at] += gv;
                     }
                     continue;
                 }
-                for i in 0..w.kernel[0] {
-                    let Some(iy) = src(y, i, w.stride[0], w.padding[0], h) else {
-                        continue;
-                    };
-                    for j in 0..w.kernel[1] {
-                        if let Some(ix) = src(xo, j, w.stride[1], w.padding[1], wd) {
-                            gx[iy * wd + ix] += gv * inv;
-                        }
-                    }
+                for i in 0..ry.1 - ry.0 {
+                    let line = (ry.2 + i) * wd + rx.2;
+                    gx[line..line + rx.1 - rx.0]
+                        .iter_mut()
+                        .for_each(|v| *v += gv * inv);
                 }
             }
         }
@@ -223,9 +238,13 @@ pub fn dropout(x: &[f32], seed: [i32; 2], p: f32, out: &mut [f32]) {
         }
     };
     if out.len() >= PAR_MIN {
-        out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| body(c, o));
+        out.par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(c, o)| body(c, o));
     } else {
-        out.chunks_mut(CHUNK).enumerate().for_each(|(c, o)| body(c, o));
+        out.chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(c, o)| body(c, o));
     }
 }
 
@@ -249,10 +268,19 @@ mod tests {
     /// im2col against the definition, for stride 1 (the contiguous path) and 2.
     #[test]
     fn im2col_matches_the_definition_and_col2im_is_its_adjoint() {
-        for (k, s, p) in [(3, 1, 1), (3, 2, 1), (2, 2, 0), (5, 1, 2), (1, 1, 0), (3, 1, 3)] {
+        for (k, s, p) in [
+            (3, 1, 1),
+            (3, 2, 1),
+            (2, 2, 0),
+            (5, 1, 2),
+            (1, 1, 0),
+            (3, 1, 3),
+        ] {
             let w = win(k, s, p);
             let (n, c, h, wd) = (2, 3, 5, 6);
-            let x: Vec<f32> = (0..n * c * h * wd).map(|i| (i as f32 * 0.37).sin()).collect();
+            let x: Vec<f32> = (0..n * c * h * wd)
+                .map(|i| (i as f32 * 0.37).sin())
+                .collect();
             let [oh, ow] = w.out_size([h, wd]).unwrap();
             let mut cols = vec![f32::NAN; n * c * k * k * oh * ow];
             im2col(&x, &[n, c, h, wd], &w, &mut cols);
@@ -277,7 +305,10 @@ mod tests {
             col2im(&r, &w, &[n, c, h, wd], &mut back);
             let lhs: f64 = cols.iter().zip(&r).map(|(a, b)| (a * b) as f64).sum();
             let rhs: f64 = x.iter().zip(&back).map(|(a, b)| (a * b) as f64).sum();
-            assert!((lhs - rhs).abs() < 1e-3 * lhs.abs().max(1.0), "k{k} s{s} p{p}");
+            assert!(
+                (lhs - rhs).abs() < 1e-3 * lhs.abs().max(1.0),
+                "k{k} s{s} p{p}"
+            );
         }
     }
 
