@@ -11,10 +11,20 @@ fn planes(out: &mut [f32], plane: usize, body: impl Fn(usize, &mut [f32]) + Sync
     if out.is_empty() || plane == 0 {
         return;
     }
-    if out.len() >= PAR_MIN / 4 && out.len() > plane {
-        out.par_chunks_mut(plane)
+    let n = out.len() / plane;
+    if out.len() >= PAR_MIN / 4 && n > 1 {
+        // A few tasks per thread, each a run of whole planes (a task per small plane costs
+        // more in scheduling than the plane's work).
+        let per = n.div_ceil(rayon::current_num_threads() * 4).max(1);
+        out.par_chunks_mut(per * plane)
             .enumerate()
-            .for_each(|(i, o)| crate::isa::dispatch(|| body(i, o)));
+            .for_each(|(c, run)| {
+                crate::isa::dispatch(|| {
+                    run.chunks_mut(plane)
+                        .enumerate()
+                        .for_each(|(i, o)| body(c * per + i, o))
+                })
+            });
     } else {
         crate::isa::dispatch(|| {
             out.chunks_mut(plane)
@@ -169,6 +179,28 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
     let rxs: Vec<_> = (0..ow)
         .map(|xo| span(xo, w.kernel[1], w.stride[1], w.padding[1], wd))
         .collect();
+    if max && w.padding == [0, 0] {
+        // Every window lies inside the image: one output row at a time, folding the kernel's
+        // rows into it (NaN propagates).
+        let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
+        planes(out, oh * ow, |nc, o| {
+            let img = &x[nc * h * wd..(nc + 1) * h * wd];
+            for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
+                orow.fill(f32::NEG_INFINITY);
+                for i in 0..kh {
+                    let line = &img[(y * sh + i) * wd..(y * sh + i + 1) * wd];
+                    for (xo, m) in orow.iter_mut().enumerate() {
+                        for &v in &line[xo * sw..xo * sw + kw] {
+                            if v > *m || v.is_nan() {
+                                *m = v;
+                            }
+                        }
+                    }
+                }
+            }
+        });
+        return;
+    }
     planes(out, oh * ow, |nc, o| {
         let img = &x[nc * h * wd..(nc + 1) * h * wd];
         for y in 0..oh {
@@ -335,5 +367,29 @@ mod tests {
         let mut z = vec![0.0; x.len()];
         dropout(&x, [7, 2], 0.3, &mut z);
         assert_ne!(y, z, "another counter gives another mask");
+    }
+
+    #[test]
+    #[ignore]
+    fn zz_timing() {
+        let x: Vec<f32> = (0..64 * 32 * 32 * 32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w = win(2, 2, 0);
+        let mut out = vec![0.0f32; 64 * 32 * 16 * 16];
+        let mut gx = vec![0.0f32; x.len()];
+        for _ in 0..3 { pool2d(&x, &[64, 32, 32, 32], &w, true, &mut out); }
+        let t = std::time::Instant::now();
+        for _ in 0..10 { pool2d(&x, &[64, 32, 32, 32], &w, true, &mut out); }
+        eprintln!("pool fwd {:?}", t.elapsed() / 10);
+        let t = std::time::Instant::now();
+        for _ in 0..10 { pool2d_grad(&x, &[64, 32, 32, 32], &out, &w, true, &mut gx); }
+        eprintln!("pool grad {:?}", t.elapsed() / 10);
+        let w3 = win(3, 1, 1);
+        let mut cols = vec![0.0f32; 64 * 32 * 9 * 1024];
+        let t = std::time::Instant::now();
+        for _ in 0..5 { im2col(&x, &[64, 32, 32, 32], &w3, &mut cols); }
+        eprintln!("im2col {:?}", t.elapsed() / 5);
+        let t = std::time::Instant::now();
+        for _ in 0..5 { col2im(&cols, &w3, &[64, 32, 32, 32], &mut gx); }
+        eprintln!("col2im {:?}", t.elapsed() / 5);
     }
 }
