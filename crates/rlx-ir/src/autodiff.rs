@@ -465,6 +465,47 @@ fn vjp(
             }
             out
         }
+        Op::Attention {
+            scale,
+            causal,
+            heads,
+        } => {
+            let attrs = Op::AttentionGrad {
+                scale: *scale,
+                causal: *causal,
+                heads: *heads,
+            };
+            let mut args = ins.to_vec();
+            args.extend([y, gy]);
+            let d = g.add(attrs, &args)?;
+            if heads.is_some() {
+                return Ok(vec![Some(d)]);
+            }
+            // The flat [dq | dk | dv], cut and reshaped back to each input.
+            let mut start = 0;
+            let mut out = Vec::with_capacity(3);
+            for &i in ins {
+                let s = shape(g, i);
+                let end = start + s.numel();
+                let piece = g.add(
+                    Op::Slice {
+                        axis: 0,
+                        start,
+                        end,
+                    },
+                    &[d],
+                )?;
+                out.push(Some(g.add(Op::Reshape { shape: s }, &[piece])?));
+                start = end;
+            }
+            out
+        }
+        Op::AttentionGrad { .. } => {
+            return Err(Error::unsupported(
+                "attention_grad",
+                "second derivatives are not supported",
+            ))
+        }
         Op::NormalizeGrad { .. } => {
             return Err(Error::unsupported(
                 "layer_norm_grad",

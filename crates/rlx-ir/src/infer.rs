@@ -193,6 +193,31 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             }
             Ok((f.shape.clone(), DType::F32))
         }
+        Op::Attention { heads, .. } | Op::AttentionGrad { heads, .. } => {
+            for i in 0..ins.len() {
+                float(i)?;
+            }
+            let grad = matches!(op, Op::AttentionGrad { .. });
+            let out = attention(name, ins, *heads)?;
+            if grad {
+                // `out` and `g` follow the inputs.
+                let k = if heads.is_some() { 1 } else { 3 };
+                for (what, x) in [("out", ins[k]), ("g", ins[k + 1])] {
+                    if x.shape != out {
+                        return Err(Error::shape(
+                            name,
+                            format!("{what} is {} but the attention output is {out}", x.shape),
+                        ));
+                    }
+                }
+                if heads.is_some() {
+                    return Ok((ins[0].shape.clone(), DType::F32));
+                }
+                let n: usize = ins[..3].iter().map(|x| x.shape.numel()).sum();
+                return Ok((Shape::new([n]), DType::F32));
+            }
+            Ok((out, DType::F32))
+        }
         Op::Where => {
             if ins[1].dtype != ins[2].dtype {
                 return Err(Error::dtype(
@@ -322,6 +347,51 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((Shape(out), ins[0].dtype))
         }
     }
+}
+
+/// The output shape of `Attention` for its (first) inputs; see `Op::Attention` for layouts.
+fn attention(name: &str, ins: &[&Node], heads: Option<usize>) -> Result<Shape> {
+    if let Some(h) = heads {
+        let s = &ins[0].shape;
+        if s.rank() != 3 || h == 0 || s.0[1] == 0 || s.0[2] == 0 || s.0[2] % (3 * h) != 0 {
+            return Err(Error::shape(
+                name,
+                format!(
+                    "packed q|k|v must be (B, T, 3 * {h} * head_dim) with T, head_dim >= 1, got {s}"
+                ),
+            ));
+        }
+        return Ok(Shape::new([s.0[0], s.0[1], s.0[2] / 3]));
+    }
+    let (q, k, v) = (&ins[0].shape, &ins[1].shape, &ins[2].shape);
+    let r = q.rank();
+    if r < 2 || k.rank() != r || v.rank() != r {
+        return Err(Error::shape(
+            name,
+            format!("q, k, v must all be (..., T, d) of one rank >= 2, got {q}, {k}, {v}"),
+        ));
+    }
+    if q.0[..r - 2] != k.0[..r - 2] || q.0[..r - 2] != v.0[..r - 2] {
+        return Err(Error::shape(
+            name,
+            format!("q, k, v must have the same leading dims, got {q}, {k}, {v}"),
+        ));
+    }
+    if q.0[r - 1] != k.0[r - 1] || k.0[r - 2] != v.0[r - 2] {
+        return Err(Error::shape(
+            name,
+            format!("q (..., L, E), k (..., S, E), v (..., S, Ev) do not fit: {q}, {k}, {v}"),
+        ));
+    }
+    if q.0[r - 2] == 0 || q.0[r - 1] == 0 || k.0[r - 2] == 0 || v.0[r - 1] == 0 {
+        return Err(Error::shape(
+            name,
+            format!("L, S, E and Ev must be at least 1, got q {q}, k {k}, v {v}"),
+        ));
+    }
+    let mut out = q.0.clone();
+    out[r - 1] = v.0[r - 1];
+    Ok(Shape(out))
 }
 
 fn broadcast(op: &str, a: &Shape, b: &Shape) -> Result<Shape> {
