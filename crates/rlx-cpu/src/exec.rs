@@ -176,6 +176,24 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             let srcs: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
             fused::fused(e, &srcs, unsafe { b.get_mut(out) })
         }
+        Op::MatMulEpilogue {
+            trans_a,
+            trans_b,
+            epilogue,
+        } => {
+            let xs: Vec<(&[f32], &[usize])> = (2..ins.len()).map(|i| (f(i), sh(i))).collect();
+            fused::matmul_epilogue(
+                epilogue,
+                f(0),
+                sh(0),
+                *trans_a,
+                f(1),
+                sh(1),
+                *trans_b,
+                &xs,
+                unsafe { b.get_mut(out) },
+            )
+        }
         Op::Attention {
             scale,
             causal,

@@ -156,42 +156,35 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((Shape::scalar(), DType::F32))
         }
         Op::Fused(f) => {
-            if ins.len() != f.n_inputs {
-                return Err(Error::Graph(format!(
-                    "[fused] expects {} inputs, got {}",
-                    f.n_inputs,
-                    ins.len()
-                )));
-            }
-            for (i, x) in ins.iter().enumerate() {
+            let shapes: Vec<&Shape> = ins.iter().map(|x| &x.shape).collect();
+            for i in 0..ins.len() {
                 float(i)?;
-                if broadcast(name, &x.shape, &f.shape)? != f.shape {
-                    return Err(Error::shape(
-                        name,
-                        format!(
-                            "input {i} of shape {} does not broadcast to {}",
-                            x.shape, f.shape
-                        ),
-                    ));
-                }
             }
-            for (k, step) in f.steps.iter().enumerate() {
-                let defined = (f.n_inputs + k) as u16;
-                let regs: &[u16] = match step {
-                    crate::FusedStep::Unary(_, a) => &[*a],
-                    crate::FusedStep::Binary(_, a, b) => &[*a, *b],
-                    crate::FusedStep::Where(c, a, b) => &[*c, *a, *b],
-                };
-                if regs.iter().any(|&r| r >= defined) {
-                    return Err(Error::Graph(format!(
-                        "[fused] step {k} reads a register not yet defined"
-                    )));
-                }
-            }
-            if f.steps.is_empty() {
-                return Err(Error::Graph("[fused] an expression needs a step".into()));
-            }
+            fused(name, f, &shapes)?;
             Ok((f.shape.clone(), DType::F32))
+        }
+        Op::MatMulEpilogue {
+            trans_a,
+            trans_b,
+            epilogue,
+        } => {
+            let (mm, _) = matmul(ins[0], ins[1], *trans_a, *trans_b)?;
+            if mm.numel() != epilogue.shape.numel() {
+                return Err(Error::shape(
+                    name,
+                    format!(
+                        "the product {mm} and the epilogue's shape {} differ in size",
+                        epilogue.shape
+                    ),
+                ));
+            }
+            for i in 2..ins.len() {
+                float(i)?;
+            }
+            let mut shapes: Vec<&Shape> = vec![&epilogue.shape];
+            shapes.extend(ins[2..].iter().map(|x| &x.shape));
+            fused(name, epilogue, &shapes)?;
+            Ok((epilogue.shape.clone(), DType::F32))
         }
         Op::Attention { heads, .. } | Op::AttentionGrad { heads, .. } => {
             for i in 0..ins.len() {
@@ -347,6 +340,42 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((Shape(out), ins[0].dtype))
         }
     }
+}
+
+/// Checks a fused expression against its input shapes (registers `0..n_inputs`).
+fn fused(name: &str, f: &crate::Fused, ins: &[&Shape]) -> Result<()> {
+    if ins.len() != f.n_inputs {
+        return Err(Error::Graph(format!(
+            "[{name}] expects {} expression inputs, got {}",
+            f.n_inputs,
+            ins.len()
+        )));
+    }
+    for (i, x) in ins.iter().enumerate() {
+        if broadcast(name, x, &f.shape)? != f.shape {
+            return Err(Error::shape(
+                name,
+                format!("input {i} of shape {x} does not broadcast to {}", f.shape),
+            ));
+        }
+    }
+    for (k, step) in f.steps.iter().enumerate() {
+        let defined = (f.n_inputs + k) as u16;
+        let regs: &[u16] = match step {
+            crate::FusedStep::Unary(_, a) => &[*a],
+            crate::FusedStep::Binary(_, a, b) => &[*a, *b],
+            crate::FusedStep::Where(c, a, b) => &[*c, *a, *b],
+        };
+        if regs.iter().any(|&r| r >= defined) {
+            return Err(Error::Graph(format!(
+                "[{name}] step {k} reads a register not yet defined"
+            )));
+        }
+    }
+    if f.steps.is_empty() {
+        return Err(Error::Graph(format!("[{name}] an expression needs a step")));
+    }
+    Ok(())
 }
 
 /// The output shape of `Attention` for its (first) inputs; see `Op::Attention` for layouts.

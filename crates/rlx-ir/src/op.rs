@@ -187,6 +187,17 @@ pub enum Op {
         causal: Option<i64>,
         heads: Option<usize>,
     },
+    /// A matmul followed by an elementwise epilogue, `epilogue(a @ b, x1, .., xn)` (made by
+    /// `fuse`, after autodiff; no VJP). Inputs `(a, b, x1, .., xn)`; `a @ b` is `MatMul` with
+    /// the same flags, and its result, read in row-major order as `epilogue.shape` (same element
+    /// count), is the expression's register 0; `x1..xn` are registers 1..n (each broadcast to
+    /// `epilogue.shape`). The output has `epilogue.shape`. A backend may apply the epilogue to
+    /// each block of the product while it is in cache; the product is never stored in the arena.
+    MatMulEpilogue {
+        trans_a: bool,
+        trans_b: bool,
+        epilogue: Arc<Fused>,
+    },
     /// A chain of float32 elementwise ops evaluated in one pass (made by `fuse`, after
     /// autodiff; it has no VJP).
     Fused(Arc<Fused>),
@@ -296,6 +307,7 @@ impl Op {
             Op::Pad { .. } => "pad",
             Op::Concat { .. } => "concat",
             Op::Fused(_) => "fused",
+            Op::MatMulEpilogue { .. } => "matmul_epilogue",
             Op::Attention { .. } => "scaled_dot_product_attention",
             Op::AttentionGrad { .. } => "attention_grad",
         }
@@ -305,6 +317,7 @@ impl Op {
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
             Op::Concat { .. } | Op::Fused(_) => return None,
+            Op::MatMulEpilogue { epilogue, .. } => 1 + epilogue.n_inputs,
             Op::Attention { heads, .. } => {
                 if heads.is_some() {
                     1

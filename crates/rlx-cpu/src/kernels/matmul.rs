@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 /// Below this many multiply-adds one GEMM runs on one thread: waking the pool costs more than
 /// the second core gains (measured on the digits MLP: 64x256x256 is faster on one thread).
-const PAR_FLOPS: usize = 128 * 256 * 256;
+pub const PAR_FLOPS: usize = 128 * 256 * 256;
 
 /// A row-major matrix view: element (i, j) is at `data[i * rs + j * cs]`.
 #[derive(Clone, Copy)]
