@@ -256,7 +256,7 @@ def test_fused_attention_matches_the_composed_ops(lead, tq, s, e, ev, causal, se
     a = loss_and_grads_plain(fused_fn, arrays, {"u": up})
     b = loss_and_grads_plain(composed_fn, arrays, {"u": up})
     assert_same(a[:2], b[:2], rtol=2e-4, atol=2e-5)
-    assert "scaled_dot_product_attention" in program_ops(a[2])
+    assert "attention" in program_ops(a[2])
 
 
 def loss_and_grads_plain(fn, arrays, inputs):
@@ -291,7 +291,7 @@ def test_packed_attention_of_multi_head_attention_matches_the_composed_ops(causa
         results.append((step(x=x, u=u), {k: v.copy() for k, v in step.grads.items()}, step))
     assert_same(results[0][:2], results[1][:2], rtol=2e-4, atol=2e-5)
     ops = program_ops(results[0][2])
-    assert ops.count("scaled_dot_product_attention") == 1 and ops.count("attention_grad") == 1
+    assert ops.count("attention") == 1 and ops.count("attention_grad") == 1
     assert "softmax" not in ops and "transpose" not in ops
 
 
@@ -304,9 +304,9 @@ def test_attention_errors_and_queries_that_see_no_key():
     assert np.isnan(out[:, :2]).all() and np.isfinite(out[:, 2:]).all()
     # The IR op checks its shapes itself (the Python function falls back to primitive ops for
     # shapes it does not take, so call the graph builder directly).
-    with pytest.raises(rlx.ShapeError, match=r"\[scaled_dot_product_attention\].*do not fit"):
+    with pytest.raises(rlx.ShapeError, match=r"\[attention\].*do not fit"):
         run_forward(lambda q, k: _raw_attention(q, k, k[:, :1]), {"q": q, "k": k})
-    with pytest.raises(rlx.ShapeError, match=r"\[scaled_dot_product_attention\] packed"):
+    with pytest.raises(rlx.ShapeError, match=r"\[attention\] packed"):
         run_forward(lambda q: _raw_attention(q, heads=2), {"q": q})
 
 

@@ -500,21 +500,9 @@ fn vjp(
             }
             out
         }
-        Op::AttentionGrad { .. } => {
+        Op::NormalizeGrad { .. } | Op::SoftmaxCrossEntropyGrad | Op::AttentionGrad { .. } => {
             return Err(Error::unsupported(
-                "attention_grad",
-                "second derivatives are not supported",
-            ))
-        }
-        Op::NormalizeGrad { .. } => {
-            return Err(Error::unsupported(
-                "layer_norm_grad",
-                "second derivatives are not supported",
-            ))
-        }
-        Op::SoftmaxCrossEntropyGrad => {
-            return Err(Error::unsupported(
-                "cross_entropy_grad",
+                op.name(),
                 "second derivatives are not supported",
             ))
         }
