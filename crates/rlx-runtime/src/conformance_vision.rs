@@ -208,7 +208,10 @@ pub fn vision_ops_match_references(backend: &Arc<dyn Backend>) {
         &g,
         &[
             ("x", f32s(&x)),
-            ("seed", [5i32, 77].iter().flat_map(|v| v.to_le_bytes()).collect()),
+            (
+                "seed",
+                [5i32, 77].iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
             ("logits", f32s(&lg)),
             (
                 "labels",
@@ -240,5 +243,9 @@ pub fn vision_ops_match_references(backend: &Arc<dyn Backend>) {
         let lse = z.iter().map(|&v| (v as f64).exp()).sum::<f64>().ln();
         lse - z[y] as f64
     };
-    close(&got[3], &[(row(0, 2) + row(2, 0)) / 2.0], "cross_entropy, a row ignored");
+    close(
+        &got[3],
+        &[(row(0, 2) + row(2, 0)) / 2.0],
+        "cross_entropy, a row ignored",
+    );
 }

@@ -368,28 +368,4 @@ mod tests {
         dropout(&x, [7, 2], 0.3, &mut z);
         assert_ne!(y, z, "another counter gives another mask");
     }
-
-    #[test]
-    #[ignore]
-    fn zz_timing() {
-        let x: Vec<f32> = (0..64 * 32 * 32 * 32).map(|i| (i as f32 * 0.37).sin()).collect();
-        let w = win(2, 2, 0);
-        let mut out = vec![0.0f32; 64 * 32 * 16 * 16];
-        let mut gx = vec![0.0f32; x.len()];
-        for _ in 0..3 { pool2d(&x, &[64, 32, 32, 32], &w, true, &mut out); }
-        let t = std::time::Instant::now();
-        for _ in 0..10 { pool2d(&x, &[64, 32, 32, 32], &w, true, &mut out); }
-        eprintln!("pool fwd {:?}", t.elapsed() / 10);
-        let t = std::time::Instant::now();
-        for _ in 0..10 { pool2d_grad(&x, &[64, 32, 32, 32], &out, &w, true, &mut gx); }
-        eprintln!("pool grad {:?}", t.elapsed() / 10);
-        let w3 = win(3, 1, 1);
-        let mut cols = vec![0.0f32; 64 * 32 * 9 * 1024];
-        let t = std::time::Instant::now();
-        for _ in 0..5 { im2col(&x, &[64, 32, 32, 32], &w3, &mut cols); }
-        eprintln!("im2col {:?}", t.elapsed() / 5);
-        let t = std::time::Instant::now();
-        for _ in 0..5 { col2im(&cols, &w3, &[64, 32, 32, 32], &mut gx); }
-        eprintln!("col2im {:?}", t.elapsed() / 5);
-    }
 }
