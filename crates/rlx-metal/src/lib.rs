@@ -1,3 +1,88 @@
-//! rlx-metal: the Metal backend (Apple silicon).
+//! rlx-metal: the Metal backend's parts (Apple silicon): shared-storage buffers, the MSL kernel
+//! library with its launch records, and the blit copy engine ordered by shared events, all above
+//! a thin GPU interface (`gpu`) that Metal implements on Apple targets (`sys`) and host memory
+//! plus the system C++ compiler implements elsewhere (`host`, for tests). Program compilation to
+//! these kernels is not wired yet: `device="metal"` is not offered by rlx.
+pub mod buffer;
+pub mod copy;
+pub mod gpu;
+pub mod host;
+pub mod kernels;
 #[cfg(target_vendor = "apple")]
-mod sys;
+pub mod sys;
+
+pub use buffer::MetalBuffer;
+pub use copy::MetalCopyEngine;
+
+use gpu::{Dispatch, Gpu, GpuEvent, GpuLibrary};
+use rlx_ir::Result;
+use std::sync::Arc;
+
+/// Which prelude the kernel source is compiled with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    /// Metal Shading Language on a Metal device.
+    Msl,
+    /// C++17 on the host through `msl/compat.h` (the compat header is added by `host`).
+    HostCxx,
+}
+
+/// One GPU with the kernel library compiled for it (once, at creation).
+pub struct MetalDevice {
+    gpu: Arc<dyn Gpu>,
+    library: Arc<dyn GpuLibrary>,
+}
+
+impl MetalDevice {
+    /// Compiles the kernel library for `gpu`.
+    pub fn new(gpu: Arc<dyn Gpu>, dialect: Dialect) -> Result<Self> {
+        let source = match dialect {
+            Dialect::Msl => format!("{}{}", kernels::MSL_PRELUDE, kernels::SOURCE),
+            Dialect::HostCxx => kernels::SOURCE.to_string(),
+        };
+        let library = gpu.compile(&source)?;
+        Ok(Self { gpu, library })
+    }
+
+    /// The host-emulated device (Linux tests); a `Device` error without a C++ compiler.
+    pub fn host() -> Result<Self> {
+        Self::new(Arc::new(host::HostGpu::new()?), Dialect::HostCxx)
+    }
+
+    /// The system's default Metal device.
+    #[cfg(target_vendor = "apple")]
+    pub fn system() -> Result<Self> {
+        Self::new(Arc::new(sys::MetalGpu::system_default()?), Dialect::Msl)
+    }
+
+    pub fn name(&self) -> String {
+        self.gpu.name()
+    }
+
+    /// A zeroed shared buffer of `bytes` bytes.
+    pub fn alloc(&self, bytes: usize) -> Result<Arc<MetalBuffer>> {
+        Ok(Arc::new(MetalBuffer::new(self.gpu.new_buffer(bytes)?)))
+    }
+
+    /// A copy engine on this device's blit queue.
+    pub fn copy_engine(&self) -> Result<Arc<MetalCopyEngine>> {
+        Ok(Arc::new(MetalCopyEngine::new(self.gpu.clone())?))
+    }
+
+    /// Runs `dispatches` in order on the compute queue (after the device-side wait `wait`, if
+    /// given) with `uses` resident, and blocks until they completed.
+    pub fn run(
+        &self,
+        wait: Option<(&Arc<dyn GpuEvent>, u64)>,
+        dispatches: &[Dispatch<'_>],
+        uses: &[&MetalBuffer],
+    ) -> Result<()> {
+        let uses: Vec<_> = uses.iter().map(|b| b.gpu().clone()).collect();
+        self.gpu
+            .compute(self.library.as_ref(), wait, dispatches, &uses)?
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,88 @@
+//! The thin interface between the Metal backend and a GPU: shared-storage buffers, compute
+//! dispatches on one queue, blit copies on another, shared events. `sys` implements it with Metal
+//! on Apple targets; `host` implements it in host memory (kernels compiled by the system C++
+//! compiler) so that everything above it builds and is tested on Linux.
+use rlx_ir::Result;
+use std::any::Any;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// A buffer the CPU and the GPU share (Metal: `MTLStorageModeShared`).
+pub trait GpuBuffer: Send + Sync + Any {
+    /// Size in bytes.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The host address of byte 0 (zero-copy: the very memory kernels read and write).
+    fn contents(&self) -> NonNull<u8>;
+    /// The address kernels use for byte 0 (Metal 3: `gpuAddress`; host: the host address).
+    fn gpu_address(&self) -> u64;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A monotonically increasing counter the GPU signals and the host or GPU waits on
+/// (Metal: `MTLSharedEvent`).
+pub trait GpuEvent: Send + Sync + Any {
+    fn signaled_value(&self) -> u64;
+    /// Blocks until the value is at least `value`; false if `timeout_ms` passed first.
+    fn wait_until(&self, value: u64, timeout_ms: u64) -> bool;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// Compiled kernels (Metal: an `MTLLibrary` and its pipelines).
+pub trait GpuLibrary: Send + Sync + Any {
+    /// Whether the library has a kernel of this name.
+    fn has(&self, kernel: &str) -> bool;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// One kernel launch: `threads` threads (1-D grid), each given the launch record `record`
+/// (buffer index 0; GPU addresses inside it name the buffers).
+pub struct Dispatch<'a> {
+    pub kernel: &'a str,
+    pub record: &'a [u8],
+    pub threads: usize,
+}
+
+/// One blit copy between shared buffers.
+pub struct BlitCopy {
+    pub src: Arc<dyn GpuBuffer>,
+    pub src_offset: usize,
+    pub dst: Arc<dyn GpuBuffer>,
+    pub dst_offset: usize,
+    pub bytes: usize,
+}
+
+/// Work handed to a queue; `finish` blocks until it completed and reports its error.
+pub trait Submitted: Send + Sync {
+    fn finish(&self) -> Result<()>;
+}
+
+/// A GPU as the backend sees it.
+pub trait Gpu: Send + Sync {
+    fn name(&self) -> String;
+    fn new_buffer(&self, bytes: usize) -> Result<Arc<dyn GpuBuffer>>;
+    fn new_event(&self) -> Result<Arc<dyn GpuEvent>>;
+    /// Compiles kernel source written in the MSL subset of `crate::kernels` (the backend adds the
+    /// dialect's prelude).
+    fn compile(&self, source: &str) -> Result<Arc<dyn GpuLibrary>>;
+    /// Encodes `dispatches` in order on the compute queue, after the queue waited (on the
+    /// device) for `wait` if given, with `uses` made resident, commits, and returns the
+    /// submission.
+    fn compute(
+        &self,
+        library: &dyn GpuLibrary,
+        wait: Option<(&Arc<dyn GpuEvent>, u64)>,
+        dispatches: &[Dispatch<'_>],
+        uses: &[Arc<dyn GpuBuffer>],
+    ) -> Result<Box<dyn Submitted>>;
+    /// Encodes `copy` on the blit queue followed by a signal of `event` to `value`, commits, and
+    /// returns at once.
+    fn blit(
+        &self,
+        copy: BlitCopy,
+        event: &Arc<dyn GpuEvent>,
+        value: u64,
+    ) -> Result<Box<dyn Submitted>>;
+}

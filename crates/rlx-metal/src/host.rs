@@ -1,0 +1,371 @@
+//! A host-memory implementation of [`crate::gpu::Gpu`] for Linux tests: buffers are aligned host
+//! allocations, kernels are the MSL sources compiled by the system C++ compiler through
+//! `msl/compat.h` into a shared library loaded with `dlopen`, a dispatch calls the kernel once per
+//! thread index on the caller's thread, and the blit queue is a worker thread that copies in
+//! issue order and then signals the event. Not a performance path: it runs the same kernels and
+//! the same queue/event ordering as the device does.
+#![allow(unsafe_code)] // FFI module: raw allocations and dlopen'ed kernels
+use crate::gpu::{BlitCopy, Dispatch, Gpu, GpuBuffer, GpuEvent, GpuLibrary, Submitted};
+use rlx_ir::{Error, Result};
+use std::alloc::Layout;
+use std::any::Any;
+use std::process::Command;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+/// The compatibility header that lets MSL kernel sources compile as C++.
+pub const COMPAT_H: &str = include_str!("msl/compat.h");
+
+/// The C++ compiler the host kernels are built with: `$RLX_CXX`, `$CXX`, else the first of
+/// `c++`, `g++`, `clang++` that runs; `None` when there is none.
+pub fn cxx() -> Option<String> {
+    let mut names: Vec<String> = Vec::new();
+    for var in ["RLX_CXX", "CXX"] {
+        if let Ok(v) = std::env::var(var) {
+            if !v.is_empty() {
+                names.push(v);
+            }
+        }
+    }
+    names.extend(["c++", "g++", "clang++"].map(String::from));
+    names.into_iter().find(|c| {
+        Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    })
+}
+
+const ALIGN: usize = 256;
+
+/// A zeroed, 256-byte-aligned host allocation standing in for a shared `MTLBuffer`.
+pub struct HostBuffer {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the allocation is owned by this value; concurrent access to its bytes is governed by
+// the same contract as a real shared buffer (the runtime's locks), not by this type.
+unsafe impl Send for HostBuffer {}
+// SAFETY: as above; the type itself holds no interior state besides the pointer.
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    fn layout(len: usize) -> Result<Layout> {
+        Layout::from_size_align(len.max(1), ALIGN)
+            .map_err(|e| Error::Device(format!("cannot allocate {len} bytes: {e}")))
+    }
+    fn new(len: usize) -> Result<Self> {
+        let layout = Self::layout(len)?;
+        // SAFETY: the layout has a non-zero size.
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw)
+            .ok_or_else(|| Error::Device(format!("out of host memory allocating {len} bytes")))?;
+        Ok(Self { ptr, len })
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if let Ok(layout) = Self::layout(self.len) {
+            // SAFETY: allocated in `new` with this very layout.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
+        }
+    }
+}
+
+impl GpuBuffer for HostBuffer {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn contents(&self) -> NonNull<u8> {
+        self.ptr
+    }
+    fn gpu_address(&self) -> u64 {
+        self.ptr.as_ptr() as usize as u64
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A shared event: a counter behind a mutex, waited on with a condition variable.
+#[derive(Default)]
+pub struct HostEvent {
+    value: Mutex<u64>,
+    changed: Condvar,
+}
+
+impl HostEvent {
+    fn signal(&self, value: u64) {
+        let mut v = self.value.lock().unwrap_or_else(|p| p.into_inner());
+        if value > *v {
+            *v = value;
+        }
+        self.changed.notify_all();
+    }
+}
+
+impl GpuEvent for HostEvent {
+    fn signaled_value(&self) -> u64 {
+        *self.value.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn wait_until(&self, value: u64, timeout_ms: u64) -> bool {
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        let mut v = self.value.lock().unwrap_or_else(|p| p.into_inner());
+        while *v < value {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            v = self
+                .changed
+                .wait_timeout(v, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Kernels compiled to a shared library.
+pub struct HostLibrary {
+    lib: libloading::Library,
+    names: Vec<String>,
+}
+
+impl GpuLibrary for HostLibrary {
+    fn has(&self, kernel: &str) -> bool {
+        self.names.iter().any(|n| n == kernel)
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The kernel names a source defines (`kernel void NAME(`).
+pub fn kernel_names(source: &str) -> Vec<String> {
+    source
+        .split("kernel void ")
+        .skip(1)
+        .filter_map(|rest| rest.split('(').next())
+        .map(|n| n.trim().to_string())
+        .filter(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'))
+        .collect()
+}
+
+struct Done(Mutex<Option<Result<()>>>, Condvar);
+
+impl Done {
+    fn new() -> Arc<Self> {
+        Arc::new(Done(Mutex::new(None), Condvar::new()))
+    }
+    fn set(&self, r: Result<()>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+        self.1.notify_all();
+    }
+}
+
+struct HostSubmitted(Arc<Done>);
+
+impl Submitted for HostSubmitted {
+    fn finish(&self) -> Result<()> {
+        let mut g = self.0 .0.lock().unwrap_or_else(|p| p.into_inner());
+        while g.is_none() {
+            g = self.0 .1.wait(g).unwrap_or_else(|p| p.into_inner());
+        }
+        g.clone().unwrap_or(Ok(()))
+    }
+}
+
+type BlitJob = (BlitCopy, Arc<dyn GpuEvent>, u64, Arc<Done>);
+
+/// The host GPU: a compute "queue" on the caller's thread and a blit queue on a worker thread.
+pub struct HostGpu {
+    cxx: String,
+    blits: Mutex<mpsc::Sender<BlitJob>>,
+    worker: Mutex<Option<thread::JoinHandle<()>>>,
+}
+
+static LIB_SEQ: AtomicU64 = AtomicU64::new(0);
+
+impl HostGpu {
+    /// A host GPU whose kernels are compiled by `cxx()`; a `Device` error when there is no C++
+    /// compiler.
+    pub fn new() -> Result<Self> {
+        let cxx = cxx().ok_or_else(|| {
+            Error::Device(
+                "the host-emulated Metal device needs a C++ compiler (c++, g++ or clang++; or set \
+                 RLX_CXX)"
+                    .into(),
+            )
+        })?;
+        let (tx, rx) = mpsc::channel::<BlitJob>();
+        let worker = thread::Builder::new()
+            .name("rlx-metal-host-blit".into())
+            .spawn(move || {
+                for (copy, event, value, done) in rx {
+                    // SAFETY: the engine checked both ranges at issue and keeps both buffers
+                    // alive (they are in `copy`) until this job is done; `copy` handles overlap.
+                    unsafe {
+                        std::ptr::copy(
+                            copy.src.contents().as_ptr().add(copy.src_offset),
+                            copy.dst.contents().as_ptr().add(copy.dst_offset),
+                            copy.bytes,
+                        );
+                    }
+                    drop(copy);
+                    done.set(Ok(()));
+                    if let Some(e) = event.as_any().downcast_ref::<HostEvent>() {
+                        e.signal(value);
+                    }
+                }
+            })
+            .map_err(|e| Error::Device(format!("cannot start the host blit queue: {e}")))?;
+        Ok(Self {
+            cxx,
+            blits: Mutex::new(tx),
+            worker: Mutex::new(Some(worker)),
+        })
+    }
+}
+
+impl Drop for HostGpu {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker after the queued copies.
+        let (tx, _) = mpsc::channel();
+        *self.blits.lock().unwrap_or_else(|p| p.into_inner()) = tx;
+        if let Some(w) = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Gpu for HostGpu {
+    fn name(&self) -> String {
+        "metal (host emulation)".into()
+    }
+    fn new_buffer(&self, bytes: usize) -> Result<Arc<dyn GpuBuffer>> {
+        Ok(Arc::new(HostBuffer::new(bytes)?))
+    }
+    fn new_event(&self) -> Result<Arc<dyn GpuEvent>> {
+        Ok(Arc::new(HostEvent::default()))
+    }
+    fn compile(&self, source: &str) -> Result<Arc<dyn GpuLibrary>> {
+        let dir = std::env::temp_dir().join(format!(
+            "rlx-metal-host-{}-{}",
+            std::process::id(),
+            LIB_SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let io = |e: std::io::Error| Error::Device(format!("host kernel build in {dir:?}: {e}"));
+        std::fs::create_dir_all(&dir).map_err(io)?;
+        let src = dir.join("kernels.cpp");
+        let so = dir.join("kernels.so");
+        std::fs::write(
+            &src,
+            format!("{COMPAT_H}\n#line 1 \"kernels.metal\"\n{source}"),
+        )
+        .map_err(io)?;
+        let out = Command::new(&self.cxx)
+            .args([
+                "-std=c++17",
+                "-O2",
+                "-shared",
+                "-fPIC",
+                "-Wno-attributes",
+                "-o",
+            ])
+            .arg(&so)
+            .arg(&src)
+            .output()
+            .map_err(io)?;
+        if !out.status.success() {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(Error::Device(format!(
+                "kernel source does not compile ({}):\n{}",
+                self.cxx,
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        // SAFETY: the library was just built from our kernel source; loading it runs no
+        // initialisers beyond the C++ runtime's.
+        let lib = unsafe { libloading::Library::new(&so) }
+            .map_err(|e| Error::Device(format!("cannot load host kernels {so:?}: {e}")));
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(Arc::new(HostLibrary {
+            lib: lib?,
+            names: kernel_names(source),
+        }))
+    }
+    fn compute(
+        &self,
+        library: &dyn GpuLibrary,
+        wait: Option<(&Arc<dyn GpuEvent>, u64)>,
+        dispatches: &[Dispatch<'_>],
+        _uses: &[Arc<dyn GpuBuffer>],
+    ) -> Result<Box<dyn Submitted>> {
+        let lib = library
+            .as_any()
+            .downcast_ref::<HostLibrary>()
+            .ok_or_else(|| Error::Internal("a foreign library on the host GPU".into()))?;
+        if let Some((event, value)) = wait {
+            event.wait_until(value, u64::MAX / 4);
+        }
+        for d in dispatches {
+            if !lib.has(d.kernel) {
+                return Err(Error::Internal(format!("no kernel named '{}'", d.kernel)));
+            }
+            let threads = u32::try_from(d.threads).map_err(|_| Error::Unsupported {
+                op: d.kernel.into(),
+                msg: format!("{} threads exceed a 32-bit grid", d.threads),
+            })?;
+            // The record is copied to an aligned block, as setBytes gives the kernel.
+            let mut rec = vec![0u64; d.record.len().div_ceil(8)];
+            // SAFETY: `rec` has at least `record.len()` bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    d.record.as_ptr(),
+                    rec.as_mut_ptr().cast::<u8>(),
+                    d.record.len(),
+                )
+            };
+            // SAFETY: every kernel in the library has the signature
+            // `extern "C" void k(const Record&, uint)` (the compat header's `kernel`).
+            let f: libloading::Symbol<'_, unsafe extern "C" fn(*const u64, u32)> =
+                unsafe { lib.lib.get(d.kernel.as_bytes()) }
+                    .map_err(|e| Error::Internal(format!("kernel '{}': {e}", d.kernel)))?;
+            for t in 0..threads {
+                // SAFETY: the record's addresses were built by the caller from live buffers
+                // and the kernel bounds-checks its thread index against the record's sizes.
+                unsafe { f(rec.as_ptr(), t) };
+            }
+        }
+        let done = Done::new();
+        done.set(Ok(()));
+        Ok(Box::new(HostSubmitted(done)))
+    }
+    fn blit(
+        &self,
+        copy: BlitCopy,
+        event: &Arc<dyn GpuEvent>,
+        value: u64,
+    ) -> Result<Box<dyn Submitted>> {
+        if event.as_any().downcast_ref::<HostEvent>().is_none() {
+            return Err(Error::Internal("a foreign event on the host GPU".into()));
+        }
+        let done = Done::new();
+        self.blits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send((copy, event.clone(), value, done.clone()))
+            .map_err(|_| Error::Device("the host blit queue has stopped".into()))?;
+        Ok(Box::new(HostSubmitted(done)))
+    }
+}
