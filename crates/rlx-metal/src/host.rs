@@ -9,6 +9,7 @@ use crate::gpu::{BlitCopy, Dispatch, Gpu, GpuBuffer, GpuEvent, GpuLibrary, Submi
 use rlx_ir::{Error, Result};
 use std::alloc::Layout;
 use std::any::Any;
+use std::ffi::{c_void, CStr, CString};
 use std::process::Command;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -135,10 +136,61 @@ impl GpuEvent for HostEvent {
     }
 }
 
-/// Kernels compiled to a shared library.
+/// Kernels compiled to a shared library (a `dlopen` handle, closed on drop).
 pub struct HostLibrary {
-    lib: libloading::Library,
+    handle: NonNull<c_void>,
     names: Vec<String>,
+}
+
+// SAFETY: a dlopen handle may be used and closed from any thread.
+unsafe impl Send for HostLibrary {}
+// SAFETY: as above; `dlsym` is thread-safe.
+unsafe impl Sync for HostLibrary {}
+
+type KernelFn = unsafe extern "C" fn(*const u64, u32);
+
+impl HostLibrary {
+    fn open(path: &std::path::Path, names: Vec<String>) -> Result<Self> {
+        let c = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| Error::Device(format!("bad library path {path:?}")))?;
+        // SAFETY: `c` is a NUL-terminated path; the library is our kernel build, whose only
+        // initialisers are the C++ runtime's.
+        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        let handle = NonNull::new(handle).ok_or_else(|| {
+            Error::Device(format!("cannot load host kernels {path:?}: {}", dl_error()))
+        })?;
+        Ok(Self { handle, names })
+    }
+    fn kernel(&self, name: &str) -> Result<KernelFn> {
+        let c = CString::new(name).map_err(|_| Error::Internal(format!("kernel name {name:?}")))?;
+        // SAFETY: a live handle and a NUL-terminated name.
+        let sym = unsafe { libc::dlsym(self.handle.as_ptr(), c.as_ptr()) };
+        if sym.is_null() {
+            return Err(Error::Internal(format!("kernel '{name}': {}", dl_error())));
+        }
+        // SAFETY: every kernel has the signature `extern "C" void k(const Record&, uint)` (the
+        // compat header's `kernel`), which is this function pointer type.
+        Ok(unsafe { std::mem::transmute::<*mut c_void, KernelFn>(sym) })
+    }
+}
+
+impl Drop for HostLibrary {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from dlopen and no kernel of it runs any more (dispatches
+        // borrow the library).
+        unsafe { libc::dlclose(self.handle.as_ptr()) };
+    }
+}
+
+fn dl_error() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated message owned by libc.
+    let e = unsafe { libc::dlerror() };
+    if e.is_null() {
+        "unknown dlopen error".into()
+    } else {
+        // SAFETY: non-null, NUL-terminated (above).
+        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+    }
 }
 
 impl GpuLibrary for HostLibrary {
@@ -294,15 +346,9 @@ impl Gpu for HostGpu {
                 String::from_utf8_lossy(&out.stderr)
             )));
         }
-        // SAFETY: the library was just built from our kernel source; loading it runs no
-        // initialisers beyond the C++ runtime's.
-        let lib = unsafe { libloading::Library::new(&so) }
-            .map_err(|e| Error::Device(format!("cannot load host kernels {so:?}: {e}")));
+        let lib = HostLibrary::open(&so, kernel_names(source));
         let _ = std::fs::remove_dir_all(&dir);
-        Ok(Arc::new(HostLibrary {
-            lib: lib?,
-            names: kernel_names(source),
-        }))
+        Ok(Arc::new(lib?))
     }
     fn compute(
         &self,
@@ -336,11 +382,7 @@ impl Gpu for HostGpu {
                     d.record.len(),
                 )
             };
-            // SAFETY: every kernel in the library has the signature
-            // `extern "C" void k(const Record&, uint)` (the compat header's `kernel`).
-            let f: libloading::Symbol<'_, unsafe extern "C" fn(*const u64, u32)> =
-                unsafe { lib.lib.get(d.kernel.as_bytes()) }
-                    .map_err(|e| Error::Internal(format!("kernel '{}': {e}", d.kernel)))?;
+            let f = lib.kernel(d.kernel)?;
             for t in 0..threads {
                 // SAFETY: the record's addresses were built by the caller from live buffers
                 // and the kernel bounds-checks its thread index against the record's sizes.

@@ -40,6 +40,9 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+type Bin = fn(f32, f32) -> f32;
+type Un = fn(f32) -> f32;
+
 fn close(got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -77,7 +80,7 @@ fn elementwise_kernels_match_reference() {
     put(&ba, &a);
     put(&bb, &b);
     let addr = |x: &MetalBuffer| x.address(0).unwrap();
-    let bin: [(BinaryOp, fn(f32, f32) -> f32); 6] = [
+    let bin: [(BinaryOp, Bin); 6] = [
         (BinaryOp::Add, |x, y| x + y),
         (BinaryOp::Sub, |x, y| x - y),
         (BinaryOp::Mul, |x, y| x * y),
@@ -96,7 +99,7 @@ fn elementwise_kernels_match_reference() {
         let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| f(*x, *y)).collect();
         close(&get(&out, n), &want, 1e-6);
     }
-    let un: [(UnaryOp, fn(f32) -> f32); 7] = [
+    let un: [(UnaryOp, Un); 7] = [
         (UnaryOp::Neg, |x| -x),
         (UnaryOp::Relu, |x| x.max(0.0)),
         (UnaryOp::Exp, f32::exp),
