@@ -362,7 +362,8 @@ impl Gpu for HostGpu {
             .downcast_ref::<HostLibrary>()
             .ok_or_else(|| Error::Internal("a foreign library on the host GPU".into()))?;
         if let Some((event, value)) = wait {
-            event.wait_until(value, u64::MAX / 4);
+            // the device-side wait: this queue does not start the dispatches before the value
+            while !event.wait_until(value, 1000) {}
         }
         for d in dispatches {
             if !lib.has(d.kernel) {

@@ -2,7 +2,9 @@
 //! library with its launch records, and the blit copy engine ordered by shared events, all above
 //! a thin GPU interface (`gpu`) that Metal implements on Apple targets (`sys`) and host memory
 //! plus the system C++ compiler implements elsewhere (`host`, for tests). Program compilation to
-//! these kernels is not wired yet: `device="metal"` is not offered by rlx.
+//! these kernels is not done yet (`MetalBackend::compile` refuses), so rlx does not offer
+//! `device="metal"`.
+pub mod backend;
 pub mod buffer;
 pub mod copy;
 pub mod gpu;
@@ -11,6 +13,7 @@ pub mod kernels;
 #[cfg(target_vendor = "apple")]
 pub mod sys;
 
+pub use backend::MetalBackend;
 pub use buffer::MetalBuffer;
 pub use copy::MetalCopyEngine;
 

@@ -351,3 +351,26 @@ fn bad_kernel_source_is_a_device_error() {
         "{e:?}"
     );
 }
+
+#[test]
+fn backend_passes_the_copy_engine_conformance_check() {
+    let Some(dev) = device() else { return };
+    let backend: Arc<dyn rlx_runtime::Backend> = Arc::new(crate::MetalBackend::new(dev));
+    rlx_runtime::conformance::copy_engine_contract(&backend);
+}
+
+#[test]
+fn backend_refuses_to_compile_programs_clearly() {
+    let Some(dev) = device() else { return };
+    let backend = crate::MetalBackend::new(dev);
+    let e = rlx_runtime::Backend::compile(&backend, &rlx_runtime::Program::default(), &[])
+        .err()
+        .expect("refused");
+    assert!(
+        matches!(&e, Error::Unsupported { msg, .. } if msg.contains("cannot run programs yet")),
+        "{e:?}"
+    );
+    let buf = rlx_runtime::Backend::alloc(&backend, 100).unwrap();
+    assert_eq!(buf.len(), 100);
+    assert!(buf.host_ptr().is_some());
+}
