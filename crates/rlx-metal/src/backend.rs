@@ -1,7 +1,8 @@
-//! `rlx_runtime::Backend` for a Metal device: shared-storage allocations and the blit copy
-//! engine are real; compiling programs is not done yet and refuses with `UnsupportedError`.
+//! `rlx_runtime::Backend` for a Metal device: shared-storage allocations, the blit copy engine,
+//! and programs lowered by `crate::program` (element-wise float32 instructions so far; any other
+//! instruction is refused at compile with `UnsupportedError`).
 use crate::MetalDevice;
-use rlx_ir::{Error, Result};
+use rlx_ir::Result;
 use rlx_runtime::{Backend, Compiled, CopyEngine, DeviceBuffer, Program};
 use std::sync::Arc;
 
@@ -29,13 +30,12 @@ impl Backend for MetalBackend {
     fn alloc(&self, bytes: usize) -> Result<Arc<dyn DeviceBuffer>> {
         Ok(self.device.alloc(bytes)?)
     }
-    fn compile(&self, _program: &Program, _buffer_lens: &[usize]) -> Result<Box<dyn Compiled>> {
-        Err(Error::Unsupported {
-            op: "metal".into(),
-            msg: "the Metal backend cannot run programs yet (its buffers, kernels and copy \
-                  engine exist; lowering programs to them does not); use device='cpu'"
-                .into(),
-        })
+    fn compile(&self, program: &Program, buffer_lens: &[usize]) -> Result<Box<dyn Compiled>> {
+        Ok(Box::new(crate::program::MetalProgram::new(
+            self.device.clone(),
+            program,
+            buffer_lens,
+        )?))
     }
     fn copy_engine(&self) -> Result<Arc<CopyEngine>> {
         Ok(self.device.copy_engine()?)

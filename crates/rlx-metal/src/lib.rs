@@ -1,15 +1,16 @@
 //! rlx-metal: the Metal backend's parts (Apple silicon): shared-storage buffers, the MSL kernel
 //! library with its launch records, and the blit copy engine ordered by shared events, all above
 //! a thin GPU interface (`gpu`) that Metal implements on Apple targets (`sys`) and host memory
-//! plus the system C++ compiler implements elsewhere (`host`, for tests). Program compilation to
-//! these kernels is not done yet (`MetalBackend::compile` refuses), so rlx does not offer
-//! `device="metal"`.
+//! plus the system C++ compiler implements elsewhere (`host`, for tests). Programs compile to these
+//! kernels only for element-wise float32 instructions so far (others are refused), so rlx does
+//! not offer `device="metal"` yet.
 pub mod backend;
 pub mod buffer;
 pub mod copy;
 pub mod gpu;
 pub mod host;
 pub mod kernels;
+pub mod program;
 #[cfg(target_vendor = "apple")]
 pub mod sys;
 
@@ -31,6 +32,7 @@ pub enum Dialect {
 }
 
 /// One GPU with the kernel library compiled for it (once, at creation).
+#[derive(Clone)]
 pub struct MetalDevice {
     gpu: Arc<dyn Gpu>,
     library: Arc<dyn GpuLibrary>,
