@@ -310,8 +310,8 @@ class TrainStep(_Compiled):
         feeds = _check_feeds(var.names, arrays, var.specs, set())
         hyper = self._optimizer._prepare(var.state)
         out = var.exe.run(feeds, hyper, var.read)
-        if var is not self._last:
-            self._last, self._grads = var, None
+        # Views (host-visible memory) stay current; copies (device memory) are taken again.
+        self._last, self._grads = var, None
         stats = np.frombuffer(out[-1], dtype=np.float32)
         self._grad_norm = float(stats[0])
         var.skipped = float(stats[1])
@@ -369,7 +369,8 @@ def _output(exe: Any, i: int) -> np.ndarray:
     shape, dtype = exe.outputs()[i]
     raw = exe.output_view(i)
     if raw is None:
-        raise RlxError("this device's memory is not host-visible; read outputs from the call's result")
+        # Device memory the host cannot see (CUDA): a read-only copy of the last call's values.
+        raw = exe.output_read(i)
     arr = np.frombuffer(raw, dtype=_NP[dtype]).reshape(shape)
     arr.flags.writeable = False
     return arr
