@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 
+import models
 import rlx
 
 pytestmark = pytest.mark.skipif("cpu" not in rlx.devices(), reason="zero-copy views need the CPU")
@@ -21,18 +22,11 @@ B, D_IN, D_H, D_OUT = 8, 5, 7, 3
 S = rlx.InputSpec
 
 
-class MLP(rlx.nn.Module):
-    def __init__(self, d_in=D_IN, d_h=D_H, d_out=D_OUT):
-        super().__init__()
-        self.fc = rlx.nn.Linear(d_in, d_h)
-        self.out = rlx.nn.Linear(d_h, d_out)
-
-    def __call__(self, x):
-        return self.out(rlx.tanh(self.fc(x)))
+def MLP():
+    return models.MLP(D_IN, D_H, D_OUT)
 
 
-def loss_fn(m, x, y):
-    return rlx.mse_loss(m(x), y)
+loss_fn = models.mse_loss
 
 
 def inputs(b=B):
@@ -76,11 +70,11 @@ def setup(seed=0, opt=None):
 
 def take_views(model, opt, step):
     return {
-        "w": model.fc.weight.numpy(),
-        "b": model.out.bias.numpy(),
-        "g": step.grads["fc.weight"],
-        "m": opt.state("fc.weight")["exp_avg"],
-        "v": opt.state("out.bias")["exp_avg_sq"],
+        "w": model.fc1.weight.numpy(),
+        "b": model.fc2.bias.numpy(),
+        "g": step.grads["fc1.weight"],
+        "m": opt.state("fc1.weight")["exp_avg"],
+        "v": opt.state("fc2.bias")["exp_avg_sq"],
     }
 
 
@@ -104,7 +98,7 @@ def test_views_outlive_the_step():
     churn()
     assert_same(views, snap, "after del step")
     # the parameter views are still the model's live weights
-    assert ptr(model.fc.weight.numpy()) == ptr(views["w"])
+    assert ptr(model.fc1.weight.numpy()) == ptr(views["w"])
 
 
 def test_views_outlive_the_model_and_optimizer():
@@ -116,7 +110,7 @@ def test_views_outlive_the_model_and_optimizer():
     gc.collect()
     churn()
     assert_same(views, snap, "after del model/opt/step")
-    np.testing.assert_array_equal(params["fc.weight"].numpy(), snap["w"])
+    np.testing.assert_array_equal(params["fc1.weight"].numpy(), snap["w"])
     # still writable where it was (the weight view), and the write sticks
     views["w"][0, 0] = 42.0
     churn(5)
@@ -130,12 +124,12 @@ def test_views_survive_a_recompile_and_weights_stay_put():
     before = copies(views)
     # a second training step on the same model (another batch size, same optimizer)
     step2 = rlx.compile_train_step(loss_fn, model, opt, inputs(b=3))
-    assert ptr(model.fc.weight.numpy()) == w_ptr
-    assert ptr(opt.state("fc.weight")["exp_avg"]) == ptr(views["m"])
+    assert ptr(model.fc1.weight.numpy()) == w_ptr
+    assert ptr(opt.state("fc1.weight")["exp_avg"]) == ptr(views["m"])
     x, y = data(3, b=3)
     step2(x=x, y=y)
     # the old views see the update made by the new executable
-    np.testing.assert_array_equal(views["w"], model.fc.weight.numpy())
+    np.testing.assert_array_equal(views["w"], model.fc1.weight.numpy())
     assert not np.array_equal(views["w"], before["w"])
     assert not np.array_equal(views["m"], before["m"])
     # the old step's grads stay readable (and were not touched by step2)
@@ -146,43 +140,43 @@ def test_views_survive_a_recompile_and_weights_stay_put():
     churn()
     np.testing.assert_array_equal(views["g"], before["g"])
     step2(x=x, y=y)
-    np.testing.assert_array_equal(views["w"], model.fc.weight.numpy())
-    assert ptr(model.fc.weight.numpy()) == w_ptr
+    np.testing.assert_array_equal(views["w"], model.fc1.weight.numpy())
+    assert ptr(model.fc1.weight.numpy()) == w_ptr
 
 
 def test_weight_pointer_stable_across_steps_compiles_and_load(tmp_path):
     model, opt, step = setup(4)
-    w = model.fc.weight.numpy()
+    w = model.fc1.weight.numpy()
     p0 = ptr(w)
     x, y = data(4)
     for _ in range(5):
         step(x=x, y=y)
-        assert ptr(model.fc.weight.numpy()) == p0
+        assert ptr(model.fc1.weight.numpy()) == p0
     fn = rlx.compile(lambda m, x: m(x), model, {"x": S((B, D_IN))})
-    assert ptr(model.fc.weight.numpy()) == p0
+    assert ptr(model.fc1.weight.numpy()) == p0
     step_sgd = rlx.compile_train_step(loss_fn, model, rlx.optim.SGD(lr=0.1, momentum=0.9), inputs())
-    assert ptr(model.fc.weight.numpy()) == p0
+    assert ptr(model.fc1.weight.numpy()) == p0
     step_sgd(x=x, y=y)
     path = tmp_path / "m.safetensors"
     model.save(str(path))
     saved = w.copy()
     step(x=x, y=y)
     model.load(str(path))
-    assert ptr(model.fc.weight.numpy()) == p0
+    assert ptr(model.fc1.weight.numpy()) == p0
     np.testing.assert_array_equal(w, saved)
     fn(x=x)
-    assert ptr(model.fc.weight.numpy()) == p0
+    assert ptr(model.fc1.weight.numpy()) == p0
 
 
 def test_grads_and_state_pointers_stable_across_steps():
     model, opt, step = setup(5)
-    g, m = step.grads["fc.weight"], opt.state("fc.weight")["exp_avg"]
+    g, m = step.grads["fc1.weight"], opt.state("fc1.weight")["exp_avg"]
     x, y = data(5)
     for i in range(4):
         step(**dict(zip(("x", "y"), data(100 + i))))
-        assert ptr(step.grads["fc.weight"]) == ptr(g)
-        assert ptr(opt.state("fc.weight")["exp_avg"]) == ptr(m)
-    np.testing.assert_array_equal(g, step.grads["fc.weight"])
+        assert ptr(step.grads["fc1.weight"]) == ptr(g)
+        assert ptr(opt.state("fc1.weight")["exp_avg"]) == ptr(m)
+    np.testing.assert_array_equal(g, step.grads["fc1.weight"])
 
 
 def test_fn_view_outlives_the_function():
@@ -225,7 +219,7 @@ def test_generator_cache_view_outlives_generator():
 def test_outputs_are_not_overwritten_by_the_next_call():
     rlx.seed(8)
     model = MLP()
-    fn = rlx.compile(lambda m, x: (m(x), m.fc(x)), model, {"x": S((B, D_IN))})
+    fn = rlx.compile(lambda m, x: (m(x), m.fc1(x)), model, {"x": S((B, D_IN))})
     a = fn(x=data(8)[0])
     a_copy = [o.copy() for o in a]
     b = fn(x=data(9)[0])
@@ -241,18 +235,18 @@ def test_outputs_are_not_overwritten_by_the_next_call():
 
 def test_many_recompiles_keep_one_weight_buffer():
     model, opt, _ = setup(9)
-    w = model.fc.weight.numpy()
+    w = model.fc1.weight.numpy()
     p0 = ptr(w)
     x, y = data(9)
     for i in range(20):
         s = rlx.compile_train_step(loss_fn, model, opt, inputs())
         s(x=x, y=y)
-        g = s.grads["out.weight"]
+        g = s.grads["fc2.weight"]
         del s
         gc.collect()
         assert np.all(np.isfinite(g))
-        assert ptr(model.fc.weight.numpy()) == p0
-    np.testing.assert_array_equal(w, model.fc.weight.numpy())
+        assert ptr(model.fc1.weight.numpy()) == p0
+    np.testing.assert_array_equal(w, model.fc1.weight.numpy())
 
 
 def _rss_mb():
@@ -265,17 +259,10 @@ def test_memory_released_when_the_last_view_goes():
     """A view keeps its buffer alive (and nothing more once the owners are gone); dropping the
     view releases it. 64 MiB of weights make the effect visible above allocator noise."""
 
-    class Big(rlx.nn.Module):
-        def __init__(self):
-            self.fc = rlx.nn.Linear(4096, 4096)
-
-        def __call__(self, x):
-            return self.fc(x)
-
     gc.collect()
     start = _rss_mb()
     rlx.seed(10)
-    model = Big()
+    model = models.LinearNet(4096, 4096)
     step = rlx.compile_train_step(lambda m, x: (m(x) ** 2).mean(), model, rlx.optim.Adam(lr=1e-3),
                                   {"x": S((2, 4096))})
     step(x=np.ones((2, 4096), np.float32))

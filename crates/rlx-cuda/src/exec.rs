@@ -128,7 +128,7 @@ impl CudaProgram {
             source::err::ID => Err(Error::input(
                 "ids",
                 format!(
-                    "[embedding] id {value} is out of range [0, {})",
+                    "[gather] id {value} is out of range [0, {})",
                     self.plan.rows.unwrap_or(0)
                 ),
             )),

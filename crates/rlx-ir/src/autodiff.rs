@@ -465,15 +465,9 @@ fn vjp(
             }
             out
         }
-        Op::NormalizeGrad { .. } => {
+        Op::NormalizeGrad { .. } | Op::SoftmaxCrossEntropyGrad => {
             return Err(Error::unsupported(
-                "layer_norm_grad",
-                "second derivatives are not supported",
-            ))
-        }
-        Op::SoftmaxCrossEntropyGrad => {
-            return Err(Error::unsupported(
-                "cross_entropy_grad",
+                op.name(),
                 "second derivatives are not supported",
             ))
         }

@@ -165,7 +165,7 @@ fn check_id(id: i32, rows: usize) -> Result<usize> {
     if id < 0 || id as usize >= rows {
         return Err(Error::input(
             "ids",
-            format!("[embedding] id {id} is out of range [0, {rows})"),
+            format!("[gather] id {id} is out of range [0, {rows})"),
         ));
     }
     Ok(id as usize)

@@ -1,0 +1,196 @@
+//! Prefetch: the next batches copied into a staging buffer while the current step runs.
+use super::{check_feeds, missing_input, Executable, Inner, InputSlot};
+use crate::{
+    Buf, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, Error, HostBytes, Instr, Program,
+    Result, TRef,
+};
+use rlx_ir::{planner::align_up, BarrierToken};
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+/// Double-buffered prefetch: two input sets in a staging buffer, a program variant reading each,
+/// and the queue of batches whose copies were issued.
+pub(super) struct Prefetch {
+    /// The process that made it (a forked child must not use its copy engine).
+    pub(super) pid: u32,
+    pub(super) engine: Arc<CopyEngine>,
+    pub(super) stage: Arc<dyn DeviceBuffer>,
+    /// Per set: the program reading that set's inputs (bound inputs still come from the arena).
+    pub(super) variants: Vec<Box<dyn Compiled>>,
+    /// (input name, byte offset within a set) of every prefetched (unbound) input.
+    pub(super) layout: Vec<(String, usize)>,
+    pub(super) set_bytes: usize,
+    pub(super) queue: VecDeque<Queued>,
+}
+
+pub(super) struct Queued {
+    pub(super) set: usize,
+    pub(super) token: BarrierToken,
+    /// The source arrays, kept alive until the batch is consumed.
+    pub(super) _keep: Vec<Arc<dyn HostBytes>>,
+}
+
+/// Batches that may wait in the prefetch queue.
+pub const PREFETCH_DEPTH: usize = 2;
+
+impl Inner {
+    /// After `fork()`, the prefetch state belongs to the parent (its copy thread does not exist
+    /// here): it is dropped, and the batches it held are counted so a run can say so.
+    pub(super) fn forget_parent_prefetch(&mut self) {
+        if self
+            .prefetch
+            .as_ref()
+            .is_some_and(|p| p.pid != std::process::id())
+        {
+            let pf = self.prefetch.take().expect("checked");
+            self.lost_at_fork += pf.queue.len();
+            // The engine's own drop is fork-aware; the staging memory is this process's copy.
+            drop(pf);
+        }
+    }
+}
+
+impl Executable {
+    /// Number of prefetched batches waiting to be consumed.
+    pub fn prefetched(&self) -> usize {
+        let mut inner = self.lock();
+        inner.forget_parent_prefetch();
+        inner.prefetch.as_ref().map_or(0, |p| p.queue.len())
+    }
+
+    /// Starts copying a batch (every unbound input) into a free staging set and returns at once.
+    /// Runs without feeds consume prefetched batches in order. At most [`PREFETCH_DEPTH`] wait.
+    pub fn prefetch(&self, feeds: Vec<(String, Arc<dyn HostBytes>)>) -> Result<()> {
+        let mut inner = self.lock();
+        let inner = &mut *inner;
+        inner.forget_parent_prefetch();
+        let views: Vec<(&str, &[u8])> =
+            feeds.iter().map(|(n, d)| (n.as_str(), d.bytes())).collect();
+        check_feeds(&inner.inputs, &views, "prefetch only the per-call inputs")?;
+        if let Some(missing) = missing_input(&inner.inputs, &views) {
+            return Err(Error::input(
+                &missing.name,
+                "missing input in prefetch (every per-call input is needed)",
+            ));
+        }
+        if inner
+            .prefetch
+            .as_ref()
+            .is_some_and(|p| p.queue.len() >= PREFETCH_DEPTH)
+        {
+            return Err(Error::Graph(format!(
+                "[prefetch] {PREFETCH_DEPTH} prefetched batches are already waiting; run a step first"
+            )));
+        }
+        if inner.prefetch.is_none() {
+            inner.prefetch = Some(self.make_prefetch(&inner.inputs)?);
+        }
+        let pf = inner.prefetch.as_mut().expect("made above");
+        let set = (0..PREFETCH_DEPTH)
+            .find(|s| !pf.queue.iter().any(|q| q.set == *s))
+            .expect("a set is free");
+        let mut token = None;
+        let mut keep = Vec::with_capacity(feeds.len());
+        for (name, data) in feeds {
+            let offset = pf
+                .layout
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, o)| *o)
+                .expect("unbound input");
+            let dst = CopyDst {
+                buffer: pf.stage.clone(),
+                offset: set * pf.set_bytes + offset,
+            };
+            let len = data.bytes().len();
+            token = Some(pf.engine.issue(CopySrc::Host(data.clone()), dst, len)?);
+            keep.push(data);
+        }
+        // FIFO engine: the last copy's token covers the whole batch.
+        let token = match token {
+            Some(t) => t,
+            None => pf.engine.issue(
+                CopySrc::Host(Arc::new(Vec::new())),
+                CopyDst {
+                    buffer: pf.stage.clone(),
+                    offset: 0,
+                },
+                0,
+            )?,
+        };
+        pf.queue.push_back(Queued {
+            set,
+            token,
+            _keep: keep,
+        });
+        Ok(())
+    }
+
+    /// The staging buffer and the program variants reading it, for the current bound set.
+    fn make_prefetch(&self, inputs: &[InputSlot]) -> Result<Prefetch> {
+        let align = self.backend.alignment();
+        let mut layout = Vec::new();
+        let mut remap = Vec::new(); // (arena offset, offset within a set)
+        let mut at = 0;
+        for s in inputs.iter().filter(|s| !s.bound) {
+            layout.push((s.name.clone(), at));
+            if s.at.bytes() > 0 {
+                remap.push((s.at.offset, at));
+            }
+            at = align_up(at + s.at.bytes(), align);
+        }
+        let set_bytes = at;
+        let stage = self.backend.alloc(set_bytes * PREFETCH_DEPTH)?;
+        let lens = [
+            self.arena.len(),
+            self.params.bytes(),
+            self.state_len(),
+            stage.len(),
+        ];
+        let variants = (0..PREFETCH_DEPTH)
+            .map(|set| {
+                let program = retarget(&self.body(), &remap, set * set_bytes);
+                self.backend.compile(&program, &lens)
+            })
+            .collect::<Result<_>>()?;
+        Ok(Prefetch {
+            pid: std::process::id(),
+            engine: self.backend.copy_engine()?,
+            stage,
+            variants,
+            layout,
+            set_bytes,
+            queue: VecDeque::new(),
+        })
+    }
+}
+
+/// The program with every reference to a remapped input slot moved into the staging buffer.
+pub(super) fn retarget(program: &Program, remap: &[(usize, usize)], base: usize) -> Program {
+    let fix = |t: &TRef| -> TRef {
+        match remap
+            .iter()
+            .find(|(from, _)| t.buf == Buf::Arena && *from == t.offset)
+        {
+            Some((_, to)) => TRef {
+                buf: Buf::Stage,
+                offset: base + to,
+                ..t.clone()
+            },
+            None => t.clone(),
+        }
+    };
+    let instrs = program
+        .instrs
+        .iter()
+        .map(|i| match i {
+            Instr::Op { op, ins, out } => Instr::Op {
+                op: op.clone(),
+                ins: ins.iter().map(fix).collect(),
+                out: fix(out),
+            },
+            other => other.clone(),
+        })
+        .collect();
+    Program { instrs }
+}
