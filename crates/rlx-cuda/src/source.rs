@@ -15,6 +15,10 @@ pub const MAX_RANK: usize = 8;
 /// Declarations every module starts with: the launch record, indexing, and the scalar functions
 /// the elementwise kernels call (each computes what the CPU kernel computes, in float32).
 pub const PRELUDE: &str = r#"
+#define RX_INF __int_as_float(0x7f800000)
+#define RX_NAN __int_as_float(0x7fffffff)
+#define RX_ISNAN(x) ((x) != (x))
+#define RX_FINITE(x) (((x) - (x)) == 0)
 #define MAXOP 16
 #define MAXR 8
 struct P {
@@ -74,7 +78,7 @@ __device__ __forceinline__ float rx_rem(float a, float b) {
   float m = fmodf(a, b);
   return (m != 0.0f && ((b < 0.0f) != (m < 0.0f))) ? m + b : m;
 }
-__device__ __forceinline__ float rx_max(float a, float b) { return (a > b || isnan(a)) ? a : b; }
+__device__ __forceinline__ float rx_max(float a, float b) { return (a > b || RX_ISNAN(a)) ? a : b; }
 /* Reports the first failure of a run (read back by the host after the run). */
 __device__ __forceinline__ void rx_fail(int* err, int code, int value) {
   if (atomicCAS(err, 0, code) == 0) err[1] = value;
@@ -121,7 +125,7 @@ extern "C" __global__ void rlx_copy32(const P p) {
   GRID_LOOP(i, p.n) { U(1)[off(p, 1, i)] = U(0)[off(p, 0, i)]; }
 }
 extern "C" __global__ void rlx_cast_f2i(const P p) {
-  GRID_LOOP(i, p.n) { float x = F(0)[off(p, 0, i)]; I(1)[off(p, 1, i)] = isnan(x) ? 0 : __float2int_rz(x); }
+  GRID_LOOP(i, p.n) { float x = F(0)[off(p, 0, i)]; I(1)[off(p, 1, i)] = RX_ISNAN(x) ? 0 : __float2int_rz(x); }
 }
 extern "C" __global__ void rlx_cast_i2f(const P p) {
   GRID_LOOP(i, p.n) { F(1)[off(p, 1, i)] = (float)I(0)[off(p, 0, i)]; }
@@ -172,7 +176,7 @@ extern "C" __global__ void rlx_reduce(const P p) {
   int rr = (int)p.iv[2];
   for (long long o = blockIdx.x; o < p.n; o += gridDim.x) {
     long long base = off(p, 0, o);
-    float acc = mx ? -INFINITY : 0.0f;
+    float acc = mx ? (-RX_INF) : 0.0f;
     for (long long r = threadIdx.x; r < count; r += blockDim.x) {
       long long rem = r, at = base;
       for (int d = rr - 1; d >= 0; --d) {
@@ -189,7 +193,7 @@ extern "C" __global__ void rlx_reduce(const P p) {
     __syncthreads();
     if (w == 0) {
       int nw = (blockDim.x + 31) >> 5;
-      float v = lane < nw ? sh[lane] : (mx ? -INFINITY : 0.0f);
+      float v = lane < nw ? sh[lane] : (mx ? (-RX_INF) : 0.0f);
       v = mx ? warp_max(v) : warp_sum(v);
       if (lane == 0) F(1)[o] = mx ? v : v * p.fv[0];
     }
@@ -205,10 +209,10 @@ extern "C" __global__ void rlx_softmax(const P p) {
     long long o = r / inner, in = r - o * inner;
     const float* x = F(0) + o * len * inner + in;
     float* y = F(1) + o * len * inner + in;
-    float m = -INFINITY;
+    float m = (-RX_INF);
     for (long long j = lane; j < len; j += 32) m = rx_max(m, x[j * inner]);
     m = warp_max(m);
-    if (m == -INFINITY) m = 0.0f;
+    if (m == (-RX_INF)) m = 0.0f;
     float s = 0.0f;
     for (long long j = lane; j < len; j += 32) s += expf(x[j * inner] - m);
     s = warp_sum(s);
@@ -229,7 +233,7 @@ extern "C" __global__ void rlx_ce_rows(const P p) {
   for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
     const float* x = F(0) + r * c;
     int y = I(1)[r];
-    float m = -INFINITY;
+    float m = (-RX_INF);
     for (long long j = lane; j < c; j += 32) m = rx_max(m, x[j]);
     m = warp_max(m);
     float s = 0.0f;
@@ -253,7 +257,7 @@ extern "C" __global__ void rlx_mean_rows(const P p) {
   if (threadIdx.x == 0) {
     double t = 0.0;
     for (int k = 0; k < (int)((blockDim.x + 31) >> 5); ++k) t += sh[k];
-    F(1)[0] = p.n == 0 ? NAN : (float)(t / (double)p.n);
+    F(1)[0] = p.n == 0 ? RX_NAN : (float)(t / (double)p.n);
   }
 }
 /* (softmax - onehot) * g / N: ptr0 logits, ptr1 labels, ptr2 g (scalar), ptr3 out, ptr4 err. */
@@ -267,10 +271,10 @@ extern "C" __global__ void rlx_ce_grad(const P p) {
     float* out = F(3) + r * c;
     int y = I(1)[r];
     if (y < 0 || y >= c) { if (lane == 0) rx_fail((int*)p.ptr[4], 1, y); continue; }
-    float m = -INFINITY;
+    float m = (-RX_INF);
     for (long long j = lane; j < c; j += 32) m = rx_max(m, x[j]);
     m = warp_max(m);
-    if (m == -INFINITY) m = 0.0f;
+    if (m == (-RX_INF)) m = 0.0f;
     float s = 0.0f;
     for (long long j = lane; j < c; j += 32) s += expf(x[j] - m);
     s = warp_sum(s);
@@ -297,7 +301,7 @@ extern "C" __global__ void rlx_mse(const P p) {
   if (threadIdx.x == 0) {
     double t = 0.0;
     for (int k = 0; k < (int)((blockDim.x + 31) >> 5); ++k) t += sh[k];
-    F(2)[0] = p.n == 0 ? NAN : (float)(t / (double)p.n);
+    F(2)[0] = p.n == 0 ? RX_NAN : (float)(t / (double)p.n);
   }
 }
 /* ---- embedding: iv[0] rows, iv[1] width; n = ids * width. ---- */
@@ -387,7 +391,7 @@ extern "C" __global__ void rlx_update_ctrl(const P p) {
       c->go = 1.0f; c->noskip = 1.0f; c->scale = 1.0f; c->micro = st[2];
       if (p.iv[1]) {
         float loss = F(2)[0];
-        if (!(isfinite(loss) && isfinite(c->sq1))) { st[1] += 1.0f; c->go = 0.0f; c->noskip = 0.0f; }
+        if (!(RX_FINITE(loss) && RX_FINITE(c->sq1))) { st[1] += 1.0f; c->go = 0.0f; c->noskip = 0.0f; }
       }
       break;
     }
@@ -401,11 +405,11 @@ extern "C" __global__ void rlx_update_ctrl(const P p) {
     }
     case 2: {
       if (c->go == 0.0f) break;
-      if (!p.iv[3]) { st[0] = NAN; break; }
+      if (!p.iv[3]) { st[0] = RX_NAN; break; }
       double total = p.iv[4] ? c->sq1 : c->sq2;
       float norm = (float)(sqrt(total) * (double)c->scale);
       st[0] = norm;
-      if (p.iv[1] && !isfinite(norm)) { st[1] += 1.0f; c->go = 0.0f; c->noskip = 0.0f; break; }
+      if (p.iv[1] && !RX_FINITE(norm)) { st[1] += 1.0f; c->go = 0.0f; c->noskip = 0.0f; break; }
       if (p.iv[5]) { float coef = p.fv[0] / (norm + 1e-6f); if (coef < 1.0f) c->scale *= coef; }
       break;
     }
