@@ -15,9 +15,19 @@ fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("[cuda] {what} failed: {e:?}"))
 }
 
+static PACKAGE_DIRS: Mutex<Vec<std::path::PathBuf>> = Mutex::new(Vec::new());
+
+pub fn add_package_dirs(dirs: Vec<std::path::PathBuf>) {
+    PACKAGE_DIRS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .extend(dirs);
+}
+
 /// Directories searched for the NVRTC and cuBLAS libraries, in order: `RLX_CUDA_LIB_DIR`
 /// (colon-separated), the CUDA toolkit, and the `nvidia-*` pip packages' folders of every
-/// `site-packages` on `PYTHONPATH` or next to the running interpreter.
+/// `site-packages` on `PYTHONPATH`, in the interpreter's `sys.path` (see [`add_package_dirs`]),
+/// or next to the running executable.
 fn lib_dirs() -> Vec<std::path::PathBuf> {
     let mut dirs: Vec<std::path::PathBuf> = Vec::new();
     if let Ok(v) = std::env::var("RLX_CUDA_LIB_DIR") {
@@ -30,7 +40,10 @@ fn lib_dirs() -> Vec<std::path::PathBuf> {
     }
     dirs.push("/usr/local/cuda/lib64".into());
     dirs.push("/usr/local/cuda/targets/x86_64-linux/lib".into());
-    let mut sites: Vec<std::path::PathBuf> = Vec::new();
+    let mut sites: Vec<std::path::PathBuf> = PACKAGE_DIRS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
     if let Ok(v) = std::env::var("PYTHONPATH") {
         sites.extend(v.split(':').filter(|s| !s.is_empty()).map(Into::into));
     }
@@ -46,7 +59,13 @@ fn lib_dirs() -> Vec<std::path::PathBuf> {
     }
     for site in sites {
         let nv = site.join("nvidia");
-        for sub in ["cu13/lib", "cublas/lib", "cuda_nvrtc/lib", "cu13/lib64"] {
+        for sub in [
+            "cu13/lib",
+            "cublas/lib",
+            "cuda_nvrtc/lib",
+            "cu13/lib64",
+            "nvjitlink/lib",
+        ] {
             dirs.push(nv.join(sub));
         }
     }

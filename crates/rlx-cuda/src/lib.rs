@@ -87,6 +87,12 @@ impl Backend for CudaBackend {
     }
 }
 
+/// Adds folders holding Python packages (an interpreter's `sys.path`): their `nvidia/*/lib`
+/// folders are searched for NVRTC and cuBLAS. Takes effect if called before the first probe.
+pub fn add_package_dirs(dirs: Vec<std::path::PathBuf>) {
+    driver::add_package_dirs(dirs)
+}
+
 /// The error a `device="cuda"` request gets where CUDA cannot be used.
 pub fn unavailable(device: &str) -> Error {
     match available() {

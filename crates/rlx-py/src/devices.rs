@@ -67,3 +67,15 @@ fn cuda(device: &str, ordinal: usize) -> Result<Arc<dyn Backend>, Error> {
         .map(|b| Arc::new(b) as Arc<dyn Backend>)
         .map_err(with_list)
 }
+
+/// Tells the CUDA backend where this interpreter's packages are (`sys.path`), so the NVRTC and
+/// cuBLAS libraries of the `nvidia-*` wheels are found next to PyTorch's.
+pub fn register_python_paths(py: Python<'_>) {
+    let paths: Vec<std::path::PathBuf> = py
+        .import("sys")
+        .and_then(|sys| sys.getattr("path"))
+        .and_then(|p| p.extract::<Vec<String>>())
+        .map(|v| v.into_iter().map(Into::into).collect())
+        .unwrap_or_default();
+    rlx_cuda::add_package_dirs(paths);
+}
