@@ -21,6 +21,16 @@ pub struct P {
     pub mode: [i32; MAX_OPS],
 }
 
+impl P {
+    /// A record for `n` iterations (elements, rows or outputs, as the kernel defines).
+    pub fn sized(n: usize) -> P {
+        P {
+            n: n as i64,
+            ..P::default()
+        }
+    }
+}
+
 impl Default for P {
     fn default() -> P {
         P {
@@ -539,8 +549,7 @@ impl Builder {
                 if len == 0 || out.numel() == 0 {
                     return Ok(());
                 }
-                let mut p = P::default();
-                p.n = (outer * inner) as i64;
+                let mut p = P::sized(outer * inner);
                 p.iv[0] = len as i64;
                 p.iv[1] = inner as i64;
                 p.iv[2] = matches!(op, Op::LogSoftmax { .. }) as i64;
@@ -558,8 +567,7 @@ impl Builder {
                 let (rows, c) = (sh(0)[0], sh(0)[1]);
                 self.plan.classes.get_or_insert(c);
                 self.plan.scratch_bytes = self.plan.scratch_bytes.max(ROWS_AT + rows * 4);
-                let mut p = P::default();
-                p.n = rows as i64;
+                let mut p = P::sized(rows);
                 p.iv[0] = c as i64;
                 if rows > 0 {
                     self.launch(
@@ -575,8 +583,7 @@ impl Builder {
                         ],
                     );
                 }
-                let mut q = P::default();
-                q.n = rows as i64;
+                let q = P::sized(rows);
                 self.launch(
                     Kernel::Library("rlx_mean_rows"),
                     1,
@@ -592,8 +599,7 @@ impl Builder {
                 if rows == 0 || c == 0 {
                     return Ok(());
                 }
-                let mut p = P::default();
-                p.n = rows as i64;
+                let mut p = P::sized(rows);
                 p.iv[0] = c as i64;
                 self.launch(
                     Kernel::Library("rlx_ce_grad"),
@@ -611,8 +617,7 @@ impl Builder {
                 Ok(())
             }
             Op::Mse => {
-                let mut p = P::default();
-                p.n = ins[0].numel() as i64;
+                let p = P::sized(ins[0].numel());
                 self.launch(
                     Kernel::Library("rlx_mse"),
                     1,
@@ -630,8 +635,7 @@ impl Builder {
                 if n == 0 {
                     return Ok(());
                 }
-                let mut p = P::default();
-                p.n = n as i64;
+                let mut p = P::sized(n);
                 p.iv[0] = rows as i64;
                 p.iv[1] = width as i64;
                 self.launch(
@@ -659,8 +663,7 @@ impl Builder {
                 if n == 0 {
                     return Ok(());
                 }
-                let mut p = P::default();
-                p.n = n as i64;
+                let mut p = P::sized(n);
                 p.iv[0] = *rows as i64;
                 p.iv[1] = width as i64;
                 self.launch(
@@ -683,8 +686,7 @@ impl Builder {
                     return Ok(());
                 }
                 let rows = out.numel() / width;
-                let mut p = P::default();
-                p.n = rows as i64;
+                let mut p = P::sized(rows);
                 p.iv[0] = width as i64;
                 p.fv[0] = *eps;
                 let (name, operands) = match op {
@@ -876,8 +878,7 @@ impl Builder {
             if n == 0 {
                 return;
             }
-            let mut p = P::default();
-            p.n = n as i64;
+            let mut p = P::sized(n);
             p.iv[0] = slot;
             s.launch(
                 Kernel::Library("rlx_sumsq"),
@@ -917,8 +918,7 @@ impl Builder {
                 };
                 let n = q.grad.numel().min(acc.numel());
                 if n > 0 {
-                    let mut p = P::default();
-                    p.n = n as i64;
+                    let p = P::sized(n);
                     self.launch(
                         Kernel::Library("rlx_accumulate"),
                         grid_for(n, THREADS as usize),
@@ -967,8 +967,7 @@ impl Builder {
                 ops.push((5, at(s)));
             }
             if n > 0 {
-                let mut p = P::default();
-                p.n = n as i64;
+                let mut p = P::sized(n);
                 p.iv[0] = rule;
                 self.launch(
                     Kernel::Library("rlx_update"),
@@ -988,8 +987,7 @@ impl Builder {
         for (s, d) in &u.buffer_updates {
             let n = s.numel().min(d.numel());
             if n > 0 {
-                let mut p = P::default();
-                p.n = n as i64;
+                let p = P::sized(n);
                 self.launch(
                     Kernel::Library("rlx_copy_unless_skipped"),
                     grid_for(n, THREADS as usize),

@@ -504,7 +504,7 @@ fn unary_expr(u: UnaryOp, a: &str) -> String {
         UnaryOp::Exp => format!("expf({a})"),
         UnaryOp::Log => format!("logf({a})"),
         UnaryOp::Sqrt => format!("sqrtf({a})"),
-        UnaryOp::PowScalar(p) if p == 2.0 => format!("({a} * {a})"),
+        UnaryOp::PowScalar(2.0) => format!("({a} * {a})"),
         UnaryOp::PowScalar(p) => format!("powf({a}, {})", lit(p)),
         UnaryOp::Gelu => format!("rx_gelu({a})"),
         UnaryOp::GeluTanh => format!("rx_gelu_tanh({a})"),
