@@ -171,7 +171,8 @@ pub struct Device {
     pub arch: String,
     pub name: String,
     modules: Mutex<HashMap<u64, Arc<Module>>>,
-    /// Serialises runs on the device (the cuBLAS handle and the stream's launch order).
+    /// Serialises runs and the stream's copies (the cuBLAS handle, launch order, and no copy
+    /// landing inside a graph capture).
     pub run_lock: Mutex<()>,
 }
 
@@ -234,6 +235,13 @@ impl Device {
                 blas::cublasMath_t::CUBLAS_DEFAULT_MATH
             };
             check_blas(blas::cublasSetMathMode(handle, mode), "cublasSetMathMode")?;
+            // A workspace of its own, so GEMMs allocate nothing while a run is captured.
+            let ws_bytes = 32 << 20;
+            let ws = cu::malloc_sync(ws_bytes).map_err(|e| dev_err("cuBLAS workspace", e))?;
+            check_blas(
+                blas::cublasSetWorkspace_v2(handle, ws as *mut c_void, ws_bytes),
+                "cublasSetWorkspace",
+            )?;
         }
         Ok(Device {
             ordinal,
@@ -282,6 +290,8 @@ impl Device {
         if data.is_empty() {
             return Ok(());
         }
+        // Not while a run is being captured on this stream.
+        let _run = self.run_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.bind()?;
         // SAFETY: the caller checked `dst..dst+len` lies inside one allocation; `data` lives
         // until the stream is synchronised below.
@@ -296,6 +306,8 @@ impl Device {
         if out.is_empty() {
             return Ok(());
         }
+        // Not while a run is being captured on this stream.
+        let _run = self.run_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.bind()?;
         // SAFETY: the caller checked the range; `out` lives until the synchronisation.
         unsafe {
@@ -309,6 +321,8 @@ impl Device {
         if bytes == 0 {
             return Ok(());
         }
+        // Not while a run is being captured on this stream.
+        let _run = self.run_lock.lock().unwrap_or_else(|p| p.into_inner());
         self.bind()?;
         // SAFETY: the caller checked both ranges.
         unsafe {
@@ -581,6 +595,117 @@ impl Drop for Stream {
                 let _ = cu::stream::synchronize(self.s);
                 let _ = cu::stream::destroy(self.s);
             }
+        }
+    }
+}
+
+/// An instantiated CUDA graph (a captured run).
+pub struct GraphExec {
+    dev: Arc<Device>,
+    exec: sys::CUgraphExec,
+}
+
+// SAFETY: a driver handle usable from any thread with the context current; launched only under
+// the device's run lock.
+unsafe impl Send for GraphExec {}
+unsafe impl Sync for GraphExec {}
+
+impl Drop for GraphExec {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: destroyed once; no launch of it is pending (runs synchronise).
+            let _ = unsafe { cu::graph::exec_destroy(self.exec) };
+        }
+    }
+}
+
+impl Device {
+    /// Starts recording the compute stream's work on this thread (instead of running it).
+    pub fn begin_capture(&self) -> Result<()> {
+        // SAFETY: the stream is live; thread-local mode leaves other threads' calls alone.
+        unsafe {
+            cu::stream::begin_capture(
+                self.stream,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+        }
+        .map_err(|e| dev_err("begin capture", e))
+    }
+
+    /// Ends a capture and instantiates what was recorded (ending it also when `ok` is false).
+    pub fn end_capture(self: &Arc<Self>, ok: bool) -> Result<GraphExec> {
+        // SAFETY: a capture was begun on this stream by this thread.
+        let graph = unsafe { cu::stream::end_capture(self.stream) }
+            .map_err(|e| dev_err("end capture", e))?;
+        if !ok {
+            // SAFETY: the graph was just made and is destroyed once.
+            let _ = unsafe { cu::graph::destroy(graph) };
+            return Err(Error::Device("[cuda] capture abandoned".into()));
+        }
+        // SAFETY: `graph` is a complete captured graph; it is destroyed after instantiation.
+        let exec = unsafe {
+            let r = cu::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0));
+            let _ = cu::graph::destroy(graph);
+            r
+        }
+        .map_err(|e| dev_err("graph instantiate", e))?;
+        Ok(GraphExec {
+            dev: self.clone(),
+            exec,
+        })
+    }
+
+    /// Queues one replay of a captured run.
+    pub fn launch_graph(&self, g: &GraphExec) -> Result<()> {
+        // SAFETY: the graph belongs to this device; its buffers are the ones it was captured
+        // with (the caller compares base addresses) and outlive the run.
+        unsafe { cu::graph::launch(g.exec, self.stream) }.map_err(|e| dev_err("graph launch", e))
+    }
+}
+
+/// Page-locked host memory (so a copy from it can be captured in a graph and read at replay).
+pub struct Pinned {
+    dev: Arc<Device>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain host memory; writes happen under the owning program's `&mut self`.
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    pub fn new(dev: Arc<Device>, len: usize) -> Result<Pinned> {
+        dev.bind()?;
+        // SAFETY: a fresh page-locked allocation of `len` bytes, zeroed below, freed on drop.
+        let ptr = unsafe { cu::malloc_host(len.max(1), 0) }
+            .map_err(|e| dev_err("pinned allocation", e))? as *mut u8;
+        // SAFETY: `ptr` points to at least `len` writable bytes.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(Pinned { dev, ptr, len })
+    }
+
+    /// Overwrites the first bytes. The caller orders this with the copies that read it.
+    pub fn set(&mut self, data: &[u8]) {
+        let n = data.len().min(self.len);
+        // SAFETY: `n` bytes fit; `&mut self` excludes other writers.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr, n) };
+    }
+
+    /// Queues a copy of all of it to `dst` on the compute stream (capturable).
+    pub fn copy_to(&self, dst: u64) -> Result<()> {
+        // SAFETY: the memory lives as long as `self`, which the program holds for all runs.
+        let src = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
+        // SAFETY: the plan checked the destination range.
+        unsafe { cu::memcpy_htod_async(dst, src, self.dev.stream) }
+            .map_err(|e| dev_err("copy to GPU", e))
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: allocated by `malloc_host`, freed once.
+            let _ = unsafe { cu::free_host(self.ptr as *mut c_void) };
         }
     }
 }

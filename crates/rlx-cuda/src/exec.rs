@@ -1,7 +1,7 @@
 //! Runs a planned program: resolves each operand to a device address, queues every step on the
 //! device's stream, waits, and reports the first error a kernel flagged (bad label, id, integer
 //! division by zero) as the CPU backend would.
-use crate::driver::{Device, Func};
+use crate::driver::{Device, Func, GraphExec, Pinned};
 use crate::mem::CudaBuffer;
 use crate::plan::{self, Kernel, Plan, Step};
 use crate::source;
@@ -16,6 +16,17 @@ pub struct CudaProgram {
     funcs: Vec<Option<Func>>,
     lens: Vec<usize>,
     scratch: CudaBuffer,
+    /// The run's hyper-parameter row, copied to the device by the run (also inside a graph).
+    hyper: Pinned,
+    /// The captured run and the base addresses it was captured with.
+    graph: Option<([u64; 5], GraphExec)>,
+    /// Graph capture: on unless `RLX_CUDA_GRAPHS=0`, and off for good once a capture failed.
+    use_graphs: bool,
+    runs: u64,
+}
+
+fn graphs_enabled() -> bool {
+    std::env::var("RLX_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0")
 }
 
 impl CudaProgram {
@@ -47,29 +58,25 @@ impl CudaProgram {
             })
             .collect::<Result<Vec<_>>>()?;
         let scratch = CudaBuffer::zeroed(dev.clone(), plan.scratch_bytes)?;
+        let hyper = Pinned::new(dev.clone(), rlx_runtime::hyper_col::LEN * 4)?;
         Ok(CudaProgram {
             dev,
             plan,
             funcs,
             lens: lens.to_vec(),
             scratch,
+            hyper,
+            graph: None,
+            use_graphs: graphs_enabled(),
+            runs: 0,
         })
     }
 
-    fn run_steps(&self, bases: &[u64; 5], hyper: Option<&OptimHyper>) -> Result<()> {
-        let row = hyper.map(plan::hyper_row);
-        let row_bytes: Vec<u8> = row
-            .iter()
-            .flat_map(|r| r.iter().flat_map(|v| v.to_le_bytes()))
-            .collect();
+    /// Queues every step (on the stream, or into a capture).
+    fn enqueue(&self, bases: &[u64; 5]) -> Result<()> {
         let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
-        self.dev.memset_async(
-            addr(&plan::Loc {
-                buf: plan::SCRATCH,
-                offset: plan::ERR_AT,
-            }),
-            16,
-        )?;
+        self.dev
+            .memset_async(bases[plan::SCRATCH] + plan::ERR_AT as u64, 16)?;
         for (step, func) in self.plan.steps.iter().zip(&self.funcs) {
             match step {
                 Step::Launch {
@@ -83,31 +90,66 @@ impl CudaProgram {
                     for (slot, loc) in operands {
                         p.ptr[*slot] = addr(loc);
                     }
-                    self.dev.launch(
-                        func.expect("launch steps have functions"),
-                        *grid,
-                        *block,
-                        &mut p,
-                    )?;
+                    let f = func.ok_or_else(|| Error::Internal("launch without kernel".into()))?;
+                    self.dev.launch(f, *grid, *block, &mut p)?;
                 }
                 Step::Fill { at, bytes } => self.dev.memset_async(addr(at), *bytes)?,
                 Step::Gemm { g, a, b, c } => self.dev.gemm(g, addr(a), addr(b), addr(c))?,
-                Step::HyperRow { at } => {
-                    if row_bytes.is_empty() {
-                        return Err(Error::Graph(
-                            "optimizer step without hyper-parameters".into(),
-                        ));
+                Step::HyperRow { at } => self.hyper.copy_to(addr(at))?,
+            }
+        }
+        Ok(())
+    }
+
+    /// One run: replays the captured graph where the buffers are the ones it was captured with,
+    /// captures one from the second run on, else queues the steps; then waits.
+    fn run_steps(&mut self, bases: &[u64; 5], hyper: Option<&OptimHyper>) -> Result<()> {
+        let needs_hyper = self
+            .plan
+            .steps
+            .iter()
+            .any(|s| matches!(s, Step::HyperRow { .. }));
+        match hyper {
+            Some(h) => {
+                let row: Vec<u8> = plan::hyper_row(h)
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                self.hyper.set(&row);
+            }
+            None if needs_hyper => {
+                return Err(Error::Graph(
+                    "optimizer step without hyper-parameters".into(),
+                ))
+            }
+            None => {}
+        }
+        self.runs += 1;
+        if self.graph.as_ref().is_some_and(|(b, _)| b != bases) {
+            self.graph = None;
+        }
+        if self.use_graphs && self.graph.is_none() && self.runs >= 2 {
+            self.dev.begin_capture()?;
+            let queued = self.enqueue(bases);
+            match (queued.is_ok(), self.dev.end_capture(queued.is_ok())) {
+                (true, Ok(g)) => self.graph = Some((*bases, g)),
+                (_, e) => {
+                    if std::env::var("RLX_CUDA_DEBUG").is_ok_and(|v| v == "1") {
+                        eprintln!(
+                            "rlx cuda: graph capture impossible ({:?} / {:?}); launching on the stream",
+                            queued.err(),
+                            e.err()
+                        );
                     }
-                    // SAFETY: `row_bytes` lives until the stream is synchronised below (in
-                    // `run`, before this function's caller returns).
-                    unsafe { self.dev.write_async(addr(at), &row_bytes)? };
+                    self.use_graphs = false;
                 }
             }
         }
-        // `row_bytes` must outlive the queued copy.
-        let r = self.dev.sync();
-        drop(row_bytes);
-        r
+        match &self.graph {
+            Some((_, g)) => self.dev.launch_graph(g)?,
+            None => self.enqueue(bases)?,
+        }
+        self.dev.sync()
     }
 
     /// The first failure a kernel flagged in this run, as the CPU backend reports it.
@@ -182,9 +224,11 @@ impl Compiled for CudaProgram {
             bases[i] = c.device_ptr();
         }
         bases[plan::SCRATCH] = self.scratch.device_ptr();
-        let _one_at_a_time = self.dev.run_lock.lock().unwrap_or_else(|p| p.into_inner());
-        self.dev.bind()?;
+        let dev = self.dev.clone();
+        let _one_at_a_time = dev.run_lock.lock().unwrap_or_else(|p| p.into_inner());
+        dev.bind()?;
         self.run_steps(&bases, hyper)?;
+        drop(_one_at_a_time);
         self.flagged()
     }
 }
