@@ -9,8 +9,12 @@ Workloads:
   mlp64, mlp4096  digits-MLP shape 64-256-256-10 ReLU, mean softmax-CE, Adam(1e-3), batch 64 / 4096
                   (random inputs of the digits' shape).
   gpt             tiny GPT (vocab 256, d128, 4 heads, 2 pre-LN blocks, T64, B16), AdamW(1e-3, wd 0.01).
-  first           rlx: seconds from compile_train_step to the end of the first step (gpt).
-Each cell is the median step time in ms over --steps steps after --warmup steps.
+  gpt768          GPT d768, 12 layers, 12 heads, T256, B16, vocab 256, AdamW (fewer steps).
+  first           rlx: seconds from compile_train_step to the end of the first step of the tiny
+                  GPT, in a fresh process with the PTX disk cache off (cold NVRTC) and on (warm).
+Each cell is the median step time in ms over --steps steps after --warmup steps. "memory" is rlx's
+planned device bytes (arena + weights + optimizer state, step.memory()) against PyTorch's
+torch.cuda.max_memory_allocated() for the same step.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ def mlp_data(batch, seed=0):
     return rng.random((batch, 64), dtype=np.float32), rng.integers(0, 10, batch).astype(np.int32)
 
 
+MEM = {}
+
+
 def rlx_mlp(batch, n, warmup):
     from digits_mlp import MLP, loss_fn
 
@@ -51,7 +58,9 @@ def rlx_mlp(batch, n, warmup):
     x, y = mlp_data(batch)
     specs = {"x": rlx.InputSpec(x.shape), "y": rlx.InputSpec(y.shape, "int32")}
     step = rlx.compile_train_step(loss_fn, MLP(), rlx.optim.Adam(lr=1e-3), specs, device="cuda")
-    return timed(lambda: float(step(x=x, y=y)), n, warmup)
+    ms = timed(lambda: float(step(x=x, y=y)), n, warmup)
+    MEM[f"rlx mlp{batch}"] = sum(step.memory()[k] for k in ("arena_bytes", "param_bytes", "optimizer_state_bytes"))
+    return ms
 
 
 def torch_mlp(batch, n, warmup):
@@ -73,7 +82,10 @@ def torch_mlp(batch, n, warmup):
         opt.step()
         return loss.item()
 
-    return timed(step, n, warmup)
+    torch.cuda.reset_peak_memory_stats()
+    ms = timed(step, n, warmup)
+    MEM[f"torch mlp{batch}"] = torch.cuda.max_memory_allocated()
+    return ms
 
 
 def jax_mlp(batch, n, warmup):
@@ -121,6 +133,7 @@ def jax_mlp(batch, n, warmup):
 
 GPT = dict(vocab=256, dim=128, heads=4, layers=2, seq_len=64)
 B = 16
+BIG = dict(vocab=256, dim=768, heads=12, layers=12, seq_len=256)
 
 
 def gpt_data(seed=0):
@@ -129,9 +142,11 @@ def gpt_data(seed=0):
     return idx, np.roll(idx, -1, axis=1)
 
 
-def rlx_gpt(n, warmup):
+def rlx_gpt(n, warmup, cfg=None):
     import rlx
 
+    if cfg is not None:
+        GPT.update(cfg)
     rlx.seed(0)
     t0 = time.perf_counter()
     model = rlx.models.GPT(**GPT)
@@ -145,13 +160,18 @@ def rlx_gpt(n, warmup):
     step = rlx.compile_train_step(loss, model, rlx.optim.AdamW(lr=1e-3, weight_decay=0.01), specs, device="cuda")
     float(step(idx=idx, tgt=tgt))
     first = time.perf_counter() - t0
-    return timed(lambda: float(step(idx=idx, tgt=tgt)), n, warmup), first
+    ms = timed(lambda: float(step(idx=idx, tgt=tgt)), n, warmup)
+    MEM[f"rlx gpt d{GPT['dim']}"] = sum(
+        step.memory()[k] for k in ("arena_bytes", "param_bytes", "optimizer_state_bytes"))
+    return ms, first
 
 
-def torch_gpt(n, warmup):
+def torch_gpt(n, warmup, cfg=None):
     import torch
     import torch.nn as nn
 
+    if cfg is not None:
+        GPT.update(cfg)
     torch.backends.cuda.matmul.allow_tf32 = False
     d, h, T, V = GPT["dim"], GPT["heads"], GPT["seq_len"], GPT["vocab"]
 
@@ -193,19 +213,38 @@ def torch_gpt(n, warmup):
         opt.step()
         return loss.item()
 
-    return timed(step, n, warmup)
+    torch.cuda.reset_peak_memory_stats()
+    ms = timed(step, n, warmup)
+    MEM[f"torch gpt d{GPT['dim']}"] = torch.cuda.max_memory_allocated()
+    return ms
+
+
+def first_step(cache):
+    """Seconds to the end of the first tiny-GPT step in a fresh process (PTX cache on or off)."""
+    import subprocess
+
+    env = dict(os.environ)
+    if not cache:
+        env["RLX_CUDA_CACHE"] = "0"
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); " \
+           "import bench_cuda as b; print(b.rlx_gpt(1, 0)[1])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--only", default="mlp64,mlp4096,gpt")
+    ap.add_argument("--only", default="mlp64,mlp4096,gpt,first,gpt768")
+    ap.add_argument("--rlx-only", action="store_true", help="time rlx alone (A/B runs)")
     a = ap.parse_args()
     only = a.only.split(",")
     rows = []
 
     def cell(f, *args):
+        if a.rlx_only and not f.__name__.startswith("rlx"):
+            return float("nan")
         try:
             return f(*args)
         except Exception as e:  # a framework missing or failing: say so in the table
@@ -221,6 +260,11 @@ def main():
         r = cell(rlx_gpt, a.steps, a.warmup)
         ms, first = r if isinstance(r, tuple) else (r, float("nan"))
         rows.append(("tiny GPT B16 T64 (AdamW)", ms, cell(torch_gpt, a.steps, a.warmup), float("nan")))
+    if "gpt768" in only:
+        r = cell(rlx_gpt, 10, 3, BIG)
+        ms = r[0] if isinstance(r, tuple) else r
+        rows.append(("GPT d768 L12 H12 T256 B16 (AdamW)", ms, cell(torch_gpt, 10, 3, BIG), float("nan")))
+    colds = (cell(first_step, False), cell(first_step, True)) if "first" in only else (float("nan"),) * 2
     import torch
 
     print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
@@ -228,7 +272,11 @@ def main():
     print("|---|---|---|---|")
     for name, r, t, j in rows:
         print(f"| {name} | {r:.3f} | {t:.3f} | {j:.3f} |")
-    print(f"first step incl. compile, tiny GPT (rlx): {first:.2f} s")
+    print(f"first step incl. compile, tiny GPT (rlx, in-process after other workloads): {first:.2f} s")
+    print(f"first step incl. compile, tiny GPT (rlx, fresh process): PTX cache off {colds[0]:.2f} s, "
+          f"on {colds[1]:.2f} s")
+    for k, v in MEM.items():
+        print(f"memory {k}: {v / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

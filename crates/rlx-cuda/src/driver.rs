@@ -701,6 +701,23 @@ impl Pinned {
     }
 }
 
+impl Pinned {
+    /// Queues a copy of `len` bytes at `src` into this memory on the compute stream (capturable).
+    pub fn copy_from(&mut self, src: u64) -> Result<()> {
+        // SAFETY: the memory lives as long as `self`; `&mut self` excludes other users.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
+        // SAFETY: the plan checked the source range; the caller synchronises before reading.
+        unsafe { cu::memcpy_dtoh_async(dst, src, self.dev.stream) }
+            .map_err(|e| dev_err("copy to host", e))
+    }
+
+    /// The bytes, as the last synchronised copy left them.
+    pub fn get(&self) -> Vec<u8> {
+        // SAFETY: `len` initialised bytes (zeroed at allocation).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
+    }
+}
+
 impl Drop for Pinned {
     fn drop(&mut self) {
         if self.dev.bind().is_ok() {

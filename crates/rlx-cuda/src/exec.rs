@@ -18,6 +18,8 @@ pub struct CudaProgram {
     scratch: CudaBuffer,
     /// The run's hyper-parameter row, copied to the device by the run (also inside a graph).
     hyper: Pinned,
+    /// The error word, copied back by every run of a program with kernels that can fail.
+    err: Option<Pinned>,
     /// The captured run and the base addresses it was captured with.
     graph: Option<([u64; 5], GraphExec)>,
     /// Graph capture: on unless `RLX_CUDA_GRAPHS=0`, and off for good once a capture failed.
@@ -59,6 +61,19 @@ impl CudaProgram {
             .collect::<Result<Vec<_>>>()?;
         let scratch = CudaBuffer::zeroed(dev.clone(), plan.scratch_bytes)?;
         let hyper = Pinned::new(dev.clone(), rlx_runtime::hyper_col::LEN * 4)?;
+        let err_at = plan::Loc {
+            buf: plan::SCRATCH,
+            offset: plan::ERR_AT,
+        };
+        let may_fail = plan.steps.iter().any(|s| match s {
+            Step::Launch { operands, .. } => operands.iter().any(|(_, l)| *l == err_at),
+            _ => false,
+        });
+        let err = if may_fail {
+            Some(Pinned::new(dev.clone(), 8)?)
+        } else {
+            None
+        };
         Ok(CudaProgram {
             dev,
             plan,
@@ -66,6 +81,7 @@ impl CudaProgram {
             lens: lens.to_vec(),
             scratch,
             hyper,
+            err,
             graph: None,
             use_graphs: graphs_enabled(),
             runs: 0,
@@ -73,10 +89,12 @@ impl CudaProgram {
     }
 
     /// Queues every step (on the stream, or into a capture).
-    fn enqueue(&self, bases: &[u64; 5]) -> Result<()> {
+    fn enqueue(&mut self, bases: &[u64; 5]) -> Result<()> {
         let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
-        self.dev
-            .memset_async(bases[plan::SCRATCH] + plan::ERR_AT as u64, 16)?;
+        let err_at = bases[plan::SCRATCH] + plan::ERR_AT as u64;
+        if self.err.is_some() {
+            self.dev.memset_async(err_at, 16)?;
+        }
         for (step, func) in self.plan.steps.iter().zip(&self.funcs) {
             match step {
                 Step::Launch {
@@ -97,6 +115,9 @@ impl CudaProgram {
                 Step::Gemm { g, a, b, c } => self.dev.gemm(g, addr(a), addr(b), addr(c))?,
                 Step::HyperRow { at } => self.hyper.copy_to(addr(at))?,
             }
+        }
+        if let Some(e) = &mut self.err {
+            e.copy_from(err_at)?;
         }
         Ok(())
     }
@@ -154,8 +175,10 @@ impl CudaProgram {
 
     /// The first failure a kernel flagged in this run, as the CPU backend reports it.
     fn flagged(&self) -> Result<()> {
-        let mut w = [0u8; 8];
-        self.scratch.read(plan::ERR_AT, &mut w)?;
+        let Some(e) = &self.err else {
+            return Ok(());
+        };
+        let w = e.get();
         let code = i32::from_le_bytes([w[0], w[1], w[2], w[3]]);
         let value = i32::from_le_bytes([w[4], w[5], w[6], w[7]]);
         match code {
@@ -228,7 +251,6 @@ impl Compiled for CudaProgram {
         let _one_at_a_time = dev.run_lock.lock().unwrap_or_else(|p| p.into_inner());
         dev.bind()?;
         self.run_steps(&bases, hyper)?;
-        drop(_one_at_a_time);
         self.flagged()
     }
 }

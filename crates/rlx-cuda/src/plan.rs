@@ -943,6 +943,7 @@ impl Builder {
             OptimRule::RmsProp => 3,
             OptimRule::Adagrad => 4,
         };
+        let mut finish: Vec<(Loc, Option<Loc>, Loc)> = Vec::new();
         for q in &u.params {
             let row = match &u.hyper {
                 Some(h) => {
@@ -977,11 +978,21 @@ impl Builder {
                     ops,
                 );
             }
-            let mut fin = vec![(0, at(&q.step)), (2, row), (3, ctrl)];
-            if let Some(s) = &q.started {
-                fin.push((1, at(s)));
+            finish.push((at(&q.step), q.started.as_ref().map(at), row));
+        }
+        // Step counts and momentum flags, five parameters per launch.
+        for chunk in finish.chunks(5) {
+            let mut p = P::default();
+            p.iv[0] = chunk.len() as i64;
+            let mut ops = vec![(0, ctrl)];
+            for (i, (step, started, row)) in chunk.iter().enumerate() {
+                ops.push((1 + 3 * i, *step));
+                if let Some(s) = started {
+                    ops.push((2 + 3 * i, *s));
+                }
+                ops.push((3 + 3 * i, *row));
             }
-            one(self, "rlx_update_finish", P::default(), fin);
+            one(self, "rlx_update_finish", p, ops);
         }
         ctrl_step(self, 3);
         for (s, d) in &u.buffer_updates {

@@ -481,12 +481,15 @@ extern "C" __global__ void rlx_update(const P p) {
     }
   }
 }
-/* One thread: ptr0 step, ptr1 started (or 0), ptr2 hyper row, ptr3 ctrl. */
+/* One thread, up to 5 parameters: ptr0 ctrl; for i < iv[0]: ptr[1+3i] step, ptr[2+3i] started
+   (or 0), ptr[3+3i] hyper row. Counts the update and marks SGD momentum as started. */
 extern "C" __global__ void rlx_update_finish(const P p) {
-  const Ctrl* c = (const Ctrl*)p.ptr[3];
+  const Ctrl* c = (const Ctrl*)p.ptr[0];
   if (c->go == 0.0f) return;
-  I(0)[0] += 1;
-  if (p.ptr[1] != 0 && F(2)[2] != 0.0f) I(1)[0] = 1;
+  for (int i = 0; i < (int)p.iv[0]; ++i) {
+    I(1 + 3 * i)[0] += 1;
+    if (p.ptr[2 + 3 * i] != 0 && F(3 + 3 * i)[2] != 0.0f) I(2 + 3 * i)[0] = 1;
+  }
 }
 "#;
 
