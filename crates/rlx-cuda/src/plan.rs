@@ -717,6 +717,35 @@ impl Builder {
         if n == 0 {
             return Ok(());
         }
+        let count: usize = axes.iter().map(|&a| xd[a]).product();
+        let is_prefix = axes.iter().enumerate().all(|(i, &a)| a == i);
+        if is_prefix && r != ReduceOp::Max && count >= 64 {
+            // Leading rows summed column-wise: coalesced reads, partial sums added atomically.
+            const CHUNK: usize = 64;
+            let colblocks = n.div_ceil(THREADS as usize);
+            let chunks = count.div_ceil(CHUNK);
+            self.plan.steps.push(Step::Fill {
+                at: at(out),
+                bytes: out.bytes(),
+            });
+            let mut p = P::sized(n);
+            p.iv[0] = count as i64;
+            p.iv[1] = n as i64;
+            p.iv[2] = CHUNK as i64;
+            p.fv[0] = if r == ReduceOp::Mean {
+                1.0 / count as f32
+            } else {
+                1.0
+            };
+            self.launch(
+                Kernel::Library("rlx_reduce_rows"),
+                (colblocks * chunks) as u32,
+                THREADS,
+                p,
+                vec![(0, at(x)), (1, at(out))],
+            );
+            return Ok(());
+        }
         let xs = contiguous(xd);
         let kept: Vec<usize> = (0..xd.len()).filter(|d| !axes.contains(d)).collect();
         let kdims: Vec<usize> = kept.iter().map(|&d| xd[d]).collect();
@@ -748,7 +777,6 @@ impl Builder {
                 "more than 8 non-adjacent reduced axes",
             ));
         }
-        let count: usize = axes.iter().map(|&a| xd[a]).product();
         for (i, (&d, &s)) in rd.iter().zip(&rs).enumerate() {
             p.st[2][i] = d;
             p.st[3][i] = s;
@@ -1110,6 +1138,45 @@ mod tests {
         assert!(plan(&neg(t(0, &[8]), t(240, &[8])), &[256]).is_err());
         assert!(plan(&neg(t(0, &[8]), t(16, &[8])), &[256]).is_err());
         assert!(plan(&neg(t(0, &[8]), t(64, &[8])), &[256]).is_ok());
+    }
+
+    #[test]
+    fn leading_axis_sums_are_column_reductions_and_others_general() {
+        let red = |axes: Vec<usize>, op: ReduceOp, out: &[usize]| {
+            let prog = Program {
+                instrs: vec![Instr::Op {
+                    op: Op::Reduce {
+                        op,
+                        axes,
+                        keepdims: false,
+                    },
+                    ins: vec![t(0, &[128, 6])],
+                    out: t(4096, out),
+                }],
+            };
+            plan(&prog, &[8192]).unwrap().steps
+        };
+        let steps = red(vec![0], ReduceOp::Mean, &[6]);
+        assert!(matches!(steps[0], Step::Fill { bytes: 24, .. }));
+        let Step::Launch { kernel, p, .. } = &steps[1] else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_reduce_rows"));
+        assert_eq!((p.iv[0], p.iv[1], p.fv[0]), (128, 6, 1.0 / 128.0));
+        let steps = red(vec![0], ReduceOp::Max, &[6]);
+        assert!(matches!(
+            &steps[0],
+            Step::Launch {
+                kernel: Kernel::Library("rlx_reduce"),
+                ..
+            }
+        ));
+        let steps = red(vec![1], ReduceOp::Sum, &[128]);
+        let Step::Launch { kernel, p, .. } = &steps[0] else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_reduce"));
+        assert_eq!((p.n, p.iv[1], p.st[2][0], p.st[3][0]), (128, 6, 6, 1));
     }
 
     #[test]

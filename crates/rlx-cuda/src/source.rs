@@ -200,6 +200,20 @@ extern "C" __global__ void rlx_reduce(const P p) {
     __syncthreads();
   }
 }
+/* Sums over leading rows (bias gradients): x is [iv[0] rows, iv[1] cols]; each block sums
+   iv[2] rows for 256 adjacent columns (coalesced) and adds its partial, times fv[0], into the
+   zeroed output. */
+extern "C" __global__ void rlx_reduce_rows(const P p) {
+  long long rows = p.iv[0], cols = p.iv[1], chunk = p.iv[2];
+  long long colblocks = (cols + blockDim.x - 1) / blockDim.x;
+  long long cb = blockIdx.x % colblocks, rb = blockIdx.x / colblocks;
+  long long c = cb * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  long long r0 = rb * chunk, r1 = min(rows, r0 + chunk);
+  float acc = 0.0f;
+  for (long long r = r0; r < r1; ++r) acc += F(0)[r * cols + c];
+  atomicAdd(F(1) + c, acc * p.fv[0]);
+}
 /* ---- softmax / log-softmax: one warp per row; iv[0] len, iv[1] inner, iv[2] log. ---- */
 extern "C" __global__ void rlx_softmax(const P p) {
   long long len = p.iv[0], inner = p.iv[1];
