@@ -115,19 +115,26 @@ def test_parameters_and_grads_are_copies_not_views():
     rlx.seed(0)
     m = MLP(32, 16, 10)
     x, y = _data()
-    step = rlx.compile_train_step(ce_loss, m, rlx.optim.SGD(lr=0.1), _specs({"x": x, "y": y}), device="cuda")
+    opt = rlx.optim.SGD(lr=0.1, momentum=0.9)
+    step = rlx.compile_train_step(ce_loss, m, opt, _specs({"x": x, "y": y}), device="cuda")
     step(x=x, y=y)
     w = m.fc1.weight.numpy()
-    before = w.copy()
-    w[...] = 0.0  # a copy: the device weights do not change
-    np.testing.assert_array_equal(m.fc1.weight.numpy(), before)
+    with pytest.raises(ValueError):
+        w[...] = 0.0  # a read-only copy: writes could not reach the device
     g1 = step.grads["fc1.weight"].copy()
     step(x=x * 2.0, y=y)
     assert not np.array_equal(step.grads["fc1.weight"], g1), "grads are re-read after each step"
-    with pytest.raises(rlx.RlxError, match="host-visible"):
-        fn = rlx.compile(lambda m, x: m(x), m, _specs({"x": x}), device="cuda")
-        fn.bind("x", x)
-        fn.view("x")
+    state = opt.state("fc1.weight")
+    assert np.abs(state["momentum_buffer"]).sum() > 0
+    assert not any(v.flags.writeable for v in state.values())
+    fn = rlx.compile(lambda m, x: m(x), m, _specs({"x": x}), device="cuda")
+    fn.bind("x", x)
+    v = fn.view("x")
+    np.testing.assert_array_equal(v, x)
+    assert not v.flags.writeable
+    fn.write_rows("x", 0, np.zeros((2, 32), np.float32))
+    np.testing.assert_array_equal(fn.view("x")[:2], 0.0)
+    np.testing.assert_array_equal(v[:2], x[:2])  # the earlier copy is a snapshot
 
 
 @needs_cuda

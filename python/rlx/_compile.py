@@ -475,7 +475,8 @@ class Function(_Compiled):
         self._bound.add(name)
 
     def view(self, name: str) -> np.ndarray:
-        """The arena view of input ``name`` (writable; host-visible devices only).
+        """The arena view of input ``name`` (writable) where the host can see the memory; on CUDA a
+        read-only copy of its current values (change it with ``bind`` or ``write_rows``).
 
         Example:
             >>> fn.view("k_cache")[:, :, 0] = 0.0
@@ -483,7 +484,8 @@ class Function(_Compiled):
         spec = self._spec(name)
         raw = self._exe.input_view(name)
         if raw is None:
-            raise RlxError(f"[{name}] this device's memory is not host-visible")
+            # Device memory (CUDA): a read-only copy of the slot; write with bind / write_rows.
+            return np.frombuffer(self._exe.input_read(name), dtype=_NP[spec.dtype]).reshape(spec.shape)
         return np.frombuffer(raw, dtype=_NP[spec.dtype]).reshape(spec.shape)
 
     def write_rows(self, name: str, start: int, rows: Any, axis: int = 0) -> None:

@@ -194,6 +194,18 @@ impl PyExecutable {
         ))
     }
 
+    /// A copy of input `name`'s slot (for devices whose memory the host cannot see).
+    fn input_read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let slot = native(py, || Ok(self.exe.inputs()))?
+            .into_iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| to_py(py, Error::input(name, "unknown input")))?;
+        let arena = self.exe.arena().clone();
+        let mut out = vec![0u8; slot.at.bytes()];
+        native(py, || arena.read(slot.at.offset, &mut out))?;
+        Ok(PyBytes::new(py, &out))
+    }
+
     /// A copy of output `i`'s bytes as the last run left them (for devices whose memory the
     /// host cannot see).
     fn output_read<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyBytes>> {
