@@ -215,3 +215,36 @@ def test_int_ops_and_layout_ops_match_cpu():
     with pytest.raises(rlx.RlxError, match="division by zero"):
         rlx.compile(lambda m, a, b: a // b, rlx.nn.Module(), {"a": specs["a"], "b": specs["b"]},
                     device="cuda")(a=a, b=np.zeros_like(b))
+
+
+@needs_cuda
+def test_attention_log1p_ignored_labels_and_dropout_match_cpu():
+    from conftest import run_grads
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 3, 8, 16)).astype(np.float32) for _ in range(3))
+    z = rng.standard_normal((6, 5)).astype(np.float32)
+    y = rng.integers(0, 5, 6).astype(np.int32)
+    y[1] = -100  # ignored row
+
+    def loss(m, y):
+        a = rlx.scaled_dot_product_attention(m.q, m.k, m.v, causal=True)
+        return (a * a).mean() + rlx.cross_entropy(m.z, y) + rlx.log1p(rlx.relu(m.z)).sum() * 0.1
+
+    params = {"q": q, "k": k, "v": v, "z": z}
+    l_cpu, g_cpu = run_grads(loss, params, {"y": y}, device="cpu")
+    l_gpu, g_gpu = run_grads(loss, params, {"y": y}, device="cuda")
+    np.testing.assert_allclose(l_gpu, l_cpu, rtol=1e-5, atol=1e-6)
+    for name, g in g_cpu.items():
+        np.testing.assert_allclose(g_gpu[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+
+    def drop(m, x):
+        return rlx.dropout(x, 0.3)
+
+    outs = []
+    for device in ["cpu", "cuda"]:
+        rlx.seed(0)
+        fn = rlx.compile(drop, rlx.nn.Module(), _specs({"x": z}), device=device)
+        outs.append(fn(x=z))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6)  # the same mask on both devices
+    assert 0 < np.count_nonzero(outs[0] == 0) < z.size

@@ -16,12 +16,14 @@ pub struct CudaProgram {
     funcs: Vec<Option<Func>>,
     lens: Vec<usize>,
     scratch: CudaBuffer,
+    /// Matmul products read by their epilogues.
+    product: CudaBuffer,
     /// The run's hyper-parameter row, copied to the device by the run (also inside a graph).
     hyper: Pinned,
     /// The error word, copied back by every run of a program with kernels that can fail.
     err: Option<Pinned>,
     /// The captured run and the base addresses it was captured with.
-    graph: Option<([u64; 5], GraphExec)>,
+    graph: Option<([u64; 6], GraphExec)>,
     /// Graph capture: on unless `RLX_CUDA_GRAPHS=0`, and off for good once a capture failed.
     use_graphs: bool,
     runs: u64,
@@ -60,6 +62,7 @@ impl CudaProgram {
             })
             .collect::<Result<Vec<_>>>()?;
         let scratch = CudaBuffer::zeroed(dev.clone(), plan.scratch_bytes)?;
+        let product = CudaBuffer::zeroed(dev.clone(), plan.product_bytes)?;
         let hyper = Pinned::new(dev.clone(), rlx_runtime::hyper_col::LEN * 4)?;
         let err_at = plan::Loc {
             buf: plan::SCRATCH,
@@ -80,6 +83,7 @@ impl CudaProgram {
             funcs,
             lens: lens.to_vec(),
             scratch,
+            product,
             hyper,
             err,
             graph: None,
@@ -89,7 +93,7 @@ impl CudaProgram {
     }
 
     /// Queues every step (on the stream, or into a capture).
-    fn enqueue(&mut self, bases: &[u64; 5]) -> Result<()> {
+    fn enqueue(&mut self, bases: &[u64; 6]) -> Result<()> {
         let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
         let err_at = bases[plan::SCRATCH] + plan::ERR_AT as u64;
         if self.err.is_some() {
@@ -124,7 +128,7 @@ impl CudaProgram {
 
     /// One run: replays the captured graph where the buffers are the ones it was captured with,
     /// captures one from the second run on, else queues the steps; then waits.
-    fn run_steps(&mut self, bases: &[u64; 5], hyper: Option<&OptimHyper>) -> Result<()> {
+    fn run_steps(&mut self, bases: &[u64; 6], hyper: Option<&OptimHyper>) -> Result<()> {
         let needs_hyper = self
             .plan
             .steps
@@ -219,7 +223,7 @@ impl Compiled for CudaProgram {
         buffers: &[&dyn DeviceBuffer],
         hyper: Option<&OptimHyper>,
     ) -> Result<()> {
-        let mut bases = [0u64; 5];
+        let mut bases = [0u64; 6];
         for (i, &len) in self.lens.iter().enumerate() {
             if len == 0 {
                 continue;
@@ -247,6 +251,7 @@ impl Compiled for CudaProgram {
             bases[i] = c.device_ptr();
         }
         bases[plan::SCRATCH] = self.scratch.device_ptr();
+        bases[plan::PRODUCT] = self.product.device_ptr();
         let dev = self.dev.clone();
         let _one_at_a_time = dev.run_lock.lock().unwrap_or_else(|p| p.into_inner());
         dev.bind()?;

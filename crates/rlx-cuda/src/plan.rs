@@ -55,6 +55,10 @@ pub struct Loc {
 
 /// The scratch buffer's index in a run's base addresses (after the four program buffers).
 pub const SCRATCH: usize = 4;
+/// The buffer holding a matmul product its epilogue reads (sized for the largest).
+pub const PRODUCT: usize = 5;
+/// Where a cross-entropy gradient finds its count of rows not labelled -100 (int32, scratch).
+pub const COUNT_AT: usize = 64;
 /// Scratch layout: the error word, the update's control block, the run's hyper-parameter row,
 /// then per-row cross-entropy losses.
 pub const ERR_AT: usize = 0;
@@ -134,6 +138,8 @@ pub struct Plan {
     /// Generated elementwise expressions, each one kernel.
     pub fused: Vec<Fused>,
     pub scratch_bytes: usize,
+    /// Bytes of the product buffer (matmul epilogues).
+    pub product_bytes: usize,
     /// Classes of the first cross-entropy (for the error message of a bad label).
     pub classes: Option<usize>,
     /// Rows of the first embedding table (for the error message of a bad id).
@@ -279,6 +285,7 @@ fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
         Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
         Op::Where => ins[1].dtype == out.dtype,
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
+        Op::Dropout { .. } => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
         _ => all_f32,
     };
     if ok {
@@ -368,24 +375,39 @@ impl Builder {
 
     /// A fused expression over `f.shape` reading `ins` (each broadcast to it) into `out`.
     fn fused(&mut self, f: Fused, ins: &[TRef], out: &TRef) -> Result<()> {
+        let ins: Vec<(Loc, Vec<usize>)> = ins
+            .iter()
+            .map(|t| (at(t), t.shape.dims().to_vec()))
+            .collect();
+        self.fused_at(f, &ins, at(out), out.numel())
+    }
+
+    /// A fused expression over operands given by place and dims.
+    fn fused_at(
+        &mut self,
+        f: Fused,
+        ins: &[(Loc, Vec<usize>)],
+        out: Loc,
+        total: usize,
+    ) -> Result<()> {
         let od = f.shape.dims().to_vec();
-        let total = out.numel();
-        let flat = ins.iter().all(|t| t.numel() == total || t.numel() == 1);
+        let numel = |d: &[usize]| d.iter().product::<usize>();
+        let flat = ins.iter().all(|(_, d)| numel(d) == total || numel(d) == 1);
         let mut ops: Vec<(Loc, Vec<i64>)> = Vec::new();
         let dims: Vec<usize> = if flat { vec![total] } else { od.clone() };
-        for t in ins {
+        for (l, d) in ins {
             let st = if flat {
-                vec![if t.numel() == total && total != 1 {
+                vec![if numel(d) == total && total != 1 {
                     1
                 } else {
                     0
                 }]
             } else {
-                broadcast(t.shape.dims(), &od)
+                broadcast(d, &od)
             };
-            ops.push((at(t), st));
+            ops.push((*l, st));
         }
-        ops.push((at(out), if flat { vec![1] } else { contiguous(&od) }));
+        ops.push((out, if flat { vec![1] } else { contiguous(&od) }));
         let idx = match self
             .plan
             .fused
@@ -566,7 +588,7 @@ impl Builder {
             Op::SoftmaxCrossEntropy => {
                 let (rows, c) = (sh(0)[0], sh(0)[1]);
                 self.plan.classes.get_or_insert(c);
-                self.plan.scratch_bytes = self.plan.scratch_bytes.max(ROWS_AT + rows * 4);
+                self.plan.scratch_bytes = self.plan.scratch_bytes.max(ROWS_AT + rows * 8);
                 let mut p = P::sized(rows);
                 p.iv[0] = c as i64;
                 if rows > 0 {
@@ -602,6 +624,13 @@ impl Builder {
                 let mut p = P::sized(rows);
                 p.iv[0] = c as i64;
                 self.launch(
+                    Kernel::Library("rlx_count_labels"),
+                    1,
+                    1024,
+                    P::sized(rows),
+                    vec![(0, at(&ins[1])), (1, scratch(COUNT_AT))],
+                );
+                self.launch(
                     Kernel::Library("rlx_ce_grad"),
                     grid_for(rows, 8),
                     THREADS,
@@ -612,6 +641,7 @@ impl Builder {
                         (2, at(&ins[2])),
                         (3, at(out)),
                         (4, scratch(ERR_AT)),
+                        (5, scratch(COUNT_AT)),
                     ],
                 );
                 Ok(())
@@ -705,10 +735,192 @@ impl Builder {
                 );
                 Ok(())
             }
+            Op::MatMulEpilogue {
+                trans_a,
+                trans_b,
+                epilogue,
+            } => {
+                // The product goes to the program's product buffer, the epilogue reads it there.
+                let (ad, bd) = (sh(0), sh(1));
+                let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+                let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+                let m = if *trans_a { ca } else { ra };
+                let n = if *trans_b { rb } else { cb };
+                let (pa, pb) = (&ad[..ad.len() - 2], &bd[..bd.len() - 2]);
+                let r = pa.len().max(pb.len());
+                let dim = |p: &[usize], i: usize| {
+                    if i + p.len() >= r {
+                        p[i + p.len() - r]
+                    } else {
+                        1
+                    }
+                };
+                let mut pd: Vec<usize> = (0..r).map(|i| dim(pa, i).max(dim(pb, i))).collect();
+                pd.extend([m, n]);
+                let numel: usize = pd.iter().product();
+                self.plan.product_bytes = self.plan.product_bytes.max(numel * 4);
+                let prod = Loc {
+                    buf: PRODUCT,
+                    offset: 0,
+                };
+                self.matmul_at((at(&ins[0]), &ad), (at(&ins[1]), &bd), (prod, &pd), *trans_a, *trans_b)?;
+                let mut fins = vec![(prod, epilogue.shape.dims().to_vec())];
+                fins.extend(ins[2..].iter().map(|t| (at(t), t.shape.dims().to_vec())));
+                self.fused_at((**epilogue).clone(), &fins, at(out), out.numel())
+            }
+            Op::Log1p => {
+                let n = out.numel();
+                let ops = [(at(&ins[0]), vec![1]), (at(out), vec![1])];
+                self.map(Kernel::Library("rlx_log1p"), &[n], &ops, P::default(), "log1p")
+            }
+            Op::StopGradient => {
+                let n = out.numel();
+                self.copy32(&[n], (at(&ins[0]), vec![1]), (at(out), vec![1]), "stop_gradient")
+            }
+            Op::Dropout { p: drop } => {
+                let n = out.numel();
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut p = P::sized(n);
+                p.fv[0] = *drop;
+                p.fv[1] = 1.0 / (1.0 - *drop);
+                self.launch(
+                    Kernel::Library("rlx_dropout"),
+                    grid_for(n, THREADS as usize),
+                    THREADS,
+                    p,
+                    vec![(0, at(&ins[0])), (1, at(&ins[1])), (2, at(out))],
+                );
+                Ok(())
+            }
+            Op::Attention {
+                scale,
+                causal,
+                heads,
+            }
+            | Op::AttentionGrad {
+                scale,
+                causal,
+                heads,
+            } => self.attention(
+                matches!(op, Op::AttentionGrad { .. }),
+                *scale,
+                *causal,
+                *heads,
+                ins,
+                out,
+            ),
+            Op::Im2Col(_) | Op::Col2Im { .. } | Op::Pool2d { .. } | Op::Pool2dGrad { .. } => {
+                Err(Error::unsupported(
+                    op.name(),
+                    "the cuda backend has no kernel for it yet (convolutions and pooling run on 'cpu')",
+                ))
+            }
             Op::Input { .. } | Op::Param { .. } | Op::Const { .. } | Op::Reshape { .. } => {
                 Err(Error::Internal(format!("[{}] is not a kernel", op.name())))
             }
         }
+    }
+
+    /// Attention forward or backward (see `rlx_attention` in the kernel source for the record).
+    fn attention(
+        &mut self,
+        grad: bool,
+        scale: f32,
+        causal: Option<i64>,
+        heads: Option<usize>,
+        ins: &[TRef],
+        out: &TRef,
+    ) -> Result<()> {
+        let d0 = ins[0].shape.dims();
+        let mut p = P::default();
+        let (units, h, l, s, e, ev);
+        // Per tensor: [unit stride, head offset, row stride, base] in elements.
+        let mut st = [[0i64; 4]; 7];
+        match heads {
+            Some(hh) => {
+                (units, h, l, s) = (d0[0], hh, d0[1], d0[1]);
+                e = d0[2] / (3 * hh);
+                ev = e;
+                let (row, t) = ((3 * hh * e) as i64, d0[1] as i64);
+                for (x, base) in [(0, 0), (1, hh * e), (2, 2 * hh * e)] {
+                    st[x] = [t * row, e as i64, row, base as i64];
+                    st[x + 4] = st[x];
+                }
+                let orow = (hh * e) as i64;
+                st[3] = [t * orow, e as i64, orow, 0];
+            }
+            None => {
+                let (kd, vd) = (ins[1].shape.dims(), ins[2].shape.dims());
+                let r = d0.len();
+                units = d0[..r - 2].iter().product();
+                (h, l, s, e, ev) = (1, d0[r - 2], kd[r - 2], d0[r - 1], vd[r - 1]);
+                let (l_, s_, e_, ev_) = (l as i64, s as i64, e as i64, ev as i64);
+                st[0] = [l_ * e_, 0, e_, 0];
+                st[1] = [s_ * e_, 0, e_, 0];
+                st[2] = [s_ * ev_, 0, ev_, 0];
+                st[3] = [l_ * ev_, 0, ev_, 0];
+                let (qn, kn) = (ins[0].numel() as i64, ins[1].numel() as i64);
+                st[4] = st[0];
+                st[5] = [s_ * e_, 0, e_, qn];
+                st[6] = [s_ * ev_, 0, ev_, qn + kn];
+            }
+        }
+        if e > 256 || ev > 256 {
+            return Err(Error::unsupported(
+                "attention",
+                format!("the cuda kernel takes head sizes up to 256, got {e} / {ev}"),
+            ));
+        }
+        let rows = units * h * l;
+        if out.numel() == 0 {
+            return Ok(());
+        }
+        for (x, v) in st.iter().enumerate() {
+            p.st[x][..4].copy_from_slice(v);
+        }
+        p.n = rows as i64;
+        p.iv[..6].copy_from_slice(&[
+            units as i64,
+            h as i64,
+            l as i64,
+            s as i64,
+            e as i64,
+            ev as i64,
+        ]);
+        if let Some(off) = causal {
+            p.iv[6] = 1;
+            p.iv[7] = off;
+        }
+        p.fv[0] = scale;
+        let packed = heads.is_some();
+        let (q, k, v) = if packed {
+            (at(&ins[0]), at(&ins[0]), at(&ins[0]))
+        } else {
+            (at(&ins[0]), at(&ins[1]), at(&ins[2]))
+        };
+        let mut ops = vec![(0, q), (1, k), (2, v)];
+        let name = if grad {
+            let (o, g) = if packed {
+                (&ins[1], &ins[2])
+            } else {
+                (&ins[3], &ins[4])
+            };
+            ops.extend([(3, at(o)), (4, at(g)), (5, at(out))]);
+            self.plan.steps.push(Step::Fill {
+                at: at(out),
+                bytes: out.bytes(),
+            });
+            "rlx_attention_grad"
+        } else {
+            ops.push((3, at(out)));
+            "rlx_attention"
+        };
+        if rows > 0 {
+            self.launch(Kernel::Library(name), grid_for(rows, 8), THREADS, p, ops);
+        }
+        Ok(())
     }
 
     fn reduce(&mut self, r: ReduceOp, x: &TRef, axes: &[usize], out: &TRef) -> Result<()> {
@@ -802,17 +1014,30 @@ impl Builder {
 
     fn matmul(&mut self, ins: &[TRef], out: &TRef, ta: bool, tb: bool) -> Result<()> {
         let (ad, bd, od) = (ins[0].shape.dims(), ins[1].shape.dims(), out.shape.dims());
+        self.matmul_at((at(&ins[0]), ad), (at(&ins[1]), bd), (at(out), od), ta, tb)
+    }
+
+    /// `c = op(a) @ op(b)` for operands given by place and dims.
+    fn matmul_at(
+        &mut self,
+        (a, ad): (Loc, &[usize]),
+        (b, bd): (Loc, &[usize]),
+        (c, od): (Loc, &[usize]),
+        ta: bool,
+        tb: bool,
+    ) -> Result<()> {
+        let out_numel: usize = od.iter().product();
         let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
         let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
         let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
         let n = if tb { rb } else { cb };
-        if out.numel() == 0 {
+        if out_numel == 0 {
             return Ok(());
         }
         if k == 0 {
             self.plan.steps.push(Step::Fill {
-                at: at(out),
-                bytes: out.bytes(),
+                at: c,
+                bytes: out_numel * 4,
             });
             return Ok(());
         }
@@ -835,7 +1060,6 @@ impl Builder {
             stride_c: rows * n,
             batch,
         };
-        let (a, b, c) = (at(&ins[0]), at(&ins[1]), at(out));
         if b_batch == 1 && !ta && a_batch == batch {
             // A stack of row-major matrices times one matrix is one tall GEMM.
             self.plan.steps.push(Step::Gemm {

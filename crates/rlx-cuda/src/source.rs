@@ -239,7 +239,8 @@ extern "C" __global__ void rlx_softmax(const P p) {
     }
   }
 }
-/* ---- cross-entropy: per-row losses into scratch (ptr2), then their mean (rlx_mean_rows). ---- */
+/* ---- cross-entropy: per-row losses into scratch (ptr2: n losses, then n 0/1 counted flags),
+   then their mean over the counted rows (rlx_mean_rows). Label -100 rows are ignored. ---- */
 extern "C" __global__ void rlx_ce_rows(const P p) {
   long long c = p.iv[0];
   int lane = threadIdx.x & 31;
@@ -247,6 +248,7 @@ extern "C" __global__ void rlx_ce_rows(const P p) {
   for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
     const float* x = F(0) + r * c;
     int y = I(1)[r];
+    if (y == -100) { if (lane == 0) { F(2)[r] = 0.0f; F(2)[p.n + r] = 0.0f; } continue; }
     float m = (-RX_INF);
     for (long long j = lane; j < c; j += 32) m = rx_max(m, x[j]);
     m = warp_max(m);
@@ -254,36 +256,57 @@ extern "C" __global__ void rlx_ce_rows(const P p) {
     for (long long j = lane; j < c; j += 32) s += expf(x[j] - m);
     s = warp_sum(s);
     if (lane == 0) {
+      F(2)[p.n + r] = 1.0f;
       if (y < 0 || y >= c) { rx_fail((int*)p.ptr[3], 1, y); F(2)[r] = 0.0f; }
       else F(2)[r] = m + logf(s) - x[y];
     }
   }
 }
-/* The mean of n floats at ptr0 into ptr1[0], summed in double (NaN for none). */
+/* The sum of n floats at ptr0 over the count of n flags after them (ptr0 + n), into ptr1[0],
+   in double (NaN for no counted row). */
 extern "C" __global__ void rlx_mean_rows(const P p) {
   __shared__ double sh[32];
-  double acc = 0.0;
-  for (long long i = threadIdx.x; i < p.n; i += blockDim.x) acc += (double)F(0)[i];
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  __shared__ double shc[32];
+  double acc = 0.0, cnt = 0.0;
+  for (long long i = threadIdx.x; i < p.n; i += blockDim.x) { acc += (double)F(0)[i]; cnt += (double)F(0)[p.n + i]; }
+  for (int o = 16; o > 0; o >>= 1) { acc += __shfl_xor_sync(0xffffffffu, acc, o); cnt += __shfl_xor_sync(0xffffffffu, cnt, o); }
   int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  if (lane == 0) sh[w] = acc;
+  if (lane == 0) { sh[w] = acc; shc[w] = cnt; }
   __syncthreads();
   if (threadIdx.x == 0) {
-    double t = 0.0;
-    for (int k = 0; k < (int)((blockDim.x + 31) >> 5); ++k) t += sh[k];
-    F(1)[0] = p.n == 0 ? RX_NAN : (float)(t / (double)p.n);
+    double t = 0.0, k = 0.0;
+    for (int q = 0; q < (int)((blockDim.x + 31) >> 5); ++q) { t += sh[q]; k += shc[q]; }
+    F(1)[0] = k == 0.0 ? RX_NAN : (float)(t / k);
   }
 }
-/* (softmax - onehot) * g / N: ptr0 logits, ptr1 labels, ptr2 g (scalar), ptr3 out, ptr4 err. */
+/* Rows not labelled -100 among n int labels (ptr0), into ((int*)ptr1)[0]. One block. */
+extern "C" __global__ void rlx_count_labels(const P p) {
+  __shared__ int sh[32];
+  int cnt = 0;
+  for (long long i = threadIdx.x; i < p.n; i += blockDim.x) cnt += I(0)[i] != -100;
+  for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  if (lane == 0) sh[w] = cnt;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int t = 0;
+    for (int q = 0; q < (int)((blockDim.x + 31) >> 5); ++q) t += sh[q];
+    I(1)[0] = t;
+  }
+}
+/* (softmax - onehot) * g / N: ptr0 logits, ptr1 labels, ptr2 g (scalar), ptr3 out, ptr4 err,
+   ptr5 the count N of rows not labelled -100 (those rows get 0). */
 extern "C" __global__ void rlx_ce_grad(const P p) {
   long long c = p.iv[0];
-  float scale = F(2)[0] / (float)(p.n > 0 ? p.n : 1);
+  int counted = I(5)[0];
+  float scale = F(2)[0] / (float)(counted > 0 ? counted : 1);
   int lane = threadIdx.x & 31;
   long long warps = (long long)gridDim.x * (blockDim.x >> 5);
   for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
     const float* x = F(0) + r * c;
     float* out = F(3) + r * c;
     int y = I(1)[r];
+    if (y == -100) { for (long long j = lane; j < c; j += 32) out[j] = 0.0f; continue; }
     if (y < 0 || y >= c) { if (lane == 0) rx_fail((int*)p.ptr[4], 1, y); continue; }
     float m = (-RX_INF);
     for (long long j = lane; j < c; j += 32) m = rx_max(m, x[j]);
@@ -374,6 +397,96 @@ extern "C" __global__ void rlx_normalize_grad(const P p) {
     for (long long j = lane; j < w; j += 32) { sg += g[j]; sgx += g[j] * (x[j] - m) * rs; }
     float mg = warp_sum(sg) / (float)w, mgx = warp_sum(sgx) / (float)w;
     for (long long j = lane; j < w; j += 32) y[j] = rs * (g[j] - mg - (x[j] - m) * rs * mgx);
+  }
+}
+/* ---- dropout, log1p ---- */
+extern "C" __global__ void rlx_dropout(const P p) {
+  unsigned long long sw = ((unsigned long long)(unsigned int)I(1)[0] << 32) | (unsigned long long)(unsigned int)I(1)[1];
+  GRID_LOOP(i, p.n) {
+    unsigned long long z = (sw * 0x9E3779B97F4A7C15ull) ^ (unsigned long long)i;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+    F(2)[i] = u >= p.fv[0] ? F(0)[i] * p.fv[1] : 0.0f;
+  }
+}
+extern "C" __global__ void rlx_log1p(const P p) {
+  GRID_LOOP(i, p.n) { F(1)[i] = log1pf(F(0)[i]); }
+}
+/* ---- attention: one warp per query row. iv: units, heads, L, S, E, Ev, causal?, offset;
+   fv[0] scale. Element offsets of row `r` of head `j` in unit `u` of tensor X (st[X]):
+   u*st[X][0] + j*st[X][1] + r*st[X][2] + st[X][3]; X: 0 q, 1 k, 2 v, 3 out / g, 4..6 dq dk dv.
+   ptr0 q, ptr1 k, ptr2 v (all the packed qkv when packed), ptr3 out (forward result),
+   ptr4 g, ptr5 the gradient output. Ev <= 256 (8 values per lane). ---- */
+__device__ __forceinline__ long long att_at(const P& p, int x, long long u, long long j, long long r) {
+  return u * p.st[x][0] + j * p.st[x][1] + r * p.st[x][2] + p.st[x][3];
+}
+__device__ __forceinline__ float att_dot(const float* a, const float* b, long long e, int lane) {
+  float s = 0.0f;
+  for (long long d = lane; d < e; d += 32) s += a[d] * b[d];
+  return warp_sum(s);
+}
+extern "C" __global__ void rlx_attention(const P p) {
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); row < p.n; row += warps) {
+    long long u = row / (H * L), rem = row - u * H * L, j = rem / L, i = rem - j * L;
+    const float* q = F(0) + att_at(p, 0, u, j, i);
+    long long last = S - 1;
+    if (p.iv[6]) last = min(last, i + p.iv[7]);
+    float m = (-RX_INF), l = 0.0f, acc[8];
+    for (int t = 0; t < 8; ++t) acc[t] = 0.0f;
+    for (long long k = 0; k <= last; ++k) {
+      float s = att_dot(q, F(1) + att_at(p, 1, u, j, k), E, lane) * p.fv[0];
+      float mn = rx_max(m, s);
+      float corr = expf(m - mn), w = expf(s - mn);
+      l = l * corr + w;
+      const float* v = F(2) + att_at(p, 2, u, j, k);
+      for (int t = 0; t < 8; ++t) { long long d = lane + 32 * t; if (d < Ev) acc[t] = acc[t] * corr + w * v[d]; }
+      m = mn;
+    }
+    float* o = F(3) + att_at(p, 3, u, j, i);
+    for (int t = 0; t < 8; ++t) { long long d = lane + 32 * t; if (d < Ev) o[d] = acc[t] / l; }
+  }
+}
+extern "C" __global__ void rlx_attention_grad(const P p) {
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  float sc = p.fv[0];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); row < p.n; row += warps) {
+    long long u = row / (H * L), rem = row - u * H * L, j = rem / L, i = rem - j * L;
+    const float* q = F(0) + att_at(p, 0, u, j, i);
+    const float* g = F(4) + att_at(p, 3, u, j, i);
+    long long last = S - 1;
+    if (p.iv[6]) last = min(last, i + p.iv[7]);
+    float m = (-RX_INF), l = 0.0f;
+    for (long long k = 0; k <= last; ++k) {
+      float s = att_dot(q, F(1) + att_at(p, 1, u, j, k), E, lane) * sc;
+      float mn = rx_max(m, s);
+      l = l * expf(m - mn) + expf(s - mn);
+      m = mn;
+    }
+    float D = att_dot(g, F(3) + att_at(p, 3, u, j, i), Ev, lane);
+    float dq[8];
+    for (int t = 0; t < 8; ++t) dq[t] = 0.0f;
+    for (long long k = 0; k <= last; ++k) {
+      const float* kk = F(1) + att_at(p, 1, u, j, k);
+      const float* v = F(2) + att_at(p, 2, u, j, k);
+      float pr = expf(att_dot(q, kk, E, lane) * sc - m) / l;
+      float ds = pr * (att_dot(g, v, Ev, lane) - D) * sc;
+      float* dk = F(5) + att_at(p, 5, u, j, k);
+      float* dv = F(5) + att_at(p, 6, u, j, k);
+      for (int t = 0; t < 8; ++t) {
+        long long d = lane + 32 * t;
+        if (d < E) { dq[t] += ds * kk[d]; atomicAdd(dk + d, ds * q[d]); }
+        if (d < Ev) atomicAdd(dv + d, pr * g[d]);
+      }
+    }
+    float* dqo = F(5) + att_at(p, 4, u, j, i);
+    for (int t = 0; t < 8; ++t) { long long d = lane + 32 * t; if (d < E) dqo[d] = dq[t]; }
   }
 }
 /* ---- the training update. ctrl (ptr to struct Ctrl) carries the decisions between kernels. ---- */

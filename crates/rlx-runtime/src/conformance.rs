@@ -8,6 +8,8 @@ use crate::{Buf, Instr, Program, TRef};
 use rlx_ir::{BinaryOp, DType, Graph, Op, ReduceOp, Shape, UnaryOp};
 use std::sync::Arc;
 
+pub use crate::conformance_vision::vision_ops_match_references;
+
 fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -40,7 +42,8 @@ fn close(got: &[f32], want: &[f64], what: &str) {
 #[macro_export]
 macro_rules! conformance_tests {
     // For backends that may be absent: `$make` gives `Result<Arc<dyn Backend>, String>`, and
-    // where it is `Err(why)` each test prints that it was skipped and why.
+    // where it is `Err(why)` each test prints that it was skipped and why. (Used by CUDA, which
+    // has no convolution or pooling kernels yet, so `vision_ops_match_references` is not here.)
     (skip_unless: $make:expr) => {
         $crate::conformance_tests!(@maybe $make;
             linear_softmax_training_step,
@@ -78,6 +81,7 @@ macro_rules! conformance_tests {
             optimizer_rules_match_closed_form,
             compile_rejects_bad_programs,
             data_parallel_phases,
+            vision_ops_match_references,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
