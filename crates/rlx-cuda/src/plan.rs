@@ -1404,6 +1404,89 @@ mod tests {
     }
 
     #[test]
+    fn an_epilogue_reads_the_product_buffer_and_attention_gets_packed_strides() {
+        let epi = Fused {
+            shape: Shape::new([4, 5]),
+            n_inputs: 2,
+            steps: vec![
+                FusedStep::Binary(BinaryOp::Add, 0, 1),
+                FusedStep::Unary(UnaryOp::Relu, 2),
+            ],
+        };
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::MatMulEpilogue {
+                    trans_a: false,
+                    trans_b: true,
+                    epilogue: std::sync::Arc::new(epi),
+                },
+                ins: vec![t(0, &[4, 3]), t(256, &[5, 3]), t(512, &[5])],
+                out: t(768, &[4, 5]),
+            }],
+        };
+        let pl = plan(&prog, &[1024]).unwrap();
+        assert_eq!(pl.product_bytes, 80);
+        let Step::Gemm { c, .. } = &pl.steps[0] else {
+            panic!("{:?}", pl.steps)
+        };
+        assert_eq!(c.buf, PRODUCT);
+        let Step::Launch { operands, .. } = &pl.steps[1] else {
+            panic!()
+        };
+        assert_eq!(operands[0].1.buf, PRODUCT);
+        assert_eq!(
+            operands[2].1,
+            Loc {
+                buf: 0,
+                offset: 768
+            }
+        );
+
+        // Packed qkv (B 2, T 8, 3 heads of 4): k of head 1 starts at column (3 + 1) * 4.
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Attention {
+                    scale: 0.5,
+                    causal: Some(0),
+                    heads: Some(3),
+                },
+                ins: vec![t(0, &[2, 8, 36])],
+                out: t(4096, &[2, 8, 12]),
+            }],
+        };
+        let pl = plan(&prog, &[8192]).unwrap();
+        let Step::Launch { p, .. } = &pl.steps[0] else {
+            panic!()
+        };
+        assert_eq!(p.n, 2 * 3 * 8);
+        assert_eq!(&p.iv[..8], &[2, 3, 8, 8, 4, 4, 1, 0]);
+        assert_eq!(&p.st[1][..4], &[8 * 36, 4, 36, 12]);
+        assert_eq!(&p.st[3][..4], &[8 * 12, 4, 12, 0]);
+    }
+
+    #[test]
+    fn pooling_is_refused_with_a_clear_error() {
+        let w = rlx_ir::Window {
+            kernel: [2, 2],
+            stride: [2, 2],
+            padding: [0, 0],
+        };
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Pool2d {
+                    window: w,
+                    max: true,
+                },
+                ins: vec![t(0, &[1, 1, 4, 4])],
+                out: t(256, &[1, 1, 2, 2]),
+            }],
+        };
+        let e = plan(&prog, &[512]).unwrap_err();
+        assert!(e.to_string().contains("max_pool2d"), "{e}");
+        assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+    }
+
+    #[test]
     fn transposes_walk_the_source_with_permuted_strides() {
         let prog = Program {
             instrs: vec![Instr::Op {
