@@ -763,7 +763,13 @@ impl Builder {
                     buf: PRODUCT,
                     offset: 0,
                 };
-                self.matmul_at((at(&ins[0]), &ad), (at(&ins[1]), &bd), (prod, &pd), *trans_a, *trans_b)?;
+                self.matmul_at(
+                    (at(&ins[0]), &ad),
+                    (at(&ins[1]), &bd),
+                    (prod, &pd),
+                    *trans_a,
+                    *trans_b,
+                )?;
                 let mut fins = vec![(prod, epilogue.shape.dims().to_vec())];
                 fins.extend(ins[2..].iter().map(|t| (at(t), t.shape.dims().to_vec())));
                 self.fused_at((**epilogue).clone(), &fins, at(out), out.numel())
@@ -771,11 +777,22 @@ impl Builder {
             Op::Log1p => {
                 let n = out.numel();
                 let ops = [(at(&ins[0]), vec![1]), (at(out), vec![1])];
-                self.map(Kernel::Library("rlx_log1p"), &[n], &ops, P::default(), "log1p")
+                self.map(
+                    Kernel::Library("rlx_log1p"),
+                    &[n],
+                    &ops,
+                    P::default(),
+                    "log1p",
+                )
             }
             Op::StopGradient => {
                 let n = out.numel();
-                self.copy32(&[n], (at(&ins[0]), vec![1]), (at(out), vec![1]), "stop_gradient")
+                self.copy32(
+                    &[n],
+                    (at(&ins[0]), vec![1]),
+                    (at(out), vec![1]),
+                    "stop_gradient",
+                )
             }
             Op::Dropout { p: drop } => {
                 let n = out.numel();
@@ -811,16 +828,96 @@ impl Builder {
                 ins,
                 out,
             ),
-            Op::Im2Col(_) | Op::Col2Im { .. } | Op::Pool2d { .. } | Op::Pool2dGrad { .. } => {
-                Err(Error::unsupported(
-                    op.name(),
-                    "the cuda backend has no kernel for it yet (convolutions and pooling run on 'cpu')",
-                ))
+            Op::Im2Col(w) => {
+                let d = sh(0);
+                self.window(
+                    "rlx_im2col",
+                    w,
+                    [d[2], d[3]],
+                    false,
+                    out.numel(),
+                    vec![(0, at(&ins[0])), (1, at(out))],
+                )
+            }
+            Op::Col2Im { window, size } => self.window(
+                "rlx_col2im",
+                window,
+                *size,
+                false,
+                out.numel(),
+                vec![(0, at(&ins[0])), (1, at(out))],
+            ),
+            Op::Pool2d { window, max } => {
+                let d = sh(0);
+                self.window(
+                    "rlx_pool2d",
+                    window,
+                    [d[2], d[3]],
+                    *max,
+                    out.numel(),
+                    vec![(0, at(&ins[0])), (1, at(out))],
+                )
+            }
+            Op::Pool2dGrad { window, max } => {
+                let d = sh(0);
+                let ops = vec![(0, at(&ins[0])), (1, at(&ins[1])), (2, at(out))];
+                self.window(
+                    "rlx_pool2d_grad",
+                    window,
+                    [d[2], d[3]],
+                    *max,
+                    out.numel(),
+                    ops,
+                )
             }
             Op::Input { .. } | Op::Param { .. } | Op::Const { .. } | Op::Reshape { .. } => {
                 Err(Error::Internal(format!("[{}] is not a kernel", op.name())))
             }
         }
+    }
+
+    /// A convolution-patch or pooling kernel over planes of `size` (one thread per output
+    /// element).
+    fn window(
+        &mut self,
+        name: &'static str,
+        w: &rlx_ir::Window,
+        size: [usize; 2],
+        max: bool,
+        n: usize,
+        operands: Vec<(usize, Loc)>,
+    ) -> Result<()> {
+        let Some([oh, ow]) = w.out_size(size) else {
+            return Err(Error::Internal(format!("[{name}] the window does not fit")));
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let mut p = P::sized(n);
+        p.iv[..7].copy_from_slice(&[
+            size[0] as i64,
+            size[1] as i64,
+            oh as i64,
+            ow as i64,
+            w.kernel[0] as i64,
+            w.kernel[1] as i64,
+            max as i64,
+        ]);
+        p.st[0][..4].copy_from_slice(&[
+            w.stride[0] as i64,
+            w.stride[1] as i64,
+            w.padding[0] as i64,
+            w.padding[1] as i64,
+        ]);
+        p.fv[0] = 1.0 / (w.kernel[0] * w.kernel[1]) as f32;
+        self.launch(
+            Kernel::Library(name),
+            grid_for(n, THREADS as usize),
+            THREADS,
+            p,
+            operands,
+        );
+        Ok(())
     }
 
     /// Attention forward or backward (see `rlx_attention` in the kernel source for the record).
@@ -1465,11 +1562,11 @@ mod tests {
     }
 
     #[test]
-    fn pooling_is_refused_with_a_clear_error() {
+    fn pooling_is_one_thread_per_output_with_the_window_in_the_record() {
         let w = rlx_ir::Window {
-            kernel: [2, 2],
-            stride: [2, 2],
-            padding: [0, 0],
+            kernel: [3, 2],
+            stride: [2, 1],
+            padding: [1, 0],
         };
         let prog = Program {
             instrs: vec![Instr::Op {
@@ -1477,13 +1574,18 @@ mod tests {
                     window: w,
                     max: true,
                 },
-                ins: vec![t(0, &[1, 1, 4, 4])],
-                out: t(256, &[1, 1, 2, 2]),
+                ins: vec![t(0, &[1, 2, 5, 4])],
+                out: t(256, &[1, 2, 3, 3]),
             }],
         };
-        let e = plan(&prog, &[512]).unwrap_err();
-        assert!(e.to_string().contains("max_pool2d"), "{e}");
-        assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+        let pl = plan(&prog, &[512]).unwrap();
+        let Step::Launch { kernel, p, .. } = &pl.steps[0] else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_pool2d"));
+        assert_eq!(p.n, 18);
+        assert_eq!(&p.iv[..7], &[5, 4, 3, 3, 3, 2, 1]);
+        assert_eq!(&p.st[0][..4], &[2, 1, 1, 0]);
     }
 
     #[test]

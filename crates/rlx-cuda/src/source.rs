@@ -399,6 +399,98 @@ extern "C" __global__ void rlx_normalize_grad(const P p) {
     for (long long j = lane; j < w; j += 32) y[j] = rs * (g[j] - mg - (x[j] - m) * rs * mgx);
   }
 }
+/* ---- convolution patches and pooling over [N*C planes of H x W]: iv H, W, Ho, Wo, kh, kw,
+   max; st[0] stride h, w, padding h, w; fv[0] 1/(kh*kw). ---- */
+#define WINDOW \
+  long long H = p.iv[0], W = p.iv[1], Ho = p.iv[2], Wo = p.iv[3], KH = p.iv[4], KW = p.iv[5]; \
+  long long SH = p.st[0][0], SW = p.st[0][1], PH = p.st[0][2], PW = p.st[0][3];
+extern "C" __global__ void rlx_im2col(const P p) {
+  WINDOW
+  GRID_LOOP(i, p.n) {
+    long long col = i % (Ho * Wo), t = i / (Ho * Wo);
+    long long kj = t % KW; t /= KW;
+    long long ki = t % KH, nc = t / KH;
+    long long y = (col / Wo) * SH + ki - PH, x = (col % Wo) * SW + kj - PW;
+    F(1)[i] = (y >= 0 && y < H && x >= 0 && x < W) ? F(0)[(nc * H + y) * W + x] : 0.0f;
+  }
+}
+extern "C" __global__ void rlx_col2im(const P p) {
+  WINDOW
+  GRID_LOOP(i, p.n) {
+    long long x = i % W, t = i / W, y = t % H, nc = t / H;
+    float acc = 0.0f;
+    for (long long ki = 0; ki < KH; ++ki) {
+      long long a = y + PH - ki;
+      if (a < 0 || a % SH != 0 || a / SH >= Ho) continue;
+      for (long long kj = 0; kj < KW; ++kj) {
+        long long b = x + PW - kj;
+        if (b < 0 || b % SW != 0 || b / SW >= Wo) continue;
+        acc += F(0)[((nc * KH + ki) * KW + kj) * Ho * Wo + (a / SH) * Wo + b / SW];
+      }
+    }
+    F(1)[i] = acc;
+  }
+}
+/* The first maximal element (row-major, NaN counts as maximal) of window (oy, ox) of plane
+   `img`, as an index into the plane; -1 for a window wholly in the padding. */
+__device__ long long pool_argmax(const float* img, const P& p, long long oy, long long ox) {
+  WINDOW
+  (void)Ho; (void)Wo;
+  long long y0 = max(oy * SH - PH, 0LL), y1 = min(oy * SH - PH + KH, H);
+  long long x0 = max(ox * SW - PW, 0LL), x1 = min(ox * SW - PW + KW, W);
+  if (y1 <= y0 || x1 <= x0) return -1;
+  long long at = y0 * W + x0;
+  float best = img[at];
+  if (RX_ISNAN(best)) return at;
+  for (long long y = y0; y < y1; ++y)
+    for (long long x = x0; x < x1; ++x) {
+      float v = img[y * W + x];
+      if (RX_ISNAN(v)) return y * W + x;
+      if (v > best) { best = v; at = y * W + x; }
+    }
+  return at;
+}
+extern "C" __global__ void rlx_pool2d(const P p) {
+  WINDOW
+  GRID_LOOP(i, p.n) {
+    long long ox = i % Wo, t = i / Wo, oy = t % Ho, nc = t / Ho;
+    const float* img = F(0) + nc * H * W;
+    if (p.iv[6]) {
+      long long at = pool_argmax(img, p, oy, ox);
+      F(1)[i] = at < 0 ? (-RX_INF) : img[at];
+    } else {
+      long long y0 = max(oy * SH - PH, 0LL), y1 = min(oy * SH - PH + KH, H);
+      long long x0 = max(ox * SW - PW, 0LL), x1 = min(ox * SW - PW + KW, W);
+      float s = 0.0f;
+      for (long long y = y0; y < y1; ++y)
+        for (long long x = x0; x < x1; ++x) s += img[y * W + x];
+      F(1)[i] = s * p.fv[0];
+    }
+  }
+}
+/* ptr0 x, ptr1 g (N, C, Ho, Wo), ptr2 dx: each input element gathers from the windows holding it. */
+extern "C" __global__ void rlx_pool2d_grad(const P p) {
+  WINDOW
+  GRID_LOOP(i, p.n) {
+    long long x = i % W, t = i / W, y = t % H, nc = t / H;
+    const float* img = F(0) + nc * H * W;
+    const float* g = F(1) + nc * Ho * Wo;
+    long long oy0 = max((y + PH - KH + SH) / SH, 0LL), oy1 = min((y + PH) / SH, Ho - 1);
+    long long ox0 = max((x + PW - KW + SW) / SW, 0LL), ox1 = min((x + PW) / SW, Wo - 1);
+    if (y + PH - KH + 1 <= 0) oy0 = 0;
+    if (x + PW - KW + 1 <= 0) ox0 = 0;
+    float acc = 0.0f;
+    for (long long oy = oy0; oy <= oy1; ++oy) {
+      if (y < oy * SH - PH || y >= oy * SH - PH + KH) continue;
+      for (long long ox = ox0; ox <= ox1; ++ox) {
+        if (x < ox * SW - PW || x >= ox * SW - PW + KW) continue;
+        if (p.iv[6]) { if (pool_argmax(img, p, oy, ox) == y * W + x) acc += g[oy * Wo + ox]; }
+        else acc += g[oy * Wo + ox] * p.fv[0];
+      }
+    }
+    F(2)[i] = acc;
+  }
+}
 /* ---- dropout, log1p ---- */
 extern "C" __global__ void rlx_dropout(const P p) {
   unsigned long long sw = ((unsigned long long)(unsigned int)I(1)[0] << 32) | (unsigned long long)(unsigned int)I(1)[1];

@@ -42,8 +42,7 @@ fn close(got: &[f32], want: &[f64], what: &str) {
 #[macro_export]
 macro_rules! conformance_tests {
     // For backends that may be absent: `$make` gives `Result<Arc<dyn Backend>, String>`, and
-    // where it is `Err(why)` each test prints that it was skipped and why. (Used by CUDA, which
-    // has no convolution or pooling kernels yet, so `vision_ops_match_references` is not here.)
+    // where it is `Err(why)` each test prints that it was skipped and why (CUDA).
     (skip_unless: $make:expr) => {
         $crate::conformance_tests!(@maybe $make;
             linear_softmax_training_step,
@@ -55,6 +54,7 @@ macro_rules! conformance_tests {
             optimizer_rules_match_closed_form,
             compile_rejects_bad_programs,
             data_parallel_phases,
+            vision_ops_match_references,
         );
     };
     (@maybe $make:expr; $($check:ident),* $(,)?) => {
