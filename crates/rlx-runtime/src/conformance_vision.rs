@@ -49,11 +49,11 @@ fn im2col_ref(x: &[f32], w: &Window) -> Vec<f64> {
     let [kh, kw] = w.kernel;
     let mut out = Vec::new();
     for n in 0..N {
-        for c in 0..C {
-            for i in 0..kh {
-                for j in 0..kw {
-                    for oy in 0..oh {
-                        for ox in 0..ow {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for c in 0..C {
+                    for i in 0..kh {
+                        for j in 0..kw {
                             let (y, xx) = pos(w, oy, ox, i, j);
                             out.push(at(x, n, c, y, xx).unwrap_or(0.0));
                         }
@@ -208,7 +208,10 @@ pub fn vision_ops_match_references(backend: &Arc<dyn Backend>) {
         &g,
         &[
             ("x", f32s(&x)),
-            ("seed", [5i32, 77].iter().flat_map(|v| v.to_le_bytes()).collect()),
+            (
+                "seed",
+                [5i32, 77].iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
             ("logits", f32s(&lg)),
             (
                 "labels",
@@ -240,5 +243,9 @@ pub fn vision_ops_match_references(backend: &Arc<dyn Backend>) {
         let lse = z.iter().map(|&v| (v as f64).exp()).sum::<f64>().ln();
         lse - z[y] as f64
     };
-    close(&got[3], &[(row(0, 2) + row(2, 0)) / 2.0], "cross_entropy, a row ignored");
+    close(
+        &got[3],
+        &[(row(0, 2) + row(2, 0)) / 2.0],
+        "cross_entropy, a row ignored",
+    );
 }

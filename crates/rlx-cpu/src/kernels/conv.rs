@@ -34,89 +34,61 @@ fn planes(out: &mut [f32], plane: usize, body: impl Fn(usize, &mut [f32]) + Sync
     }
 }
 
-/// Input row (or column) `o * stride + k - pad` when it lies inside `0..size`.
-#[inline(always)]
-fn src(o: usize, k: usize, stride: usize, pad: usize, size: usize) -> Option<usize> {
-    (o * stride + k).checked_sub(pad).filter(|&v| v < size)
-}
-
-/// x `[N, C, H, W]` (dims `xd`) into patches `[N, C*kh*kw, Ho*Wo]`.
+/// x `[N, C, H, W]` (dims `xd`) into patches `[N, Ho*Wo, C*kh*kw]`: row `oy*Wo + ox` holds
+/// the window of output (oy, ox), channel-major, zeros where it reaches into the padding.
 pub fn im2col(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
-    let (h, wd) = (xd[2], xd[3]);
+    let (c, h, wd) = (xd[1], xd[2], xd[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
-    let [sh, sw] = w.stride;
-    let [ph, pw] = w.padding;
-    let p = oh * ow;
-    // One (n, c) plane of x gives kh*kw rows of patches.
-    planes(out, kh * kw * p, |nc, o| {
-        let img = &x[nc * h * wd..(nc + 1) * h * wd];
-        for i in 0..kh {
-            for j in 0..kw {
-                let row = &mut o[(i * kw + j) * p..(i * kw + j + 1) * p];
-                for y in 0..oh {
-                    let dst = &mut row[y * ow..(y + 1) * ow];
-                    let Some(iy) = src(y, i, sh, ph, h) else {
-                        dst.fill(0.0);
-                        continue;
-                    };
-                    let line = &img[iy * wd..(iy + 1) * wd];
-                    if sw == 1 {
-                        // Columns j - pw + ox, contiguous: zeros, a copy, zeros.
-                        let lo = pw.saturating_sub(j).min(ow);
-                        let hi = (wd + pw).saturating_sub(j).clamp(lo, ow);
-                        dst[..lo].fill(0.0);
-                        if hi > lo {
-                            let start = lo + j - pw;
-                            dst[lo..hi].copy_from_slice(&line[start..start + hi - lo]);
-                        }
-                        dst[hi..].fill(0.0);
-                    } else {
-                        for (xo, d) in dst.iter_mut().enumerate() {
-                            *d = src(xo, j, sw, pw, wd).map_or(0.0, |ix| line[ix]);
-                        }
-                    }
+    let k = c * kh * kw;
+    let rxs: Vec<_> = (0..ow)
+        .map(|ox| span(ox, kw, w.stride[1], w.padding[1], wd))
+        .collect();
+    // One task unit: the patches of one output row (n, oy).
+    planes(out, ow * k, |row, o| {
+        let (n, oy) = (row / oh, row % oh);
+        let img = &x[n * c * h * wd..(n + 1) * c * h * wd];
+        let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
+        for (dst, &(jlo, jhi, ix0)) in o.chunks_exact_mut(k).zip(&rxs) {
+            if ihi - ilo < kh || jhi - jlo < kw {
+                dst.fill(0.0);
+            }
+            for ch in 0..c {
+                for i in ilo..ihi {
+                    let line = (ch * h + iy0 + i - ilo) * wd + ix0;
+                    let d = (ch * kh + i) * kw;
+                    dst[d + jlo..d + jhi].copy_from_slice(&img[line..line + jhi - jlo]);
                 }
             }
         }
     });
 }
 
-/// Patches `[N, C*kh*kw, Ho*Wo]` summed back into an image `[N, C, H, W]` (dims `od`).
+/// Patches `[N, Ho*Wo, C*kh*kw]` summed back into an image `[N, C, H, W]` (dims `od`).
 pub fn col2im(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
-    let (h, wd) = (od[2], od[3]);
+    let (c, h, wd) = (od[1], od[2], od[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
-    let [sh, sw] = w.stride;
-    let [ph, pw] = w.padding;
-    let p = oh * ow;
-    planes(out, h * wd, |nc, img| {
+    let k = c * kh * kw;
+    let rxs: Vec<_> = (0..ow)
+        .map(|ox| span(ox, kw, w.stride[1], w.padding[1], wd))
+        .collect();
+    planes(out, c * h * wd, |n, img| {
         img.fill(0.0);
-        let patch = &cols[nc * kh * kw * p..(nc + 1) * kh * kw * p];
-        for i in 0..kh {
-            for j in 0..kw {
-                let row = &patch[(i * kw + j) * p..(i * kw + j + 1) * p];
-                for y in 0..oh {
-                    let Some(iy) = src(y, i, sh, ph, h) else {
-                        continue;
-                    };
-                    let line = &mut img[iy * wd..(iy + 1) * wd];
-                    let from = &row[y * ow..(y + 1) * ow];
-                    if sw == 1 {
-                        let lo = pw.saturating_sub(j).min(ow);
-                        let hi = (wd + pw).saturating_sub(j).clamp(lo, ow);
-                        if hi > lo {
-                            let start = lo + j - pw;
-                            let to = &mut line[start..start + hi - lo];
-                            for (d, s) in to.iter_mut().zip(&from[lo..hi]) {
-                                *d += s;
-                            }
-                        }
-                    } else {
-                        for (xo, s) in from.iter().enumerate() {
-                            if let Some(ix) = src(xo, j, sw, pw, wd) {
-                                line[ix] += s;
-                            }
+        let patches = &cols[n * oh * ow * k..(n + 1) * oh * ow * k];
+        for oy in 0..oh {
+            let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
+            for (ox, &(jlo, jhi, ix0)) in rxs.iter().enumerate() {
+                let src = &patches[(oy * ow + ox) * k..(oy * ow + ox + 1) * k];
+                for ch in 0..c {
+                    for i in ilo..ihi {
+                        let line = (ch * h + iy0 + i - ilo) * wd + ix0;
+                        let d = (ch * kh + i) * kw;
+                        for (t, s) in img[line..line + jhi - jlo]
+                            .iter_mut()
+                            .zip(&src[d + jlo..d + jhi])
+                        {
+                            *t += s;
                         }
                     }
                 }
@@ -229,6 +201,33 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
     let rxs: Vec<_> = (0..ow)
         .map(|xo| span(xo, w.kernel[1], w.stride[1], w.padding[1], wd))
         .collect();
+    if max && w.padding == [0, 0] {
+        let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
+        planes(out, h * wd, |nc, gx| {
+            gx.fill(0.0);
+            let img = &x[nc * h * wd..(nc + 1) * h * wd];
+            let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
+            for y in 0..oh {
+                for xo in 0..ow {
+                    let base = y * sh * wd + xo * sw;
+                    let (mut at, mut best) = (base, img[base]);
+                    'window: for i in 0..kh {
+                        for j in 0..kw {
+                            let v = img[base + i * wd + j];
+                            if v > best || (v.is_nan() && !best.is_nan()) {
+                                (at, best) = (base + i * wd + j, v);
+                                if v.is_nan() {
+                                    break 'window;
+                                }
+                            }
+                        }
+                    }
+                    gx[at] += gp[y * ow + xo];
+                }
+            }
+        });
+        return;
+    }
     planes(out, h * wd, |nc, gx| {
         gx.fill(0.0);
         let img = &x[nc * h * wd..(nc + 1) * h * wd];
@@ -317,8 +316,8 @@ mod tests {
             let mut cols = vec![f32::NAN; n * c * k * k * oh * ow];
             im2col(&x, &[n, c, h, wd], &w, &mut cols);
             for (idx, &v) in cols.iter().enumerate() {
-                let col = idx % (oh * ow);
-                let row = (idx / (oh * ow)) % (c * k * k);
+                let row = idx % (c * k * k);
+                let col = (idx / (c * k * k)) % (oh * ow);
                 let b = idx / (oh * ow * c * k * k);
                 let (ch, i, j) = (row / (k * k), (row / k) % k, row % k);
                 let (y, xo) = (col / ow, col % ow);
@@ -367,29 +366,5 @@ mod tests {
         let mut z = vec![0.0; x.len()];
         dropout(&x, [7, 2], 0.3, &mut z);
         assert_ne!(y, z, "another counter gives another mask");
-    }
-
-    #[test]
-    #[ignore]
-    fn zz_timing() {
-        let x: Vec<f32> = (0..64 * 32 * 32 * 32).map(|i| (i as f32 * 0.37).sin()).collect();
-        let w = win(2, 2, 0);
-        let mut out = vec![0.0f32; 64 * 32 * 16 * 16];
-        let mut gx = vec![0.0f32; x.len()];
-        for _ in 0..3 { pool2d(&x, &[64, 32, 32, 32], &w, true, &mut out); }
-        let t = std::time::Instant::now();
-        for _ in 0..10 { pool2d(&x, &[64, 32, 32, 32], &w, true, &mut out); }
-        eprintln!("pool fwd {:?}", t.elapsed() / 10);
-        let t = std::time::Instant::now();
-        for _ in 0..10 { pool2d_grad(&x, &[64, 32, 32, 32], &out, &w, true, &mut gx); }
-        eprintln!("pool grad {:?}", t.elapsed() / 10);
-        let w3 = win(3, 1, 1);
-        let mut cols = vec![0.0f32; 64 * 32 * 9 * 1024];
-        let t = std::time::Instant::now();
-        for _ in 0..5 { im2col(&x, &[64, 32, 32, 32], &w3, &mut cols); }
-        eprintln!("im2col {:?}", t.elapsed() / 5);
-        let t = std::time::Instant::now();
-        for _ in 0..5 { col2im(&cols, &w3, &[64, 32, 32, 32], &mut gx); }
-        eprintln!("col2im {:?}", t.elapsed() / 5);
     }
 }

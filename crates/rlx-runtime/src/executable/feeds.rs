@@ -86,7 +86,11 @@ pub(super) fn check_limit(slot: &InputSlot, data: &[u8]) -> Result<()> {
             &slot.name,
             format!(
                 "{what} {v} is out of range [0, {limit}){}",
-                if what == "label" { " (-100: an ignored row)" } else { "" }
+                if what == "label" {
+                    " (-100: an ignored row)"
+                } else {
+                    ""
+                }
             ),
         )),
         None => Ok(()),
