@@ -25,8 +25,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-import rlx  # noqa: E402
 from train_digits_cnn import DigitsCNN  # noqa: E402
+
+import rlx  # noqa: E402
 
 
 class CifarCNN(rlx.nn.Module):
