@@ -7,7 +7,7 @@ import threading as _threading
 from . import _compile as _compile_module
 from . import _random as _random_module
 from . import _rlx as _rlx_native
-from . import models, nn, optim
+from . import distributed, models, nn, optim
 from ._compile import Function, InputSpec, TrainStep, compile, compile_train_step
 from ._devices import devices
 from ._graph import Executable, Graph, grad
@@ -133,6 +133,7 @@ __all__ = [
     "log_softmax",
     "matmul",
     "mse_loss",
+    "distributed",
     "models",
     "nn",
     "optim",

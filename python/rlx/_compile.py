@@ -123,6 +123,8 @@ class _Variant:
         self.aux: list[str] = []
         self.read: list[int] = []
         self.tuple = False
+        # Data-parallel train steps: a float32 view of the arena's gradient region.
+        self.region: np.ndarray | None = None
 
 
 class _Compiled:
@@ -280,6 +282,7 @@ class TrainStep(_Compiled):
         self._init_compiled(model, specs)
         self._grads: dict[str, np.ndarray] | None = None
         self._grad_norm = float("nan")
+        self._comm = _join_ranks(model, device) if options.get("distributed") else None
         if not self._dynamic:
             self._variants[None] = self._build(specs)
 
@@ -323,6 +326,12 @@ class TrainStep(_Compiled):
         n = len(var.outs)
         # loss, the aux outputs, and the statistics (last); buffer updates stay in the arena.
         var.read = [0, *range(1 + len(trainable), 1 + len(trainable) + len(aux_names)), n - 1]
+        if self._comm is not None:
+            region = exe.grad_region()
+            if region is None or region[0] is None:
+                raise UnsupportedError(f"[compile_train_step] distributed=True needs gradients the host can see "
+                                       f"(the CPU); '{self._device}' is not supported yet")
+            var.region = np.frombuffer(region[0], dtype=np.float32)
         return self._with_rng(var)
 
     def __call__(self, **arrays: Any) -> Any:
@@ -330,7 +339,15 @@ class TrainStep(_Compiled):
         feeds = _check_feeds(var.names, arrays, var.specs, _HIDDEN)
         hyper = self._optimizer._prepare(var.state)
         self._bind_rng(var)
-        out = var.exe.run(feeds, hyper, var.read)
+        if self._comm is None:
+            out = var.exe.run(feeds, hyper, var.read)
+        else:
+            # Gradients, their mean over the ranks (in place over the arena's gradient region),
+            # then the update: every rank updates with the same gradients.
+            out = var.exe.run(feeds, hyper, var.read[:-1], "gradients")
+            assert var.region is not None
+            self._comm.allreduce_mean_(var.region)
+            out += var.exe.run({}, hyper, var.read[-1:], "update")
         self._rng_calls += 1
         if var is not self._last:
             self._last, self._grads = var, None
@@ -385,6 +402,22 @@ class TrainStep(_Compiled):
             0
         """
         return int(sum(v.skipped for v in self._variants.values()))
+
+
+def _join_ranks(model: Module, device: str) -> Any:
+    """A data-parallel step's communicator, after rank 0's parameters and buffers have been
+    broadcast to every rank (in place, over the weight store)."""
+    from . import distributed
+
+    comm = distributed.communicator()
+    store = model._store_for(device)
+    for name, _shape, dtype in store.entries():
+        raw = store.view(name)
+        if raw is None:
+            raise UnsupportedError(f"[compile_train_step] distributed=True needs weights the host can see (the CPU); "
+                                   f"'{device}' is not supported yet")
+        comm.broadcast_(np.frombuffer(raw, dtype=_NP[dtype]))
+    return comm
 
 
 def _output(exe: Any, i: int) -> np.ndarray:
@@ -504,7 +537,7 @@ class Function(_Compiled):
 
 def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Optimizer,
                        inputs: Mapping[str, Any], device: str = "cpu", *, clip_grad_norm: float | None = None,
-                       accumulate: int = 1, skip_nonfinite: bool = False) -> TrainStep:
+                       accumulate: int = 1, skip_nonfinite: bool = False, distributed: bool = False) -> TrainStep:
     """Traces ``loss_fn(model, **tensors)`` (in train mode), differentiates it w.r.t. every
     trainable parameter and compiles forward, backward and the optimizer update into one
     executable on ``device``.
@@ -519,6 +552,10 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
             ``accumulate``-th call.
         skip_nonfinite: a call whose loss or gradient norm is not finite changes nothing;
             ``step.skipped`` counts them.
+        distributed: data parallel across the ranks of ``rlx.distributed.init()``: rank 0's
+            parameters are broadcast at compile, and each call averages the gradients over the
+            ranks (one in-place all-reduce of the arena's gradient region) before the update.
+            Every rank must call the step the same number of times.
 
     Example:
         >>> step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model,
@@ -542,6 +579,13 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
     if not isinstance(skip_nonfinite, (bool, np.bool_)):
         raise InputError(f"[compile_train_step] skip_nonfinite must be True or False, got {skip_nonfinite!r}")
     options["skip_nonfinite"] = bool(skip_nonfinite)
+    if not isinstance(distributed, (bool, np.bool_)):
+        raise InputError(f"[compile_train_step] distributed must be True or False, got {distributed!r}")
+    if distributed:
+        from . import distributed as dist
+
+        dist.communicator()  # raises before init()
+        options["distributed"] = True
     if options["accumulate"] > 1 and any(s.dynamic for s in specs.values()):
         raise UnsupportedError("[compile_train_step] accumulate > 1 needs fixed input shapes (no None dimensions)")
     return TrainStep(loss_fn, model, optimizer, specs, device, options)

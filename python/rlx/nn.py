@@ -615,14 +615,17 @@ class Module:
 
     def save(self, path: str) -> None:
         """Writes every parameter and buffer to a safetensors file, atomically (PyTorch's names
-        and layouts: ``safetensors.torch.load_file`` reads it).
+        and layouts: ``safetensors.torch.load_file`` reads it). After ``rlx.distributed.init()``
+        rank 0 writes and the other ranks wait for it.
 
         Example:
             >>> rlx.nn.Linear(3, 2).save("lin.safetensors")
         """
         path = _check.path("save", path)
         tensors = [(n, "float32", list(v.shape), v.reshape(-1)) for n, v in self._snapshot().items()]
-        _rlx.save_checkpoint(str(path), tensors, {LAYOUT_KEY: LAYOUT})
+        from . import distributed
+
+        distributed._on_rank0(lambda: _rlx.save_checkpoint(str(path), tensors, {LAYOUT_KEY: LAYOUT}))
 
     def load(self, path: str, legacy_layout: bool = False) -> None:
         """Loads a safetensors checkpoint: rlx's own, or one written by

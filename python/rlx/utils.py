@@ -10,20 +10,25 @@ T = TypeVar("T")
 
 
 class progress:
-    """Wraps an iterable and draws ``desc [####----] k/n  key=value  it/s`` on stderr."""
+    """Wraps an iterable and draws ``desc [####----] k/n  key=value  it/s`` on stderr (nothing with
+    ``disable=True``, e.g. on every rank but 0 of a distributed run)."""
 
-    def __init__(self, iterable: Iterable[T], total: int | None = None, desc: str = "", width: int = 30) -> None:
+    def __init__(self, iterable: Iterable[T], total: int | None = None, desc: str = "", width: int = 30,
+                 disable: bool = False) -> None:
         self._it = iterable
         self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)  # type: ignore[arg-type]
         self.desc, self.width, self.n = desc, width, 0
         self._post = ""
         self._t0 = time.perf_counter()
         self._last = 0.0
+        self.disable = disable
 
     def set_postfix(self, **values: float) -> None:
         self._post = "  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
     def _draw(self, final: bool = False) -> None:
+        if self.disable:
+            return
         now = time.perf_counter()
         if not final and now - self._last < 0.1:
             return

@@ -8,7 +8,7 @@ use crate::store::PyStore;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyDict};
 use rlx_ir::Error;
-use rlx_runtime::{Executable, HostBytes, OptimHyper, OptimizerSetup};
+use rlx_runtime::{Executable, HostBytes, OptimHyper, OptimizerSetup, Phase};
 use std::sync::Arc;
 
 /// An input slot as Python sees it: (name, shape, dtype, bound).
@@ -47,15 +47,31 @@ impl PyExecutable {
 
     /// Runs once. `feeds` maps input names to C-contiguous arrays of the exact dtype and size;
     /// `hyper = (lr, momentum, weight_decay, beta1, beta2, eps)` for training; returns the bytes
-    /// of the outputs listed in `read`.
-    #[pyo3(signature = (feeds, hyper=None, read=Vec::new()))]
+    /// of the outputs listed in `read`. A data-parallel step also runs as `phase="gradients"`
+    /// then `phase="update"` (default `"step"`: all of it).
+    #[pyo3(signature = (feeds, hyper=None, read=Vec::new(), phase="step"))]
     fn run<'py>(
         &self,
         py: Python<'py>,
         feeds: &Bound<'py, PyDict>,
         hyper: Option<(f32, f32, f32, f32, f32, f32)>,
         read: Vec<usize>,
+        phase: &str,
     ) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
+        let phase = match phase {
+            "step" => Phase::Step,
+            "gradients" => Phase::Gradients,
+            "update" => Phase::Update,
+            p => {
+                return Err(to_py(
+                    py,
+                    Error::input(
+                        "phase",
+                        format!("unknown phase '{p}' (step, gradients, update)"),
+                    ),
+                ))
+            }
+        };
         let mut held = Vec::with_capacity(feeds.len());
         for (k, v) in feeds.iter() {
             let name: String = k.extract()?;
@@ -76,7 +92,9 @@ impl PyExecutable {
                 eps,
             },
         );
-        let outs = native(py, || self.exe.run(&views, hyper.as_ref(), &read))?;
+        let outs = native(py, || {
+            self.exe.run_phase(&views, hyper.as_ref(), &read, phase)
+        })?;
         drop(views);
         drop(held); // the callers' buffers are released here, with the GIL held
         Ok(outs.iter().map(|o| PyByteArray::new(py, o)).collect())
@@ -174,6 +192,17 @@ impl PyExecutable {
             slot.at.offset,
             slot.at.bytes(),
         ))
+    }
+
+    /// A data-parallel step's gradient region: `(zero-copy view or None when not host-visible,
+    /// bytes)`, or None for any other executable.
+    fn grad_region(&self) -> Option<(Option<ArenaView>, usize)> {
+        self.exe.grad_region().map(|(offset, bytes)| {
+            (
+                ArenaView::new(self.exe.arena().clone(), offset, bytes),
+                bytes,
+            )
+        })
     }
 
     /// A zero-copy view of output `i` (None when not host-visible).

@@ -52,6 +52,7 @@ macro_rules! conformance_tests {
             optimizer_rules_match_closed_form,
             compile_rejects_bad_programs,
             vision_ops_match_references,
+            data_parallel_phases,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
@@ -361,6 +362,64 @@ pub fn linear_softmax_training_step(backend: &Arc<dyn Backend>) {
         .collect();
     close(&from_bytes(&params.read("w").unwrap()), &w1, "updated w");
     assert!(exe.memory().arena_bytes <= exe.memory().naive_bytes);
+}
+
+/// A data-parallel step: every gradient inside one arena region, in order; the gradients phase
+/// leaves the weights alone; the update phase uses whatever the region holds then (as after an
+/// all-reduce); phases are refused where they do not apply.
+pub fn data_parallel_phases(backend: &Arc<dyn Backend>) {
+    use crate::Phase;
+    let (exe, params, _) =
+        linear_model_with(backend, r#"{"rule": "sgd", "distributed": true}"#, false);
+    let (start, bytes) = exe
+        .grad_region()
+        .expect("a data-parallel step has a gradient region");
+    let (gw_at, gb_at) = (&exe.outputs()[1], &exe.outputs()[2]);
+    assert!(gw_at.buf == Buf::Arena && gb_at.buf == Buf::Arena);
+    assert!(start <= gw_at.offset && gw_at.offset + gw_at.bytes() <= gb_at.offset);
+    assert!(gb_at.offset + gb_at.bytes() <= start + bytes);
+    let yb: Vec<u8> = Y.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let feeds = [("x", f32s(&X)), ("y", yb)];
+    let feeds: Vec<(&str, &[u8])> = feeds.iter().map(|(n, b)| (*n, b.as_slice())).collect();
+    let out = exe
+        .run_phase(&feeds, Some(&hyper(0.5)), &[0, 1, 2], Phase::Gradients)
+        .unwrap();
+    let (loss, gw, gb) = reference();
+    close(&from_bytes(&out[0]), &[loss], "loss");
+    close(&from_bytes(&out[1]), &gw, "grad w");
+    close(&from_bytes(&out[2]), &gb, "grad b");
+    close(
+        &from_bytes(&params.read("w").unwrap()),
+        &W0.map(f64::from),
+        "w before the update",
+    );
+    // Stand in for an all-reduce: the region doubled in place.
+    let mut region = vec![0; bytes];
+    exe.arena().read(start, &mut region).unwrap();
+    let doubled: Vec<f32> = from_bytes(&region).iter().map(|g| 2.0 * g).collect();
+    exe.arena().write(start, &f32s(&doubled)).unwrap();
+    let err = exe
+        .run_phase(&feeds, Some(&hyper(0.5)), &[], Phase::Update)
+        .unwrap_err();
+    assert!(err.to_string().contains("takes no inputs"), "{err}");
+    exe.run_phase(&[], Some(&hyper(0.5)), &[], Phase::Update)
+        .unwrap();
+    let w1: Vec<f64> = W0
+        .iter()
+        .zip(&gw)
+        .map(|(w, g)| *w as f64 - 0.5 * 2.0 * g)
+        .collect();
+    close(
+        &from_bytes(&params.read("w").unwrap()),
+        &w1,
+        "w updated from the region",
+    );
+    let (plain, _) = linear_model(backend);
+    assert!(plain.grad_region().is_none());
+    let err = plain
+        .run_phase(&feeds, Some(&hyper(0.5)), &[], Phase::Gradients)
+        .unwrap_err();
+    assert!(err.to_string().contains("data-parallel"), "{err}");
 }
 
 /// Bound inputs: refused while unbound, read by later runs once bound, updated by `write_rows`.

@@ -4,9 +4,9 @@
 //! checks every feed passes), [`resident`] (inputs bound once, row writes) and [`prefetch`]
 //! (staging the next batches while a step runs).
 use crate::backend::check_range;
-use crate::lower::lower;
+use crate::lower::lower_with_region;
 use crate::{
-    Backend, Buf, Compiled, DeviceBuffer, Error, OptimHyper, Program, Result, Store, TRef,
+    Backend, Buf, Compiled, DeviceBuffer, Error, Instr, OptimHyper, Program, Result, Store, TRef,
 };
 use rlx_ir::Graph;
 use std::sync::{Arc, Mutex};
@@ -44,6 +44,8 @@ impl MemoryReport {
 
 struct Inner {
     compiled: Box<dyn Compiled>,
+    /// A data-parallel step's update, compiled apart from `compiled` (which then stops before it).
+    update: Option<Box<dyn Compiled>>,
     inputs: Vec<InputSlot>,
     prefetch: Option<Prefetch>,
     /// Batches a parent process had prefetched when this (child) process was forked.
@@ -61,6 +63,20 @@ pub struct Executable {
     input_names: Vec<String>,
     outputs: Vec<TRef>,
     memory: MemoryReport,
+    /// A data-parallel step's gradients: one `(offset, bytes)` range of the arena.
+    grad_region: Option<(usize, usize)>,
+}
+
+/// What one [`Executable::run_phase`] call runs. A step without a separate update (every step
+/// not compiled for data parallelism) runs only as [`Phase::Step`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// The whole step: forward, backward and the update.
+    Step,
+    /// Forward and backward only (feeds as for a step); the gradients wait in the arena.
+    Gradients,
+    /// The update alone, over the gradients in the arena (no feeds).
+    Update,
 }
 
 impl Executable {
@@ -89,7 +105,17 @@ impl Executable {
         } else {
             graph
         };
-        let low = lower(graph, &params, backend.alignment())?;
+        let distributed = optimizer.as_ref().is_some_and(|o| o.options.distributed);
+        let region = if distributed {
+            let n = optimizer
+                .as_ref()
+                .and_then(|o| o.options.trainable.as_ref().map(|t| t.len()))
+                .unwrap_or_else(|| graph.params().len());
+            1..(1 + n).min(graph.outputs().len())
+        } else {
+            0..0
+        };
+        let low = lower_with_region(graph, &params, backend.alignment(), region)?;
         let backend_ref = backend.as_ref();
         let mut program = low.program;
         let mut outputs: Vec<TRef> = graph
@@ -118,7 +144,16 @@ impl Executable {
             arena.write(*offset, bytes)?;
         }
         let state_len = optimizer.as_ref().map_or(0, |o| o.state.bytes());
-        let compiled = backend_ref.compile(&program, &[arena.len(), params.bytes(), state_len])?;
+        let lens = [arena.len(), params.bytes(), state_len];
+        let (compiled, update) = if distributed {
+            let (body, update) = split_update(&program);
+            (
+                backend_ref.compile(&body, &lens)?,
+                Some(backend_ref.compile(&update, &lens)?),
+            )
+        } else {
+            (backend_ref.compile(&program, &lens)?, None)
+        };
         let mut inputs = Vec::new();
         for (id, name) in graph.inputs() {
             if let Some(at) = low.loc[id].clone() {
@@ -145,13 +180,30 @@ impl Executable {
             input_names: inputs.iter().map(|s| s.name.clone()).collect(),
             inner: Mutex::new(Inner {
                 compiled,
+                update,
                 inputs,
                 prefetch: None,
                 lost_at_fork: 0,
             }),
             outputs,
             memory,
+            grad_region: low.region,
         })
+    }
+
+    /// A data-parallel step's gradient region `(offset, bytes)` in the arena: every gradient
+    /// output, in order, each aligned (the padding between them stays zero).
+    pub fn grad_region(&self) -> Option<(usize, usize)> {
+        self.grad_region
+    }
+
+    /// The program each run starts with: all of it, or all but the separate update.
+    fn body(&self) -> Program {
+        if self.grad_region.is_some() {
+            split_update(&self.program).0
+        } else {
+            self.program.clone()
+        }
     }
 
     pub fn memory(&self) -> MemoryReport {
@@ -222,14 +274,38 @@ impl Executable {
         hyper: Option<&OptimHyper>,
         read: &[usize],
     ) -> Result<Vec<Vec<u8>>> {
+        self.run_phase(feeds, hyper, read, Phase::Step)
+    }
+
+    /// [`Executable::run`], or one phase of a data-parallel step (see [`Phase`]).
+    pub fn run_phase(
+        &self,
+        feeds: &[(&str, &[u8])],
+        hyper: Option<&OptimHyper>,
+        read: &[usize],
+        phase: Phase,
+    ) -> Result<Vec<Vec<u8>>> {
         // Declared before the locks so that a consumed batch's sources are released after them.
         let consumed: Option<Queued>;
         let mut inner = self.lock();
         inner.forget_parent_prefetch();
+        if phase != Phase::Step && inner.update.is_none() {
+            return Err(Error::unsupported(
+                "run",
+                format!("{phase:?} alone: only a data-parallel training step runs in phases"),
+            ));
+        }
+        if phase == Phase::Update && !feeds.is_empty() {
+            return Err(Error::input(
+                feeds[0].0,
+                "the update phase takes no inputs (they belong to the gradients phase)",
+            ));
+        }
         check_feeds(&inner.inputs, feeds, "")?;
         let queued =
             feeds.is_empty() && inner.prefetch.as_ref().is_some_and(|p| !p.queue.is_empty());
-        if let Some(missing) = missing_input(&inner.inputs, feeds).filter(|_| !queued) {
+        let missing = missing_input(&inner.inputs, feeds).filter(|_| !queued);
+        if let Some(missing) = missing.filter(|_| phase != Phase::Update) {
             let missing = missing.name.clone();
             if feeds.is_empty() && inner.lost_at_fork > 0 {
                 let lost = std::mem::take(&mut inner.lost_at_fork);
@@ -276,7 +352,10 @@ impl Executable {
             self.params.buffer().as_ref(),
             state_buf,
         ];
-        if queued {
+        let inner = &mut *inner;
+        if phase == Phase::Update {
+            consumed = None;
+        } else if queued {
             let pf = inner.prefetch.as_mut().expect("queued");
             let batch = pf.queue.pop_front().expect("queued");
             let (set, token) = (batch.set, batch.token);
@@ -299,6 +378,13 @@ impl Executable {
                 inner.compiled.run(&bufs, hyper)?
             };
         }
+        if let (Some(update), true) = (inner.update.as_mut(), phase != Phase::Gradients) {
+            // SAFETY: as above (the same locks are held); the update reads no staging buffer.
+            #[allow(unsafe_code)]
+            unsafe {
+                update.run(&bufs[..3], hyper)?
+            };
+        }
         let _ = &consumed;
         read.iter()
             .map(|&i| {
@@ -309,6 +395,16 @@ impl Executable {
             })
             .collect()
     }
+}
+
+/// A training program as `(everything before the update, the update alone)`.
+fn split_update(program: &Program) -> (Program, Program) {
+    let mut body = program.clone();
+    let update = match body.instrs.last() {
+        Some(Instr::Update(_)) => body.instrs.pop().into_iter().collect(),
+        _ => Vec::new(),
+    };
+    (body, Program { instrs: update })
 }
 
 impl Drop for Executable {

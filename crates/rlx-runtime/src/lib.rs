@@ -16,7 +16,7 @@ pub mod store;
 pub mod train;
 
 pub use backend::{Backend, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, HostBytes};
-pub use executable::{Executable, InputSlot, MemoryReport, OptimizerSetup};
+pub use executable::{Executable, InputSlot, MemoryReport, OptimizerSetup, Phase};
 pub use program::{
     hyper_col, stat, Buf, Instr, OptimHyper, OptimRule, Program, TRef, UpdateParam, UpdatePlan,
 };

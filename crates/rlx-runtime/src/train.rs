@@ -21,6 +21,10 @@ pub struct TrainOptions {
     /// `(graph output index, weight-store name)`: after each run that is not skipped, the
     /// named buffer takes that output's value.
     pub buffer_updates: Vec<(usize, String)>,
+    /// Data parallel: the gradients get one contiguous arena region
+    /// ([`crate::Executable::grad_region`]) and the update may run as a phase of its own
+    /// ([`crate::executable::Phase`]), so a communicator can average the region between them.
+    pub distributed: bool,
 }
 
 /// The optimizer of a training executable: its rule, its state store and the step options.
@@ -58,6 +62,8 @@ impl OptimizerSetup {
             trainable: Option<Vec<String>>,
             #[serde(default)]
             buffer_updates: Vec<(usize, String)>,
+            #[serde(default)]
+            distributed: bool,
         }
         let s: Spec = serde_json::from_str(spec)
             .map_err(|e| Error::Graph(format!("bad optimizer description: {e}")))?;
@@ -78,6 +84,7 @@ impl OptimizerSetup {
                 skip_nonfinite: s.skip_nonfinite,
                 trainable: s.trainable,
                 buffer_updates: s.buffer_updates,
+                distributed: s.distributed,
             },
         })
     }

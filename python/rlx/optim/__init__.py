@@ -299,7 +299,8 @@ class Optimizer:
         self._pending = None if self._states else {"state": {n: dict(d) for n, d in state.items()}}
 
     def save(self, path: str) -> None:
-        """Writes settings and state to a safetensors file, atomically.
+        """Writes settings and state to a safetensors file, atomically (after
+        ``rlx.distributed.init()``: rank 0 writes, the other ranks wait for it).
 
         Example:
             >>> opt.save("opt.safetensors")
@@ -312,7 +313,9 @@ class Optimizer:
                 dtype = "float32" if arr.dtype == np.float32 else "int32"
                 tensors.append((f"{pname}.{slot}", dtype, list(arr.shape), np.ascontiguousarray(arr).reshape(-1)))
         meta = {"type": sd["type"], "settings": sd["settings"], "groups": sd["groups"]}
-        _rlx.save_checkpoint(str(path), tensors, {_META_KEY: json.dumps(meta)})
+        from .. import distributed
+
+        distributed._on_rank0(lambda: _rlx.save_checkpoint(str(path), tensors, {_META_KEY: json.dumps(meta)}))
 
     def load(self, path: str) -> None:
         """Restores a file written by ``save``; checked before anything changes.

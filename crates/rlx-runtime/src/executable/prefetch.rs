@@ -149,7 +149,7 @@ impl Executable {
         ];
         let variants = (0..PREFETCH_DEPTH)
             .map(|set| {
-                let program = retarget(&self.program, &remap, set * set_bytes);
+                let program = retarget(&self.body(), &remap, set * set_bytes);
                 self.backend.compile(&program, &lens)
             })
             .collect::<Result<_>>()?;
