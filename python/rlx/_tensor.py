@@ -663,10 +663,22 @@ def scaled_dot_product_attention(
         )
     t = _trace_of(q, k, v)
     q, k, v = _as_tensor(q, t), _as_tensor(k, t), _as_tensor(v, t)
+    tq, tk = (q.shape[-2], k.shape[-2]) if q.ndim >= 2 and k.ndim >= 2 else (0, 0)
+    offset = (tk - tq if causal_align == "bottom_right" else 0) if causal else None
+    fits = (q.ndim >= 2 and k.ndim == q.ndim and v.ndim == q.ndim and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+            and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2] and min(q.shape[-2:] + k.shape[-2:] + v.shape[-1:]) > 0
+            and q.dtype == k.dtype == v.dtype == "float32")
+    if fits:  # one fused op: the scores of one (batch, head) block at a time, never all of them
+        return Tensor(t, t.graph.attention([q._id, k._id, v._id], float(1.0 / np.sqrt(q.shape[-1])), offset))
+    return _sdpa_composed(q, k, v, offset)
+
+
+def _sdpa_composed(q: Tensor, k: Tensor, v: Tensor, offset: int | None) -> Tensor:
+    """Attention from primitive ops (broadcast batch dims, empty axes, int inputs; and the
+    reference the fused op is tested against)."""
     scores = _matmul_nt(q * (1.0 / float(np.sqrt(q.shape[-1]))), k)
-    if causal:
+    if offset is not None:
         tq, tk = scores.shape[-2], scores.shape[-1]
-        offset = tk - tq if causal_align == "bottom_right" else 0
         mask = np.tril(np.ones((tq, tk), dtype=np.float32), k=offset)
         scores = where(mask, scores, float("-inf"))
     return matmul(softmax(scores, axis=-1), v)

@@ -1225,12 +1225,13 @@ class MultiHeadAttention(Module):
     def __call__(self, x: Any) -> Tensor:
         if len(x.shape) != 3 or x.shape[-1] != self.dim:
             raise ShapeError(f"[MultiHeadAttention] expects inputs (B, T, {self.dim}), got {tuple(x.shape)}")
-        q, k, v = self._heads(x)
-        scores = _matmul_nt(q * (1.0 / math.sqrt(self.head_dim)), k)
-        if self.causal:
-            t = x.shape[1]
-            scores = where(np.tril(np.ones((t, t), np.float32)), scores, float("-inf"))
-        return self._merge(matmul(softmax(scores, axis=-1), v))
+        # One fused op over the packed q|k|v projection: no head transposes or splits, and the
+        # scores of one (batch, head) block at a time.
+        qkv = self.qkv(x)
+        t = qkv._trace
+        y = Tensor(t, t.graph.attention([qkv._id], 1.0 / math.sqrt(self.head_dim), 0 if self.causal else None,
+                                        self.num_heads))
+        return self.proj(y)
 
     def decode(self, x: Any, k_cache: Any, v_cache: Any, pos: Any) -> tuple[Tensor, Tensor, Tensor]:
         """One step of cached decoding.

@@ -177,6 +177,43 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             let srcs: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
             fused::fused(e, &srcs, unsafe { b.get_mut(out) })
         }
+        Op::MatMulEpilogue {
+            trans_a,
+            trans_b,
+            epilogue,
+        } => {
+            let xs: Vec<(&[f32], &[usize])> = (2..ins.len()).map(|i| (f(i), sh(i))).collect();
+            fused::matmul_epilogue(
+                epilogue,
+                f(0),
+                sh(0),
+                *trans_a,
+                f(1),
+                sh(1),
+                *trans_b,
+                &xs,
+                unsafe { b.get_mut(out) },
+            )
+        }
+        Op::Attention {
+            scale,
+            causal,
+            heads,
+        }
+        | Op::AttentionGrad {
+            scale,
+            causal,
+            heads,
+        } => {
+            let n = if heads.is_some() { 1 } else { 3 };
+            let shapes: Vec<&[usize]> = (0..n).map(sh).collect();
+            let geo = attention::Geometry::new(&shapes, *heads, *scale, *causal);
+            if matches!(op, Op::Attention { .. }) {
+                attention::forward(&geo, &floats, unsafe { b.get_mut(out) })
+            } else {
+                attention::backward(&geo, &floats, unsafe { b.get_mut(out) })
+            }
+        }
         Op::Binary(bop) => unsafe {
             let (a, c) = (&ins[0], &ins[1]);
             match (a.dtype, bop.is_comparison()) {

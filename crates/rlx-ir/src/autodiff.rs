@@ -200,7 +200,7 @@ fn vjp(
     let shape = |g: &Graph, id: NodeId| g.node(id).shape.clone();
     Ok(match op {
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => vec![],
-        Op::Fused(_) => {
+        Op::Fused(_) | Op::MatMulEpilogue { .. } => {
             return Err(Error::Graph(
                 "[fused] fused expressions are made after differentiation and have no gradient"
                     .into(),
@@ -466,7 +466,42 @@ fn vjp(
             }
             out
         }
-        Op::NormalizeGrad { .. } | Op::SoftmaxCrossEntropyGrad => {
+        Op::Attention {
+            scale,
+            causal,
+            heads,
+        } => {
+            let attrs = Op::AttentionGrad {
+                scale: *scale,
+                causal: *causal,
+                heads: *heads,
+            };
+            let mut args = ins.to_vec();
+            args.extend([y, gy]);
+            let d = g.add(attrs, &args)?;
+            if heads.is_some() {
+                return Ok(vec![Some(d)]);
+            }
+            // The flat [dq | dk | dv], cut and reshaped back to each input.
+            let mut start = 0;
+            let mut out = Vec::with_capacity(3);
+            for &i in ins {
+                let s = shape(g, i);
+                let end = start + s.numel();
+                let piece = g.add(
+                    Op::Slice {
+                        axis: 0,
+                        start,
+                        end,
+                    },
+                    &[d],
+                )?;
+                out.push(Some(g.add(Op::Reshape { shape: s }, &[piece])?));
+                start = end;
+            }
+            out
+        }
+        Op::NormalizeGrad { .. } | Op::SoftmaxCrossEntropyGrad | Op::AttentionGrad { .. } => {
             return Err(Error::unsupported(
                 op.name(),
                 "second derivatives are not supported",

@@ -103,7 +103,7 @@ pub fn fuse(graph: &Graph) -> Graph {
         .filter(|&id| live[id] && elementwise(graph, id) && !inline[id])
         .collect();
     let mut pending: std::collections::BinaryHeap<NodeId> = roots.iter().copied().collect();
-    let mut exprs: HashMap<NodeId, (Fused, Vec<NodeId>)> = HashMap::new();
+    let mut exprs: HashMap<NodeId, Expr> = HashMap::new();
     while let Some(root) = pending.pop() {
         if exprs.contains_key(&root) {
             continue;
@@ -116,7 +116,42 @@ pub fn fuse(graph: &Graph) -> Graph {
         }
         exprs.insert(root, expr);
     }
-    emit(graph, &live, &inline, &exprs)
+    // Matmul epilogues: an expression that reads a matmul product nothing else reads computes
+    // the product itself, so the product never takes an arena slot.
+    let mut readers: HashMap<NodeId, usize> = HashMap::new();
+    for e in exprs.values() {
+        for &i in &e.inputs {
+            *readers.entry(unalias(graph, i)).or_default() += 1;
+        }
+    }
+    let mut absorbed = vec![false; n];
+    for e in exprs.values_mut() {
+        let root = *e.nodes.last().expect("an expression computes its root");
+        e.epilogue_of = e.inputs.iter().position(|&i| {
+            let m = unalias(graph, i);
+            let node = graph.node(m);
+            matches!(node.op, Op::MatMul { .. })
+                && node.dtype == DType::F32
+                && !is_output[m]
+                && !absorbed[m]
+                && readers[&m] == 1
+                && node.shape.numel() == e.fused.shape.numel()
+                && through(m).is_some_and(|cs| cs.iter().all(|c| *c == root || e.nodes.contains(c)))
+        });
+        if let Some(k) = e.epilogue_of {
+            absorbed[unalias(graph, e.inputs[k])] = true;
+        }
+    }
+    emit(graph, &live, &inline, &absorbed, &exprs)
+}
+
+/// One expression: the fused program, the nodes its inputs come from, the nodes it computes
+/// (the root last), and the input that is a matmul it absorbs as its prologue, if any.
+struct Expr {
+    fused: Fused,
+    inputs: Vec<NodeId>,
+    nodes: Vec<NodeId>,
+    epilogue_of: Option<usize>,
 }
 
 /// The node a chain of reshapes starting at `id` reads.
@@ -145,7 +180,7 @@ fn build(
     root: NodeId,
     inline: &[bool],
     roots: &BTreeSet<NodeId>,
-) -> ((Fused, Vec<NodeId>), Vec<NodeId>) {
+) -> (Expr, Vec<NodeId>) {
     struct Builder<'g> {
         graph: &'g Graph,
         root: NodeId,
@@ -252,7 +287,16 @@ fn build(
         n_inputs: n_in,
         steps,
     };
-    ((fused, b.inputs), b.spilled)
+    let nodes = b.steps.iter().map(|(n, _)| *n).collect();
+    (
+        Expr {
+            fused,
+            inputs: b.inputs,
+            nodes,
+            epilogue_of: None,
+        },
+        b.spilled,
+    )
 }
 
 /// The new graph: nodes in the old order, inline ones dropped, roots replaced by their
@@ -261,7 +305,8 @@ fn emit(
     graph: &Graph,
     live: &[bool],
     inline: &[bool],
-    exprs: &HashMap<NodeId, (Fused, Vec<NodeId>)>,
+    absorbed: &[bool],
+    exprs: &HashMap<NodeId, Expr>,
 ) -> Graph {
     let mut out = Graph::new();
     let mut map: Vec<Option<NodeId>> = vec![None; graph.len()];
@@ -270,7 +315,7 @@ fn emit(
         if !live[id] && !keep_leaf {
             continue;
         }
-        if inline[id] && !exprs.contains_key(&id) {
+        if (inline[id] && !exprs.contains_key(&id)) || absorbed[id] {
             continue;
         }
         // A reshape of a value that only exists inside expressions.
@@ -279,11 +324,19 @@ fn emit(
         }
         let mapped = |i: &NodeId| map[*i].expect("inputs are emitted first");
         let new = match exprs.get(&id) {
-            Some((fused, ins)) if fused.steps.len() > 1 || needs_reshape(graph, fused, ins) => {
-                let ins: Vec<NodeId> = ins
-                    .iter()
-                    .map(|i| {
-                        let x = graph.node(*i);
+            Some(e)
+                if e.fused.steps.len() > 1
+                    || e.epilogue_of.is_some()
+                    || needs_reshape(graph, &e.fused, &e.inputs) =>
+            {
+                let fused = &e.fused;
+                let mut ins: Vec<NodeId> = Vec::with_capacity(e.inputs.len() + 1);
+                for (k, i) in e.inputs.iter().enumerate() {
+                    if Some(k) == e.epilogue_of {
+                        continue;
+                    }
+                    let x = graph.node(*i);
+                    ins.push(
                         if x.shape != fused.shape && x.shape.numel() == fused.shape.numel() {
                             out.push(
                                 Op::Reshape {
@@ -295,15 +348,35 @@ fn emit(
                             )
                         } else {
                             mapped(i)
-                        }
-                    })
-                    .collect();
-                out.push(
-                    Op::Fused(std::sync::Arc::new(fused.clone())),
-                    ins,
-                    node.shape.clone(),
-                    DType::F32,
-                )
+                        },
+                    );
+                }
+                match e.epilogue_of {
+                    None => out.push(
+                        Op::Fused(std::sync::Arc::new(fused.clone())),
+                        ins,
+                        node.shape.clone(),
+                        DType::F32,
+                    ),
+                    Some(k) => {
+                        let mm = graph.node(unalias(graph, e.inputs[k]));
+                        let Op::MatMul { trans_a, trans_b } = mm.op else {
+                            unreachable!("an epilogue reads a matmul")
+                        };
+                        let mut all = vec![mapped(&mm.inputs[0]), mapped(&mm.inputs[1])];
+                        all.extend(ins);
+                        out.push(
+                            Op::MatMulEpilogue {
+                                trans_a,
+                                trans_b,
+                                epilogue: std::sync::Arc::new(product_first(fused, k)),
+                            },
+                            all,
+                            node.shape.clone(),
+                            DType::F32,
+                        )
+                    }
+                }
             }
             _ => out.push(
                 node.op.clone(),
@@ -323,6 +396,34 @@ fn emit(
     out
 }
 
+/// `f` with input register `k` moved to register 0 (the matmul product of an epilogue).
+fn product_first(f: &Fused, k: usize) -> Fused {
+    let k = k as u16;
+    let r = |x: u16| -> u16 {
+        if x == k {
+            0
+        } else if x < k {
+            x + 1
+        } else {
+            x
+        }
+    };
+    let steps = f
+        .steps
+        .iter()
+        .map(|s| match *s {
+            FusedStep::Unary(u, a) => FusedStep::Unary(u, r(a)),
+            FusedStep::Binary(o, a, b) => FusedStep::Binary(o, r(a), r(b)),
+            FusedStep::Where(c, a, b) => FusedStep::Where(r(c), r(a), r(b)),
+        })
+        .collect();
+    Fused {
+        shape: f.shape.clone(),
+        n_inputs: f.n_inputs,
+        steps,
+    }
+}
+
 /// A one-step expression reading a full-size input of another shape (through a reshape) is
 /// still emitted fused: the original op would read that input with its own shape.
 fn needs_reshape(graph: &Graph, fused: &Fused, ins: &[NodeId]) -> bool {
@@ -332,13 +433,15 @@ fn needs_reshape(graph: &Graph, fused: &Fused, ins: &[NodeId]) -> bool {
     })
 }
 
-/// Counts the fused nodes of a graph and the ops they replaced (for reports and tests).
+/// Counts the fused nodes of a graph (matmul epilogues included) and the elementwise ops they
+/// replaced (for reports and tests).
 pub fn summary(graph: &Graph) -> (usize, usize) {
     graph
         .nodes()
         .iter()
         .filter_map(|n| match &n.op {
             Op::Fused(f) => Some(f.steps.len()),
+            Op::MatMulEpilogue { epilogue, .. } => Some(epilogue.steps.len()),
             _ => None,
         })
         .fold((0, 0), |(k, s), steps| (k + 1, s + steps))
@@ -409,6 +512,48 @@ mod tests {
         // The pre-activation is cheap, so gelu and its derivative both recompute it: it is
         // never materialised.
         assert!(!f.nodes().iter().any(|n| n.op == Op::Binary(BinaryOp::Add)));
+    }
+
+    #[test]
+    fn a_matmul_read_elsewhere_is_not_absorbed() {
+        // relu(x @ w + b), with the product also an output: it must exist, so no epilogue.
+        let mut g = Graph::new();
+        let x = g.input("x", Shape::new([4, 8]), DType::F32).unwrap();
+        let w = g.param("w", Shape::new([8, 3]), DType::F32).unwrap();
+        let b = g.param("b", Shape::new([3]), DType::F32).unwrap();
+        let mm = g
+            .add(
+                Op::MatMul {
+                    trans_a: false,
+                    trans_b: false,
+                },
+                &[x, w],
+            )
+            .unwrap();
+        let pre = g.add(Op::Binary(BinaryOp::Add), &[mm, b]).unwrap();
+        let act = g.add(Op::Unary(UnaryOp::Relu), &[pre]).unwrap();
+        g.set_outputs(vec![act, mm]).unwrap();
+        let f = fuse(&g);
+        f.verify().unwrap();
+        assert!(f.nodes().iter().any(|n| matches!(n.op, Op::MatMul { .. })));
+        assert!(!f
+            .nodes()
+            .iter()
+            .any(|n| matches!(n.op, Op::MatMulEpilogue { .. })));
+        // Without the extra output it is absorbed, with the operand order of the product
+        // first: r0 = x @ w, r1 = b.
+        g.set_outputs(vec![act]).unwrap();
+        let f = fuse(&g);
+        let epi = f
+            .nodes()
+            .iter()
+            .find_map(|n| match &n.op {
+                Op::MatMulEpilogue { epilogue, .. } => Some((epilogue.clone(), n.inputs.clone())),
+                _ => None,
+            })
+            .expect("an epilogue");
+        assert_eq!(epi.0.to_string(), "r2=add(r0,r1); r3=relu(r2)");
+        assert_eq!(epi.1.len(), 3);
     }
 
     #[test]
@@ -498,18 +643,15 @@ mod tests {
         let f = fuse(&g);
         f.verify().unwrap();
         assert_eq!(summary(&f), (1, 3));
-        // The matmul result is read through a reshape to the expression's shape; the bias
-        // broadcasts over the last dim in both shapes.
+        // The matmul result, read through a reshape, is the epilogue's product (register 0);
+        // the bias broadcasts over the last dim in both shapes.
         let fused = f
             .nodes()
             .iter()
-            .find(|n| matches!(n.op, Op::Fused(_)))
+            .find(|n| matches!(n.op, Op::MatMulEpilogue { .. }))
             .unwrap();
         assert_eq!(fused.shape, Shape::new([2, 4, 6]));
-        assert!(fused
-            .inputs
-            .iter()
-            .any(|&i| matches!(f.node(i).op, Op::Reshape { .. })));
+        assert!(!f.nodes().iter().any(|n| matches!(n.op, Op::MatMul { .. })));
         // A bias over a leading dim does not read alike through the reshape: not fused there.
         assert!(!reads_alike(
             &Shape::new([8, 1]),

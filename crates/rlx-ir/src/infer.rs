@@ -156,42 +156,60 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((Shape::scalar(), DType::F32))
         }
         Op::Fused(f) => {
-            if ins.len() != f.n_inputs {
-                return Err(Error::Graph(format!(
-                    "[fused] expects {} inputs, got {}",
-                    f.n_inputs,
-                    ins.len()
-                )));
-            }
-            for (i, x) in ins.iter().enumerate() {
+            let shapes: Vec<&Shape> = ins.iter().map(|x| &x.shape).collect();
+            for i in 0..ins.len() {
                 float(i)?;
-                if broadcast(name, &x.shape, &f.shape)? != f.shape {
-                    return Err(Error::shape(
-                        name,
-                        format!(
-                            "input {i} of shape {} does not broadcast to {}",
-                            x.shape, f.shape
-                        ),
-                    ));
-                }
             }
-            for (k, step) in f.steps.iter().enumerate() {
-                let defined = (f.n_inputs + k) as u16;
-                let regs: &[u16] = match step {
-                    crate::FusedStep::Unary(_, a) => &[*a],
-                    crate::FusedStep::Binary(_, a, b) => &[*a, *b],
-                    crate::FusedStep::Where(c, a, b) => &[*c, *a, *b],
-                };
-                if regs.iter().any(|&r| r >= defined) {
-                    return Err(Error::Graph(format!(
-                        "[fused] step {k} reads a register not yet defined"
-                    )));
-                }
-            }
-            if f.steps.is_empty() {
-                return Err(Error::Graph("[fused] an expression needs a step".into()));
-            }
+            fused(name, f, &shapes)?;
             Ok((f.shape.clone(), DType::F32))
+        }
+        Op::MatMulEpilogue {
+            trans_a,
+            trans_b,
+            epilogue,
+        } => {
+            let (mm, _) = matmul(ins[0], ins[1], *trans_a, *trans_b)?;
+            if mm.numel() != epilogue.shape.numel() {
+                return Err(Error::shape(
+                    name,
+                    format!(
+                        "the product {mm} and the epilogue's shape {} differ in size",
+                        epilogue.shape
+                    ),
+                ));
+            }
+            for i in 2..ins.len() {
+                float(i)?;
+            }
+            let mut shapes: Vec<&Shape> = vec![&epilogue.shape];
+            shapes.extend(ins[2..].iter().map(|x| &x.shape));
+            fused(name, epilogue, &shapes)?;
+            Ok((epilogue.shape.clone(), DType::F32))
+        }
+        Op::Attention { heads, .. } | Op::AttentionGrad { heads, .. } => {
+            for i in 0..ins.len() {
+                float(i)?;
+            }
+            let grad = matches!(op, Op::AttentionGrad { .. });
+            let out = attention(name, ins, *heads)?;
+            if grad {
+                // `out` and `g` follow the inputs.
+                let k = if heads.is_some() { 1 } else { 3 };
+                for (what, x) in [("out", ins[k]), ("g", ins[k + 1])] {
+                    if x.shape != out {
+                        return Err(Error::shape(
+                            name,
+                            format!("{what} is {} but the attention output is {out}", x.shape),
+                        ));
+                    }
+                }
+                if heads.is_some() {
+                    return Ok((ins[0].shape.clone(), DType::F32));
+                }
+                let n: usize = ins[..3].iter().map(|x| x.shape.numel()).sum();
+                return Ok((Shape::new([n]), DType::F32));
+            }
+            Ok((out, DType::F32))
         }
         Op::Where => {
             if ins[1].dtype != ins[2].dtype {
@@ -413,6 +431,87 @@ fn windowed(op: &str, s: &Shape, w: &crate::Window) -> Result<(usize, usize, [us
         )
     })?;
     Ok((s.0[0], s.0[1], o))
+}
+
+/// Checks a fused expression against its input shapes (registers `0..n_inputs`).
+fn fused(name: &str, f: &crate::Fused, ins: &[&Shape]) -> Result<()> {
+    if ins.len() != f.n_inputs {
+        return Err(Error::Graph(format!(
+            "[{name}] expects {} expression inputs, got {}",
+            f.n_inputs,
+            ins.len()
+        )));
+    }
+    for (i, x) in ins.iter().enumerate() {
+        if broadcast(name, x, &f.shape)? != f.shape {
+            return Err(Error::shape(
+                name,
+                format!("input {i} of shape {x} does not broadcast to {}", f.shape),
+            ));
+        }
+    }
+    for (k, step) in f.steps.iter().enumerate() {
+        let defined = (f.n_inputs + k) as u16;
+        let regs: &[u16] = match step {
+            crate::FusedStep::Unary(_, a) => &[*a],
+            crate::FusedStep::Binary(_, a, b) => &[*a, *b],
+            crate::FusedStep::Where(c, a, b) => &[*c, *a, *b],
+        };
+        if regs.iter().any(|&r| r >= defined) {
+            return Err(Error::Graph(format!(
+                "[{name}] step {k} reads a register not yet defined"
+            )));
+        }
+    }
+    if f.steps.is_empty() {
+        return Err(Error::Graph(format!("[{name}] an expression needs a step")));
+    }
+    Ok(())
+}
+
+/// The output shape of `Attention` for its (first) inputs; see `Op::Attention` for layouts.
+fn attention(name: &str, ins: &[&Node], heads: Option<usize>) -> Result<Shape> {
+    if let Some(h) = heads {
+        let s = &ins[0].shape;
+        if s.rank() != 3 || h == 0 || s.0[1] == 0 || s.0[2] == 0 || s.0[2] % (3 * h) != 0 {
+            return Err(Error::shape(
+                name,
+                format!(
+                    "packed q|k|v must be (B, T, 3 * {h} * head_dim) with T, head_dim >= 1, got {s}"
+                ),
+            ));
+        }
+        return Ok(Shape::new([s.0[0], s.0[1], s.0[2] / 3]));
+    }
+    let (q, k, v) = (&ins[0].shape, &ins[1].shape, &ins[2].shape);
+    let r = q.rank();
+    if r < 2 || k.rank() != r || v.rank() != r {
+        return Err(Error::shape(
+            name,
+            format!("q, k, v must all be (..., T, d) of one rank >= 2, got {q}, {k}, {v}"),
+        ));
+    }
+    if q.0[..r - 2] != k.0[..r - 2] || q.0[..r - 2] != v.0[..r - 2] {
+        return Err(Error::shape(
+            name,
+            format!("q, k, v must have the same leading dims, got {q}, {k}, {v}"),
+        ));
+    }
+    if q.0[r - 1] != k.0[r - 1] || k.0[r - 2] != v.0[r - 2] {
+        return Err(Error::shape(
+            name,
+            format!("q (..., L, E), k (..., S, E), v (..., S, Ev) do not fit: {q}, {k}, {v}"),
+        ));
+    }
+    if q.0[r - 2] == 0 || q.0[r - 1] == 0 || k.0[r - 2] == 0 || v.0[r - 1] == 0 {
+        return Err(Error::shape(
+            name,
+            format!("L, S, E and Ev must be at least 1, got q {q}, k {k}, v {v}"),
+        ));
+    }
+    let mut out = q.0.clone();
+    out[r - 1] = v.0[r - 1];
+    Ok(Shape(out))
 }
 
 fn broadcast(op: &str, a: &Shape, b: &Shape) -> Result<Shape> {

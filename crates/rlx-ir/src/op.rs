@@ -164,6 +164,43 @@ pub enum Op {
     Concat {
         axis: usize,
     },
+    /// Scaled dot-product attention, `softmax(q @ k^T * scale + mask) @ v`, per block of
+    /// queries. A backend computes it block by block and never materialises the scores of more
+    /// than one block. Layouts:
+    /// - `heads: None`: inputs `q (..., L, E)`, `k (..., S, E)`, `v (..., S, Ev)` (the same
+    ///   leading dims, no broadcasting); output `(..., L, Ev)`. One block per leading index.
+    /// - `heads: Some(h)`: one input `qkv (B, T, 3*h*E)` holding q | k | v along the last axis,
+    ///   each split into `h` heads of `E` (so head `j` of q is columns `j*E..(j+1)*E`, of k
+    ///   `(h+j)*E..`, of v `(2h+j)*E..`); output `(B, T, h*E)` with head `j` in columns
+    ///   `j*E..(j+1)*E`. One block per (b, head); L = S = T.
+    ///
+    /// `causal: Some(off)`: query `i` sees key `j` only when `j <= i + off` (PyTorch's
+    /// `is_causal` is `off = 0`); a query that sees no key gives NaN (a softmax over nothing).
+    Attention {
+        scale: f32,
+        causal: Option<i64>,
+        heads: Option<usize>,
+    },
+    /// The VJP of `Attention` (same attributes). Inputs `(q, k, v, out, g)` for `heads: None`,
+    /// giving one flat float32 vector `[dq | dk | dv]` (each in its input's row-major order);
+    /// `(qkv, out, g)` for `heads: Some(_)`, giving `d qkv` (the shape of `qkv`). `out` is the
+    /// forward result; the scores are recomputed block by block.
+    AttentionGrad {
+        scale: f32,
+        causal: Option<i64>,
+        heads: Option<usize>,
+    },
+    /// A matmul followed by an elementwise epilogue, `epilogue(a @ b, x1, .., xn)` (made by
+    /// `fuse`, after autodiff; no VJP). Inputs `(a, b, x1, .., xn)`; `a @ b` is `MatMul` with
+    /// the same flags, and its result, read in row-major order as `epilogue.shape` (same element
+    /// count), is the expression's register 0; `x1..xn` are registers 1..n (each broadcast to
+    /// `epilogue.shape`). The output has `epilogue.shape`. A backend may apply the epilogue to
+    /// each block of the product while it is in cache; the product is never stored in the arena.
+    MatMulEpilogue {
+        trans_a: bool,
+        trans_b: bool,
+        epilogue: Arc<Fused>,
+    },
     /// A chain of float32 elementwise ops evaluated in one pass (made by `fuse`, after
     /// autodiff; it has no VJP).
     Fused(Arc<Fused>),
@@ -355,6 +392,9 @@ impl Op {
             Op::Dropout { .. } => "dropout",
             Op::Log1p => "log1p",
             Op::StopGradient => "stop_gradient",
+            Op::MatMulEpilogue { .. } => "matmul_epilogue",
+            Op::Attention { .. } => "attention",
+            Op::AttentionGrad { .. } => "attention_grad",
         }
     }
 
@@ -362,6 +402,21 @@ impl Op {
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
             Op::Concat { .. } | Op::Fused(_) => return None,
+            Op::MatMulEpilogue { epilogue, .. } => 1 + epilogue.n_inputs,
+            Op::Attention { heads, .. } => {
+                if heads.is_some() {
+                    1
+                } else {
+                    3
+                }
+            }
+            Op::AttentionGrad { heads, .. } => {
+                if heads.is_some() {
+                    3
+                } else {
+                    5
+                }
+            }
             Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => 0,
             Op::Binary(_)
             | Op::MatMul { .. }

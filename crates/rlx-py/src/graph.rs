@@ -319,6 +319,28 @@ impl PyGraph {
         self.add(py, Op::Normalize { eps }, &[x])
     }
 
+    /// Fused scaled-dot-product attention: `(q, k, v)` with `heads=None`, or one packed
+    /// `(B, T, 3 * heads * head_dim)` q|k|v tensor with `heads` set (see `Op::Attention`).
+    #[pyo3(signature = (ins, scale, causal=None, heads=None))]
+    fn attention(
+        &mut self,
+        py: Python<'_>,
+        ins: Vec<NodeId>,
+        scale: f32,
+        causal: Option<i64>,
+        heads: Option<usize>,
+    ) -> PyResult<NodeId> {
+        self.add(
+            py,
+            Op::Attention {
+                scale,
+                causal,
+                heads,
+            },
+            &ins,
+        )
+    }
+
     /// `x[start:end]` along `axis` (negative axis allowed; start/end already clamped).
     fn slice(
         &mut self,

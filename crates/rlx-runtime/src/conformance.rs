@@ -51,8 +51,8 @@ macro_rules! conformance_tests {
             prefetch_consumes_batches_in_order,
             optimizer_rules_match_closed_form,
             compile_rejects_bad_programs,
-            vision_ops_match_references,
             data_parallel_phases,
+            vision_ops_match_references,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {

@@ -5,7 +5,8 @@ use rlx_ir::Op;
 use std::fmt::Write;
 
 /// An op's name, with the operand transposes of a matrix product and a fused expression's steps
-/// (`r0`.. are the operands in order).
+/// (`r0`.. are the operands in order; in a matmul epilogue `r0` is the product and `r1`.. the
+/// operands after `a` and `b`).
 fn op_name(op: &Op) -> String {
     match op {
         Op::Fused(f) => format!("fused[{f}]"),
@@ -13,6 +14,21 @@ fn op_name(op: &Op) -> String {
             "matmul{}{}",
             if *trans_a { "[a^T]" } else { "" },
             if *trans_b { "[b^T]" } else { "" }
+        ),
+        Op::MatMulEpilogue {
+            trans_a,
+            trans_b,
+            epilogue,
+        } => format!(
+            "matmul_epilogue{}{}[r0=a@b; {epilogue}]",
+            if *trans_a { "[a^T]" } else { "" },
+            if *trans_b { "[b^T]" } else { "" }
+        ),
+        Op::Attention { causal, heads, .. } | Op::AttentionGrad { causal, heads, .. } => format!(
+            "{}[{}{}]",
+            op.name(),
+            causal.map_or("no mask".to_string(), |o| format!("causal {o:+}")),
+            heads.map_or(String::new(), |h| format!(", packed {h} heads"))
         ),
         other => other.name().to_string(),
     }

@@ -23,11 +23,128 @@ enum Src<'a> {
 
 /// Evaluates `f` into `out`; `ins[i]` is input `i` with its shape (broadcast to `f.shape`).
 pub fn fused(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32]) {
+    fused_shaped(f, f.shape.dims(), ins, out)
+}
+
+/// Output rows of one block of a matmul epilogue: the product block and the epilogue's
+/// registers stay in L2.
+const EPI_BLOCK: usize = 32 * 1024;
+
+/// `out = f(a @ b, xs..)` (see `rlx_ir::Op::MatMulEpilogue`). A product that is one tall GEMM
+/// (`a` not transposed, `b` shared by every batch) whose other operands are full-size, scalars
+/// or rows of its width runs block by block: each block of rows is multiplied into a per-thread
+/// scratch and the epilogue writes `out` from it while it is in cache. Other products are
+/// computed whole first.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_epilogue(
+    f: &Fused,
+    a: &[f32],
+    ad: &[usize],
+    ta: bool,
+    b: &[f32],
+    bd: &[usize],
+    tb: bool,
+    xs: &[(&[f32], &[usize])],
+    out: &mut [f32],
+) {
+    use super::matmul::{gemm_view, View, PAR_FLOPS};
+    let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+    let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+    let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
+    let n = if tb { rb } else { cb };
+    let a_batch: usize = ad[..ad.len() - 2].iter().product();
+    let b_batch: usize = bd[..bd.len() - 2].iter().product();
+    if out.is_empty() {
+        return;
+    }
+    let rows = out.len() / n.max(1);
+    let last = f.shape.dims().last().copied().unwrap_or(1);
+    let row_like =
+        |d: &[usize]| last == n && d.last() == Some(&n) && d[..d.len() - 1].iter().all(|&v| v == 1);
+    let blocked = !ta
+        && b_batch == 1
+        && n > 0
+        && rows == a_batch * m
+        && xs
+            .iter()
+            .all(|(x, d)| x.len() == 1 || x.len() == out.len() || row_like(d));
+    if !blocked {
+        let mut od: Vec<usize> = {
+            let (pa, pb) = (&ad[..ad.len() - 2], &bd[..bd.len() - 2]);
+            let r = pa.len().max(pb.len());
+            let at = |p: &[usize], i: usize| {
+                if i + p.len() >= r {
+                    p[i + p.len() - r]
+                } else {
+                    1
+                }
+            };
+            (0..r).map(|i| at(pa, i).max(at(pb, i))).collect()
+        };
+        od.extend([m, n]);
+        let mut product = vec![0.0; out.len()];
+        super::matmul::matmul(a, ad, ta, b, bd, tb, &mut product, &od);
+        let mut ins: Vec<(&[f32], &[usize])> = vec![(&product, f.shape.dims())];
+        ins.extend_from_slice(xs);
+        return fused(f, &ins, out);
+    }
+    let bv = if tb {
+        View {
+            off: 0,
+            rs: 1,
+            cs: cb,
+        }
+    } else {
+        View::rows(0, cb)
+    };
+    let block_rows = (EPI_BLOCK / n).clamp(1, rows);
+    let one = |(c, o): (usize, &mut [f32]), product: &mut Vec<f32>| {
+        let r0 = c * block_rows;
+        let r = o.len() / n;
+        product.resize(r * n, 0.0);
+        gemm_view(
+            r,
+            n,
+            k,
+            product,
+            View::rows(0, n),
+            0.0,
+            a,
+            View::rows(r0 * k, k),
+            b,
+            bv,
+        );
+        let rn = [r, n];
+        let mut ins: Vec<(&[f32], &[usize])> = vec![(product, &rn)];
+        for (x, d) in xs {
+            ins.push(if x.len() == 1 {
+                (x, &[1])
+            } else if x.len() == rows * n {
+                (&x[r0 * n..(r0 + r) * n], &rn)
+            } else {
+                (x, &d[d.len() - 1..])
+            });
+        }
+        fused_shaped(f, &rn, &ins, o);
+    };
+    if rows * n * k >= PAR_FLOPS {
+        out.par_chunks_mut(block_rows * n)
+            .enumerate()
+            .for_each_init(Vec::new, |p, c| one(c, p));
+    } else {
+        let mut p = Vec::new();
+        out.chunks_mut(block_rows * n)
+            .enumerate()
+            .for_each(|c| one(c, &mut p));
+    }
+}
+
+/// `fused` over an output of shape `od` (the expression's shape or a block of its rows).
+fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [f32]) {
     assert!(
         ins.len() <= MAX_IN,
         "a fused expression reads at most {MAX_IN} inputs"
     );
-    let od = f.shape.dims();
     let flat = ins
         .iter()
         .all(|(x, _)| x.len() == out.len() || x.len() == 1);
@@ -194,5 +311,84 @@ fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
         BinaryOp::Ge => zip(a, b, dst, |x, y| mask(x >= y)),
         BinaryOp::Eq => zip(a, b, dst, |x, y| mask(x == y)),
         BinaryOp::Ne => zip(a, b, dst, |x, y| mask(x != y)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rlx_ir::Shape;
+
+    fn data(n: usize, seed: f32) -> Vec<f32> {
+        (0..n).map(|i| (i as f32 * 0.377 + seed).sin()).collect()
+    }
+
+    /// `relu(r0 + r1) * r2`: product, bias row, full-size (or scalar) multiplier.
+    fn expr(shape: &[usize]) -> Fused {
+        Fused {
+            shape: Shape::new(shape.to_vec()),
+            n_inputs: 3,
+            steps: vec![
+                FusedStep::Binary(BinaryOp::Add, 0, 1),
+                FusedStep::Unary(UnaryOp::Relu, 3),
+                FusedStep::Binary(BinaryOp::Mul, 4, 2),
+            ],
+        }
+    }
+
+    /// Blocked (several blocks with a tail, sequential and parallel) and whole-product paths
+    /// against a naive product and epilogue, both transposes of each operand.
+    #[test]
+    #[allow(clippy::needless_range_loop)]
+    fn matmul_epilogue_matches_naive() {
+        for &(batch, m, k, n, ta, tb, full) in &[
+            (1usize, 2000usize, 5usize, 37usize, false, false, true),
+            (3, 300, 64, 150, false, true, true),
+            (1, 1, 1, 1, false, false, false),
+            (2, 7, 3, 5, true, false, true),
+            (2, 9, 4, 6, true, true, false),
+        ] {
+            let a = data(batch * m * k, 0.3);
+            let b = data(k * n, 1.1);
+            let bias = data(n, 2.0);
+            let mul = data(if full { batch * m * n } else { 1 }, 0.7);
+            let ad = if ta { [batch, k, m] } else { [batch, m, k] };
+            let bd = if tb { [n, k] } else { [k, n] };
+            let at = |bi: usize, i: usize, p: usize| {
+                a[bi * m * k + if ta { p * m + i } else { i * k + p }]
+            };
+            let bt = |p: usize, j: usize| b[if tb { j * k + p } else { p * n + j }];
+            let mut want = vec![0.0f32; batch * m * n];
+            for bi in 0..batch {
+                for i in 0..m {
+                    for j in 0..n {
+                        let s: f32 = (0..k).map(|p| at(bi, i, p) * bt(p, j)).sum();
+                        let o = (bi * m + i) * n + j;
+                        let x = if full { mul[o] } else { mul[0] };
+                        want[o] = (s + bias[j]).max(0.0) * x;
+                    }
+                }
+            }
+            let shape = [batch, m, n];
+            let mul_shape: Vec<usize> = if full { shape.to_vec() } else { vec![1] };
+            let mut out = vec![0.0; want.len()];
+            matmul_epilogue(
+                &expr(&shape),
+                &a,
+                &ad,
+                ta,
+                &b,
+                &bd,
+                tb,
+                &[(&bias, &[n]), (&mul, &mul_shape)],
+                &mut out,
+            );
+            for (i, (x, y)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                    "{batch}x{m}x{k}x{n} ta={ta} tb={tb}: {i}: {x} vs {y}"
+                );
+            }
+        }
     }
 }

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 /// Below this many multiply-adds one GEMM runs on one thread: waking the pool costs more than
 /// the second core gains (measured on the digits MLP: 64x256x256 is faster on one thread).
-const PAR_FLOPS: usize = 128 * 256 * 256;
+pub const PAR_FLOPS: usize = 128 * 256 * 256;
 
 /// A row-major matrix view: element (i, j) is at `data[i * rs + j * cs]`.
 #[derive(Clone, Copy)]
@@ -127,6 +127,89 @@ fn gemm_into(out: &mut [f32], m: usize, n: usize, k: usize, a: Mat, b: Mat, para
             false,
             false,
             par,
+        )
+    }
+}
+
+/// A strided matrix inside a slice: element (i, j) is at `off + i * rs + j * cs`.
+#[derive(Clone, Copy, Debug)]
+pub struct View {
+    pub off: usize,
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl View {
+    /// Row-major rows of `rs` elements starting at `off`.
+    pub fn rows(off: usize, rs: usize) -> View {
+        View { off, rs, cs: 1 }
+    }
+    /// The transpose of this view.
+    pub fn t(self) -> View {
+        View {
+            off: self.off,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+    fn last(self, r: usize, c: usize) -> usize {
+        self.off + (r - 1) * self.rs + (c - 1) * self.cs
+    }
+}
+
+/// `out[o] = beta * out[o] + a[av] (m x k) @ b[bv] (k x n)` on one thread, every operand a
+/// strided view (so transposes and column blocks of packed tensors are read in place). With
+/// `beta == 0` the old contents of `out` are not read.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_view(
+    m: usize,
+    n: usize,
+    k: usize,
+    out: &mut [f32],
+    o: View,
+    beta: f32,
+    a: &[f32],
+    av: View,
+    b: &[f32],
+    bv: View,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        for i in 0..m {
+            for j in 0..n {
+                let x = &mut out[o.off + i * o.rs + j * o.cs];
+                *x = if beta == 0.0 { 0.0 } else { beta * *x };
+            }
+        }
+        return;
+    }
+    assert!(o.last(m, n) < out.len() && av.last(m, k) < a.len() && bv.last(k, n) < b.len());
+    // SAFETY: the assert proves every index the GEMM touches (offsets and strides as given)
+    // lies inside `out`, `a` and `b`; `out` is a unique borrow, so it aliases neither input;
+    // with `read_dst = false` `out` is only written.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr().add(o.off),
+            o.cs as isize,
+            o.rs as isize,
+            beta != 0.0,
+            a.as_ptr().add(av.off),
+            av.cs as isize,
+            av.rs as isize,
+            b.as_ptr().add(bv.off),
+            bv.cs as isize,
+            bv.rs as isize,
+            beta,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
         )
     }
 }

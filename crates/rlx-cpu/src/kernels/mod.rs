@@ -1,4 +1,5 @@
 //! CPU kernels, one file per op family, plus the strided row walker they share.
+pub mod attention;
 pub mod conv;
 pub mod elementwise;
 pub mod fused;
