@@ -143,7 +143,8 @@ def dropout(x: Any, p: float = 0.5, training: bool = True) -> Tensor:
     """Inverted dropout: in training, each element is zeroed with probability ``p`` and the
     rest scaled by ``1 / (1 - p)``; otherwise ``x`` unchanged. The mask is drawn in the graph
     from a seed that ``rlx.seed`` makes reproducible: the same for a given step number, new at
-    every call of a compiled step.
+    every call of a compiled step. (In a graph built by hand with ``rlx.Graph``, the seed is an
+    int32 (2,) input named ``"rlx.rng"`` that the caller feeds: a key and a call counter.)
 
     Example:
         >>> def forward(model, x):
