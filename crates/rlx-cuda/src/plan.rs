@@ -830,30 +830,34 @@ impl Builder {
             ),
             Op::Im2Col(w) => {
                 let d = sh(0);
+                let ops = vec![(0, at(&ins[0])), (1, at(out))];
                 self.window(
                     "rlx_im2col",
                     w,
                     [d[2], d[3]],
-                    false,
+                    (false, d[1]),
                     out.numel(),
-                    vec![(0, at(&ins[0])), (1, at(out))],
+                    ops,
                 )
             }
-            Op::Col2Im { window, size } => self.window(
-                "rlx_col2im",
-                window,
-                *size,
-                false,
-                out.numel(),
-                vec![(0, at(&ins[0])), (1, at(out))],
-            ),
+            Op::Col2Im { window, size } => {
+                let ops = vec![(0, at(&ins[0])), (1, at(out))];
+                self.window(
+                    "rlx_col2im",
+                    window,
+                    *size,
+                    (false, od[1]),
+                    out.numel(),
+                    ops,
+                )
+            }
             Op::Pool2d { window, max } => {
                 let d = sh(0);
                 self.window(
                     "rlx_pool2d",
                     window,
                     [d[2], d[3]],
-                    *max,
+                    (*max, d[1]),
                     out.numel(),
                     vec![(0, at(&ins[0])), (1, at(out))],
                 )
@@ -865,7 +869,7 @@ impl Builder {
                     "rlx_pool2d_grad",
                     window,
                     [d[2], d[3]],
-                    *max,
+                    (*max, d[1]),
                     out.numel(),
                     ops,
                 )
@@ -883,7 +887,7 @@ impl Builder {
         name: &'static str,
         w: &rlx_ir::Window,
         size: [usize; 2],
-        max: bool,
+        (max, channels): (bool, usize),
         n: usize,
         operands: Vec<(usize, Loc)>,
     ) -> Result<()> {
@@ -894,7 +898,7 @@ impl Builder {
             return Ok(());
         }
         let mut p = P::sized(n);
-        p.iv[..7].copy_from_slice(&[
+        p.iv.copy_from_slice(&[
             size[0] as i64,
             size[1] as i64,
             oh as i64,
@@ -902,6 +906,7 @@ impl Builder {
             w.kernel[0] as i64,
             w.kernel[1] as i64,
             max as i64,
+            channels as i64,
         ]);
         p.st[0][..4].copy_from_slice(&[
             w.stride[0] as i64,

@@ -400,24 +400,26 @@ extern "C" __global__ void rlx_normalize_grad(const P p) {
   }
 }
 /* ---- convolution patches and pooling over [N*C planes of H x W]: iv H, W, Ho, Wo, kh, kw,
-   max; st[0] stride h, w, padding h, w; fv[0] 1/(kh*kw). ---- */
+   max, C; st[0] stride h, w, padding h, w; fv[0] 1/(kh*kw). ---- */
 #define WINDOW \
   long long H = p.iv[0], W = p.iv[1], Ho = p.iv[2], Wo = p.iv[3], KH = p.iv[4], KW = p.iv[5]; \
   long long SH = p.st[0][0], SW = p.st[0][1], PH = p.st[0][2], PW = p.st[0][3];
+/* Patches [N, Ho*Wo, C*kh*kw] (iv[7] = C): row oy*Wo + ox, column (c*kh + i)*kw + j. */
 extern "C" __global__ void rlx_im2col(const P p) {
   WINDOW
+  long long C = p.iv[7], K = C * KH * KW, PP = Ho * Wo;
   GRID_LOOP(i, p.n) {
-    long long col = i % (Ho * Wo), t = i / (Ho * Wo);
-    long long kj = t % KW; t /= KW;
-    long long ki = t % KH, nc = t / KH;
+    long long kk = i % K, t = i / K, col = t % PP, n = t / PP;
+    long long kj = kk % KW, r = kk / KW, ki = r % KH, c = r / KH;
     long long y = (col / Wo) * SH + ki - PH, x = (col % Wo) * SW + kj - PW;
-    F(1)[i] = (y >= 0 && y < H && x >= 0 && x < W) ? F(0)[(nc * H + y) * W + x] : 0.0f;
+    F(1)[i] = (y >= 0 && y < H && x >= 0 && x < W) ? F(0)[((n * C + c) * H + y) * W + x] : 0.0f;
   }
 }
 extern "C" __global__ void rlx_col2im(const P p) {
   WINDOW
+  long long C = p.iv[7], K = C * KH * KW, PP = Ho * Wo;
   GRID_LOOP(i, p.n) {
-    long long x = i % W, t = i / W, y = t % H, nc = t / H;
+    long long x = i % W, t = i / W, y = t % H, nc = t / H, n = nc / C, c = nc % C;
     float acc = 0.0f;
     for (long long ki = 0; ki < KH; ++ki) {
       long long a = y + PH - ki;
@@ -425,7 +427,7 @@ extern "C" __global__ void rlx_col2im(const P p) {
       for (long long kj = 0; kj < KW; ++kj) {
         long long b = x + PW - kj;
         if (b < 0 || b % SW != 0 || b / SW >= Wo) continue;
-        acc += F(0)[((nc * KH + ki) * KW + kj) * Ho * Wo + (a / SH) * Wo + b / SW];
+        acc += F(0)[(n * PP + (a / SH) * Wo + b / SW) * K + (c * KH + ki) * KW + kj];
       }
     }
     F(1)[i] = acc;
