@@ -113,10 +113,7 @@ pub fn probe() -> std::result::Result<(), String> {
             if n == 0 {
                 return Err("the NVIDIA driver is loaded but found no GPU".into());
             }
-            let nvrtc = preload(&["libnvrtc.so.13", "libnvrtc.so"])
-                // SAFETY: as above, a dlopen probe.
-                && unsafe { cudarc::nvrtc::sys::is_culib_present() };
-            if !nvrtc {
+            if !nvrtc_available() {
                 return Err("NVRTC (libnvrtc.so.13) was not found; install the CUDA 13 \
                             toolkit or the nvidia-cuda-nvrtc wheel, or set RLX_CUDA_LIB_DIR"
                     .into());
@@ -134,6 +131,26 @@ pub fn probe() -> std::result::Result<(), String> {
             Ok(())
         })
         .clone()
+}
+
+/// Whether NVRTC loads (no driver or GPU needed): the library, and its builtins next to it.
+pub fn nvrtc_available() -> bool {
+    static NVRTC: OnceLock<bool> = OnceLock::new();
+    *NVRTC.get_or_init(|| {
+        let found = preload(&["libnvrtc.so.13", "libnvrtc.so"]);
+        // NVRTC opens its builtins by name at the first compile; loaded here, they are found.
+        preload(&["libnvrtc-builtins.so.13.0", "libnvrtc-builtins.so.13"]);
+        // SAFETY: a dlopen probe.
+        found && unsafe { cudarc::nvrtc::sys::is_culib_present() }
+    })
+}
+
+/// Compiles CUDA C to PTX for `arch` (`"sm_90"`) where NVRTC loads (see [`nvrtc_available`]).
+pub fn compile_only(source: &str, arch: &str) -> Result<String> {
+    if !nvrtc_available() {
+        return Err(Error::Device("NVRTC was not found".into()));
+    }
+    compile_ptx(source, arch)
 }
 
 /// Number of GPUs, 0 where CUDA is unusable.

@@ -815,6 +815,37 @@ mod tests {
         assert!(src.contains("F(2)[off(p, 2, i)] = r4;"), "{src}");
     }
 
+    /// Every kernel compiles for Hopper where NVRTC is installed (no GPU needed); elsewhere
+    /// the test says it was skipped.
+    #[test]
+    fn the_kernel_library_and_a_fused_kernel_compile_with_nvrtc() {
+        if !crate::driver::nvrtc_available() {
+            eprintln!("SKIPPED: NVRTC not found (set RLX_CUDA_LIB_DIR to check the CUDA C)");
+            return;
+        }
+        let f = Fused {
+            shape: Shape::new([4]),
+            n_inputs: 3,
+            steps: vec![
+                FusedStep::Binary(BinaryOp::FloorDiv, 0, 1),
+                FusedStep::Unary(UnaryOp::GeluTanhDeriv, 3),
+                FusedStep::Where(2, 4, 0),
+                FusedStep::Unary(UnaryOp::PowScalar(1.5), 5),
+            ],
+        };
+        let src = format!("{PRELUDE}{LIBRARY}{}", fused_kernel("k0", &f));
+        let ptx = crate::driver::compile_only(&src, "sm_90").unwrap();
+        for name in [
+            "rlx_copy32",
+            "rlx_attention_grad",
+            "rlx_im2col",
+            "rlx_update",
+            "k0",
+        ] {
+            assert!(ptx.contains(name), "{name} missing from the PTX");
+        }
+    }
+
     #[test]
     fn every_op_has_an_expression_and_hash_is_stable() {
         for b in [
