@@ -146,6 +146,7 @@ pub fn nvrtc_available() -> bool {
 }
 
 /// Compiles CUDA C to PTX for `arch` (`"sm_90"`) where NVRTC loads (see [`nvrtc_available`]).
+#[cfg(test)]
 pub fn compile_only(source: &str, arch: &str) -> Result<String> {
     if !nvrtc_available() {
         return Err(Error::Device("NVRTC was not found".into()));
