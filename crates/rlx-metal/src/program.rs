@@ -1,9 +1,10 @@
 //! Lowering a runtime `Program` to Metal kernel launches, for the instructions the kernel library
-//! covers so far: float32 element-wise unary ops (neg, relu, tanh, sigmoid, exp, sqrt) and binary
-//! ops (add, sub, mul, div) on operands of one shape. Any other instruction is
+//! covers so far: float32 element-wise unary ops (neg, relu, tanh, sigmoid, exp, sqrt), binary
+//! ops (add, sub, mul, div) on operands of one shape, and matmuls (transposes as strides, batches
+//! as one GEMM launch each, a rank-2 `b` shared by every batch). Any other instruction is
 //! refused at compile with `UnsupportedError` naming it. Checks at compile, as every backend's:
 //! each tensor inside its buffer, no output overlapping an operand.
-use crate::kernels::{self, BinaryOp as KBin, UnaryOp as KUn};
+use crate::kernels::{self, BinaryOp as KBin, Gemm, UnaryOp as KUn};
 use crate::{MetalBuffer, MetalDevice};
 use rlx_ir::{BinaryOp, DType, Error, Op, Result, UnaryOp};
 use rlx_runtime::backend::check_range;
@@ -12,6 +13,16 @@ use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
 enum Step {
     Unary(KUn, TRef, TRef),
     Binary(KBin, TRef, TRef, TRef),
+    /// `batch` GEMMs; per batch the operands advance by these byte strides (0: shared).
+    Gemm {
+        a: TRef,
+        b: TRef,
+        out: TRef,
+        shape: Gemm,
+        batch: usize,
+        a_step: usize,
+        b_step: usize,
+    },
 }
 
 /// A program lowered to kernel launches.
@@ -39,6 +50,9 @@ fn lower(op: &Op, ins: &[TRef], out: &TRef) -> Result<Step> {
             "'{name}' on dtype {:?} (only float32 element-wise kernels so far)",
             ins.iter().map(|t| t.dtype).collect::<Vec<_>>()
         )));
+    }
+    if let (Op::MatMul { trans_a, trans_b }, [a, b]) = (op, ins) {
+        return lower_matmul(*trans_a, *trans_b, a, b, out);
     }
     if ins.iter().any(|t| t.shape != out.shape) {
         return Err(unsupported(format!("'{name}' with broadcasting")));
@@ -68,6 +82,49 @@ fn lower(op: &Op, ins: &[TRef], out: &TRef) -> Result<Step> {
         }
         _ => Err(unsupported(format!("'{name}'"))),
     }
+}
+
+/// `a @ b` over the last two dims; leading dims equal to the output's, or absent on `b` (one
+/// matrix shared by every batch). Broadcasting of other leading dims is refused.
+fn lower_matmul(ta: bool, tb: bool, a: &TRef, b: &TRef, out: &TRef) -> Result<Step> {
+    let (ad, bd, od) = (a.shape.dims(), b.shape.dims(), out.shape.dims());
+    if ad.len() < 2 || bd.len() < 2 || od.len() < 2 {
+        return Err(unsupported("'matmul' of operands below rank 2".into()));
+    }
+    let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+    let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+    let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
+    let n = if tb { rb } else { cb };
+    let lead = &od[..od.len() - 2];
+    let shared_b = bd.len() == 2;
+    if &ad[..ad.len() - 2] != lead || !(shared_b || &bd[..bd.len() - 2] == lead) {
+        return Err(unsupported(format!(
+            "'matmul' broadcasting leading dims ({} @ {} -> {})",
+            a.shape, b.shape, out.shape
+        )));
+    }
+    let shape = Gemm {
+        a: 0,
+        b: 0,
+        c: 0,
+        m,
+        n,
+        k,
+        a_strides: if ta { (1, ca) } else { (ca, 1) },
+        b_strides: if tb { (1, cb) } else { (cb, 1) },
+        c_row: n,
+        alpha: 1.0,
+        beta: 0.0,
+    };
+    Ok(Step::Gemm {
+        a: a.clone(),
+        b: b.clone(),
+        out: out.clone(),
+        shape,
+        batch: lead.iter().product(),
+        a_step: ra * ca * 4,
+        b_step: if shared_b { 0 } else { rb * cb * 4 },
+    })
 }
 
 impl MetalProgram {
@@ -136,6 +193,29 @@ impl Compiled for MetalProgram {
                     kernels::binary(*k, addr(o)?, addr(x)?, addr(y)?, o.shape.numel())?,
                     o.shape.numel(),
                 ),
+                Step::Gemm {
+                    a,
+                    b,
+                    out,
+                    shape,
+                    batch,
+                    a_step,
+                    b_step,
+                } => {
+                    let (a0, b0, c0) = (addr(a)?, addr(b)?, addr(out)?);
+                    let c_step = (shape.m * shape.n * 4) as u64;
+                    for i in 0..*batch as u64 {
+                        let g = Gemm {
+                            a: a0 + i * *a_step as u64,
+                            b: b0 + i * *b_step as u64,
+                            c: c0 + i * c_step,
+                            ..*shape
+                        };
+                        let (record, threads) = g.record()?;
+                        records.push(("rlx_gemm_f32", record, threads));
+                    }
+                    continue;
+                }
             });
         }
         let dispatches: Vec<_> = records

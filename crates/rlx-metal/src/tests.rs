@@ -429,3 +429,54 @@ fn elementwise_programs_match_the_cpu_backend() {
         "{e:?}"
     );
 }
+
+/// (a dims, b dims, out dims, trans_a, trans_b)
+type MatMulCase = (
+    &'static [usize],
+    &'static [usize],
+    &'static [usize],
+    bool,
+    bool,
+);
+
+#[test]
+fn matmul_programs_match_the_cpu_backend() {
+    use rlx_ir::{DType, Op, Shape};
+    let Some(dev) = device() else { return };
+    let metal = crate::MetalBackend::new(dev);
+    let cases: [MatMulCase; 4] = [
+        (&[5, 7], &[7, 6], &[5, 6], false, false),
+        (&[7, 5], &[6, 7], &[5, 6], true, true),
+        (&[3, 4, 9], &[9, 2], &[3, 4, 2], false, false),
+        (&[2, 6, 3], &[2, 5, 6], &[2, 3, 5], true, true),
+    ];
+    for (ad, bd, od, ta, tb) in cases {
+        let (na, nb, no) = (
+            ad.iter().product::<usize>(),
+            bd.iter().product::<usize>(),
+            od.iter().product::<usize>(),
+        );
+        let r = |offset: usize, dims: &[usize]| TRef {
+            buf: Buf::Arena,
+            offset: offset * 4,
+            shape: Shape::new(dims.to_vec()),
+            dtype: DType::F32,
+        };
+        let program = Program {
+            instrs: vec![Instr::Op {
+                op: Op::MatMul {
+                    trans_a: ta,
+                    trans_b: tb,
+                },
+                ins: vec![r(0, ad), r(na, bd)],
+                out: r(na + nb, od),
+            }],
+        };
+        let mut init = data(na + nb, 21);
+        init.resize(na + nb + no, 0.0);
+        let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+        let got = run_on(&metal, &program, &init);
+        assert!(want[na + nb..].iter().any(|&x| x != 0.0));
+        close(&got, &want, 1e-4);
+    }
+}
