@@ -44,6 +44,8 @@ SHAPES = [
     ("mlp512 l2 dW", 256, 512, 256, True, False),
 ]
 ROUNDS, CALLS = 5, 50
+if os.environ.get("ONLY"):  # e.g. ONLY=dW: the shapes whose label contains it
+    SHAPES = [s for s in SHAPES if os.environ["ONLY"] in s[0]]
 
 
 def stored(m: int, k: int, n: int, ta: bool, tb: bool, rng):
@@ -53,7 +55,6 @@ def stored(m: int, k: int, n: int, ta: bool, tb: bool, rng):
 
 
 def child_rlx() -> dict:
-    import rlx
     out = {}
     for label, m, k, n, ta, tb in SHAPES:
         a, b = stored(m, k, n, ta, tb, np.random.default_rng(0))

@@ -313,3 +313,24 @@ def test_attention_errors_and_queries_that_see_no_key():
 def _raw_attention(*xs, heads=None):
     t = _trace_of(*xs)
     return rlx.Tensor(t, t.graph.attention([_as_tensor(x, t)._id for x in xs], 1.0, None, heads))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 400), n=st.integers(1, 70), lead=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_sums_of_products_match_the_unfused_program(monkeypatch, rows, n, lead, seed):
+    # Gradients of parameters broadcast against (rows, n) — a row (n,), a (1, n) and a column
+    # (rows, 1) — are sums of products: one fused_sum_to each, the expression never stored.
+    rng = np.random.default_rng(seed)
+    xs = (2, rows, n) if lead else (rows, n)
+    arrays = {"row": rng.standard_normal(n).astype(np.float32),
+              "row2": rng.standard_normal((1, n)).astype(np.float32),
+              "col": rng.standard_normal((rows, 1)).astype(np.float32)}
+    inputs = {"x": rng.standard_normal(xs).astype(np.float32), "y": rng.standard_normal(xs).astype(np.float32)}
+
+    def fn(m, x, y):
+        return ((x * m.row + m.row2) * rlx.tanh(y * m.col)).sum() * 0.5
+
+    fused = loss_and_grads(monkeypatch, True, fn, arrays, inputs)
+    plain = loss_and_grads(monkeypatch, False, fn, arrays, inputs)
+    assert_same(fused[:2], plain[:2], rtol=2e-4, atol=2e-4)
+    assert "fused_sum_to" in program_ops(fused[2]) and "fused_sum_to" not in program_ops(plain[2])

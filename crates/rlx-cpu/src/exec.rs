@@ -176,6 +176,10 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             let srcs: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
             fused::fused(e, &srcs, unsafe { b.get_mut(out) })
         }
+        Op::FusedSumTo { expr, .. } => {
+            let srcs: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
+            fused::fused_sum_to(expr, &srcs, unsafe { b.get_mut(out) }, od)
+        }
         Op::MatMulEpilogue {
             trans_a,
             trans_b,

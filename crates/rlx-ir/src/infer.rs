@@ -163,6 +163,20 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             fused(name, f, &shapes)?;
             Ok((f.shape.clone(), DType::F32))
         }
+        Op::FusedSumTo { expr, shape } => {
+            let shapes: Vec<&Shape> = ins.iter().map(|x| &x.shape).collect();
+            for i in 0..ins.len() {
+                float(i)?;
+            }
+            fused(name, expr, &shapes)?;
+            if broadcast(name, &expr.shape, shape)? != expr.shape {
+                return Err(Error::shape(
+                    name,
+                    format!("cannot sum {} down to {shape}", expr.shape),
+                ));
+            }
+            Ok((shape.clone(), DType::F32))
+        }
         Op::MatMulEpilogue {
             trans_a,
             trans_b,

@@ -198,6 +198,13 @@ pub enum Op {
         trans_b: bool,
         epilogue: Arc<Fused>,
     },
+    /// `SumTo { shape }` of a fused elementwise expression (made by `fuse`; no VJP): the
+    /// expression (inputs as for `Fused`, result of `expr.shape`) is summed down to `shape`
+    /// (numpy broadcasting in reverse) without being stored.
+    FusedSumTo {
+        expr: Arc<Fused>,
+        shape: Shape,
+    },
     /// A chain of float32 elementwise ops evaluated in one pass (made by `fuse`, after
     /// autodiff; it has no VJP).
     Fused(Arc<Fused>),
@@ -308,6 +315,7 @@ impl Op {
             Op::Concat { .. } => "concat",
             Op::Fused(_) => "fused",
             Op::MatMulEpilogue { .. } => "matmul_epilogue",
+            Op::FusedSumTo { .. } => "fused_sum_to",
             Op::Attention { .. } => "attention",
             Op::AttentionGrad { .. } => "attention_grad",
         }
@@ -318,6 +326,7 @@ impl Op {
         Some(match self {
             Op::Concat { .. } | Op::Fused(_) => return None,
             Op::MatMulEpilogue { epilogue, .. } => 1 + epilogue.n_inputs,
+            Op::FusedSumTo { expr, .. } => expr.n_inputs,
             Op::Attention { heads, .. } => {
                 if heads.is_some() {
                     1

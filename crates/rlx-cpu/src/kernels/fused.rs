@@ -139,6 +139,82 @@ pub fn matmul_epilogue(
     }
 }
 
+/// Rows of one block of a fused sum (each block is evaluated, then added into a partial sum).
+const SUM_BLOCK: usize = 16 * 1024;
+
+/// `out (od) = sum_to(f(ins..), od)` (see `rlx_ir::Op::FusedSumTo`). When `od` is the trailing
+/// dims of the expression's shape (the leading ones summed away: a bias gradient) and every
+/// input is full-size, a scalar or a row of that width, blocks of rows are evaluated into a
+/// per-thread scratch and added into per-block partial sums, so the expression is never stored;
+/// otherwise it is evaluated whole, then summed.
+pub fn fused_sum_to(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32], od: &[usize]) {
+    let xd = f.shape.dims();
+    let total = f.shape.numel();
+    let trimmed: &[usize] = {
+        let lead = od.iter().take_while(|&&d| d == 1).count();
+        &od[lead..]
+    };
+    let n = trimmed.iter().product::<usize>().max(1);
+    let rows_sum = trimmed.len() <= xd.len()
+        && xd[xd.len() - trimmed.len()..] == *trimmed
+        && total > 0
+        && ins.iter().all(|(x, d)| {
+            x.len() == 1
+                || x.len() == total
+                || (x.len() == n
+                    && d.iter()
+                        .rev()
+                        .zip(trimmed.iter().rev())
+                        .all(|(a, b)| a == b))
+        });
+    if !rows_sum {
+        let mut whole = vec![0.0; total];
+        fused(f, ins, &mut whole);
+        return super::reduce::sum_to(&whole, xd, out, od);
+    }
+    let rows = total / n;
+    let block_rows = (SUM_BLOCK / n).clamp(1, rows);
+    let blocks = rows.div_ceil(block_rows);
+    let part = |c: usize, scratch: &mut Vec<f32>| -> Vec<f32> {
+        let r0 = c * block_rows;
+        let r = block_rows.min(rows - r0);
+        scratch.resize(r * n, 0.0);
+        let rn = [r, n];
+        let nd = [n];
+        let sub: Vec<(&[f32], &[usize])> = ins
+            .iter()
+            .map(|(x, _)| -> (&[f32], &[usize]) {
+                if x.len() == 1 {
+                    (x, &[1])
+                } else if x.len() == total {
+                    (&x[r0 * n..(r0 + r) * n], &rn)
+                } else {
+                    (x, &nd)
+                }
+            })
+            .collect();
+        fused_shaped(f, &rn, &sub, scratch);
+        let mut acc = vec![0.0f32; n];
+        for row in scratch.chunks(n) {
+            acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+        }
+        acc
+    };
+    let partials: Vec<Vec<f32>> = if total >= PAR_MIN {
+        (0..blocks)
+            .into_par_iter()
+            .map_init(Vec::new, |s, c| part(c, s))
+            .collect()
+    } else {
+        let mut s = Vec::new();
+        (0..blocks).map(|c| part(c, &mut s)).collect()
+    };
+    out.fill(0.0);
+    for p in partials {
+        out.iter_mut().zip(&p).for_each(|(o, &v)| *o += v);
+    }
+}
+
 /// `fused` over an output of shape `od` (the expression's shape or a block of its rows).
 fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [f32]) {
     assert!(
@@ -387,6 +463,65 @@ mod tests {
                 assert!(
                     (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
                     "{batch}x{m}x{k}x{n} ta={ta} tb={tb}: {i}: {x} vs {y}"
+                );
+            }
+        }
+    }
+
+    /// Sums of `r0 * r1 + r2` down to trailing dims (blocks with a tail, parallel) and down to
+    /// other shapes (evaluated whole), against a naive sum.
+    #[test]
+    fn fused_sum_to_matches_naive() {
+        let f = |shape: &[usize]| Fused {
+            shape: Shape::new(shape.to_vec()),
+            n_inputs: 3,
+            steps: vec![
+                FusedStep::Binary(BinaryOp::Mul, 0, 1),
+                FusedStep::Binary(BinaryOp::Add, 3, 2),
+            ],
+        };
+        for (xd, od) in [
+            (vec![3000usize, 37usize], vec![37usize]),
+            (vec![40, 64, 130], vec![1, 130]),
+            (vec![5, 7, 3], vec![7, 3]),
+            (vec![6, 4], vec![6, 1]),
+            (vec![2, 3, 4], vec![]),
+        ] {
+            let total: usize = xd.iter().product();
+            let n = *xd.last().unwrap();
+            let a = data(total, 0.2);
+            let b = data(total, 1.4);
+            let row = data(n, 2.2);
+            let mut want = vec![0.0f64; od.iter().product::<usize>().max(1)];
+            let on: usize = want.len();
+            for i in 0..total {
+                let v = a[i] as f64 * b[i] as f64 + row[i % n] as f64;
+                // Output index: the trailing dims of `od` that are not 1, right-aligned.
+                let mut idx = 0;
+                let mut rest = i;
+                let mut stride = 1;
+                for (k, &d) in xd.iter().enumerate().rev() {
+                    let c = rest % d;
+                    rest /= d;
+                    let j = k as isize - (xd.len() - od.len()) as isize;
+                    if j >= 0 && od[j as usize] != 1 {
+                        idx += c * stride;
+                        stride *= d;
+                    }
+                }
+                want[idx % on] += v;
+            }
+            let mut out = vec![0.0; on];
+            fused_sum_to(
+                &f(&xd),
+                &[(&a, &xd), (&b, &xd), (&row, &[n])],
+                &mut out,
+                &od,
+            );
+            for (x, y) in out.iter().zip(&want) {
+                assert!(
+                    (*x as f64 - y).abs() <= 1e-3 * (1.0 + y.abs()),
+                    "{xd:?} -> {od:?}: {x} vs {y}"
                 );
             }
         }
