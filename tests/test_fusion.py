@@ -334,3 +334,23 @@ def test_fused_sums_of_products_match_the_unfused_program(monkeypatch, rows, n, 
     plain = loss_and_grads(monkeypatch, False, fn, arrays, inputs)
     assert_same(fused[:2], plain[:2], rtol=2e-4, atol=2e-4)
     assert "fused_sum_to" in program_ops(fused[2]) and "fused_sum_to" not in program_ops(plain[2])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 300), n=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_layer_norm_gradient_plus_a_residual_gradient_is_one_op(monkeypatch, rows, n, seed):
+    # h feeds a layer norm and, beside it, the loss directly (a residual stream): its gradient
+    # normalize_grad(h, g) + (the other path's gradient) is one normalize_grad_add.
+    rng = np.random.default_rng(seed)
+    arrays = {"a": rng.standard_normal((n, n)).astype(np.float32),
+              "w": rng.standard_normal((n, n)).astype(np.float32) * 0.3}
+    inputs = {"x": rng.standard_normal((rows, n)).astype(np.float32), "u": rng.standard_normal((rows, n)).astype(np.float32)}
+
+    def fn(m, x, u):
+        h = x @ m.a  # its gradient is read by the product's backward: stored
+        return (rlx.layer_norm(h) @ m.w * u).sum() + (rlx.tanh(rlx.layer_norm(h, eps=1e-3)) @ m.w).sum() * 0.5
+
+    fused = loss_and_grads(monkeypatch, True, fn, arrays, inputs)
+    plain = loss_and_grads(monkeypatch, False, fn, arrays, inputs)
+    assert_same(fused[:2], plain[:2], rtol=2e-4, atol=2e-4)
+    assert "normalize_grad_add" in program_ops(fused[2]) and "normalize_grad_add" not in program_ops(plain[2])

@@ -82,6 +82,13 @@ def test_tiny_gpt_arena_is_lean():
     # fused attention keeps the (B, H, T, T) scores out of the arena: under the 24.8 MB of before.
     assert mem["arena_bytes"] <= 0.6 * mem["naive_bytes"], mem
     assert mem["arena_bytes"] < 23_000_000, mem
+    # Fused attention, matmul epilogues, fused sums and normalize_grad_add: at most 80
+    # instructions per step (179 with one instruction per op).
+    listing = step.graph()
+    n = int(listing.split(" instructions")[0].split()[-1])
+    assert n <= 80, listing.splitlines()[0]
+    for op in ("attention[", "attention_grad[", "matmul_epilogue", "fused_sum_to", "normalize_grad_add"):
+        assert op in listing, op
     assert mem["param_bytes"] >= 470_528 * 4
 
 

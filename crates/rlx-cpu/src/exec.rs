@@ -360,6 +360,12 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
         Op::NormalizeGrad { eps } => {
             nn::normalize_grad(f(0), f(1), last(sh(0)), *eps, unsafe { b.get_mut(out) })
         }
+        Op::NormalizeGradAdd { eps } => {
+            let acc = Some(f(2));
+            nn::normalize_grad_add(f(0), f(1), acc, last(sh(0)), *eps, unsafe {
+                b.get_mut(out)
+            })
+        }
         Op::Slice { axis, start, .. } => match out.dtype {
             DType::F32 => layout::slice(f(0), sh(0), *axis, *start, unsafe { b.get_mut(out) }),
             DType::I32 => unsafe {

@@ -13,7 +13,7 @@
 //! value of the same size read through a reshape is the same values in the same order. Inputs
 //! of the full size are reshaped (an alias) to the result's shape; a smaller broadcast input is
 //! allowed where the dims it spans end both shapes alike (a bias over the last dim).
-use crate::{DType, Fused, FusedStep, Graph, NodeId, Op, UnaryOp};
+use crate::{BinaryOp, DType, Fused, FusedStep, Graph, NodeId, Op, UnaryOp};
 use std::collections::{BTreeSet, HashMap};
 
 /// Steps one fused expression may hold; past it, inputs are materialised instead.
@@ -157,6 +157,26 @@ pub fn fuse(graph: &Graph) -> Graph {
         });
         if let Some(k) = e.epilogue_of {
             absorbed[unalias(graph, e.inputs[k])] = true;
+            continue;
+        }
+        // `a + normalize_grad(x, g)`, both of the sum's shape: one `NormalizeGradAdd`.
+        let one_add = e.fused.n_inputs == 2
+            && matches!(e.fused.steps[..], [FusedStep::Binary(BinaryOp::Add, 0, 1)]);
+        if one_add
+            && e.inputs
+                .iter()
+                .all(|&i| graph.node(i).shape == e.fused.shape)
+        {
+            e.norm_grad_of = e.inputs.iter().position(|&i| {
+                matches!(graph.node(i).op, Op::NormalizeGrad { .. })
+                    && !is_output[i]
+                    && !absorbed[i]
+                    && readers[&i] == 1
+                    && consumers[i] == [root]
+            });
+            if let Some(k) = e.norm_grad_of {
+                absorbed[e.inputs[k]] = true;
+            }
         }
     }
     emit(graph, &live, &inline, &absorbed, &exprs)
@@ -169,6 +189,8 @@ struct Expr {
     inputs: Vec<NodeId>,
     nodes: Vec<NodeId>,
     epilogue_of: Option<usize>,
+    /// The input that is a `NormalizeGrad` this expression (one add) absorbs, if any.
+    norm_grad_of: Option<usize>,
     /// `Some(shape)`: the expression is summed down to `shape` (a `SumTo` root).
     sum_to: Option<crate::Shape>,
 }
@@ -313,6 +335,7 @@ fn build(
             inputs: b.inputs,
             nodes,
             epilogue_of: None,
+            norm_grad_of: None,
             sum_to: None,
         },
         b.spilled,
@@ -347,13 +370,14 @@ fn emit(
             Some(e)
                 if e.fused.steps.len() > 1
                     || e.epilogue_of.is_some()
+                    || e.norm_grad_of.is_some()
                     || e.sum_to.is_some()
                     || needs_reshape(graph, &e.fused, &e.inputs) =>
             {
                 let fused = &e.fused;
                 let mut ins: Vec<NodeId> = Vec::with_capacity(e.inputs.len() + 1);
                 for (k, i) in e.inputs.iter().enumerate() {
-                    if Some(k) == e.epilogue_of {
+                    if Some(k) == e.epilogue_of || Some(k) == e.norm_grad_of {
                         continue;
                     }
                     let x = graph.node(*i);
@@ -371,6 +395,21 @@ fn emit(
                             mapped(i)
                         },
                     );
+                }
+                if let Some(k) = e.norm_grad_of {
+                    let ng = graph.node(e.inputs[k]);
+                    let Op::NormalizeGrad { eps } = ng.op else {
+                        unreachable!("absorbed as a normalize_grad")
+                    };
+                    let other = mapped(&e.inputs[1 - k]);
+                    let new = out.push(
+                        Op::NormalizeGradAdd { eps },
+                        vec![mapped(&ng.inputs[0]), mapped(&ng.inputs[1]), other],
+                        node.shape.clone(),
+                        DType::F32,
+                    );
+                    map[id] = Some(new);
+                    continue;
                 }
                 match (e.epilogue_of, &e.sum_to) {
                     (_, Some(shape)) => out.push(

@@ -276,7 +276,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             out.extend_from_slice(&g.0[ids.rank()..]);
             Ok((Shape(out), DType::F32))
         }
-        Op::Normalize { .. } | Op::NormalizeGrad { .. } => {
+        Op::Normalize { .. } | Op::NormalizeGrad { .. } | Op::NormalizeGradAdd { .. } => {
             float(0)?;
             let s = &ins[0].shape;
             if s.rank() < 1 || s.0[s.rank() - 1] == 0 {
@@ -285,12 +285,13 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                     format!("needs a non-empty last axis, got {s}"),
                 ));
             }
-            if ins.len() == 2 {
-                float(1)?;
-                if ins[1].shape != *s {
+            for (i, x) in ins.iter().enumerate().skip(1) {
+                float(i)?;
+                if x.shape != *s {
+                    let what = if i == 1 { "gradient" } else { "addend" };
                     return Err(Error::shape(
                         name,
-                        format!("gradient {} must match input {s}", ins[1].shape),
+                        format!("{what} {} must match input {s}", x.shape),
                     ));
                 }
             }

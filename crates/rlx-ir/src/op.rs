@@ -145,6 +145,12 @@ pub enum Op {
     NormalizeGrad {
         eps: f32,
     },
+    /// `NormalizeGrad` plus a tensor of the same shape: inputs `(x, g, acc)`, output
+    /// `normalize_grad(x, g) + acc` (made by `fuse` from a gradient sum, e.g. the residual
+    /// stream's; no VJP).
+    NormalizeGradAdd {
+        eps: f32,
+    },
     /// `x[..., start:end, ...]` along `axis`.
     Slice {
         axis: usize,
@@ -310,6 +316,7 @@ impl Op {
             Op::ScatterAdd { .. } => "scatter_add",
             Op::Normalize { .. } => "normalize",
             Op::NormalizeGrad { .. } => "normalize_grad",
+            Op::NormalizeGradAdd { .. } => "normalize_grad_add",
             Op::Slice { .. } => "slice",
             Op::Pad { .. } => "pad",
             Op::Concat { .. } => "concat",
@@ -349,7 +356,7 @@ impl Op {
             | Op::Gather
             | Op::ScatterAdd { .. }
             | Op::NormalizeGrad { .. } => 2,
-            Op::SoftmaxCrossEntropyGrad | Op::Where => 3,
+            Op::SoftmaxCrossEntropyGrad | Op::Where | Op::NormalizeGradAdd { .. } => 3,
             _ => 1,
         })
     }
