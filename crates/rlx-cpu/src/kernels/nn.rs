@@ -242,6 +242,9 @@ pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f
     normalize_grad_add(x, g, None, width, eps, out)
 }
 
+/// One row of `normalize_grad_add`: its index, the row of `x` and of `g`, and its output.
+type Row<'a, 'b> = (usize, ((&'a [f32], &'a [f32]), &'b mut [f32]));
+
 /// `normalize_grad(x, g) + acc` (`acc` of the same shape) in one pass: each row's result gets
 /// `acc` added while it is in cache (the fusion pass's `NormalizeGradAdd`).
 pub fn normalize_grad_add(
@@ -253,7 +256,7 @@ pub fn normalize_grad_add(
     out: &mut [f32],
 ) {
     let n = width as f32;
-    let row = |(i, ((row, gr), o)): (usize, ((&[f32], &[f32]), &mut [f32]))| {
+    let row = |(i, ((row, gr), o)): Row| {
         let (mean, rstd) = row_stats(row, eps);
         // o holds xhat * g first, to sum it vectorised.
         for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
