@@ -26,9 +26,10 @@ pub fn fused(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32]) {
     fused_shaped(f, f.shape.dims(), ins, out)
 }
 
-/// Output rows of one block of a matmul epilogue: the product block and the epilogue's
-/// registers stay in L2.
-const EPI_BLOCK: usize = 32 * 1024;
+/// Elements of one block of a matmul epilogue's product: 1 MB, in a core's L2 while the
+/// epilogue reads it. Each block is one GEMM call that packs `b` again, so blocks are as large
+/// as that allows (and one per thread when the product is large enough to share).
+const EPI_BLOCK: usize = 256 * 1024;
 
 /// `out = f(a @ b, xs..)` (see `rlx_ir::Op::MatMulEpilogue`). A product that is one tall GEMM
 /// (`a` not transposed, `b` shared by every batch) whose other operands are full-size, scalars
@@ -97,7 +98,11 @@ pub fn matmul_epilogue(
     } else {
         View::rows(0, cb)
     };
-    let block_rows = (EPI_BLOCK / n).clamp(1, rows);
+    let parallel = rows * n * k >= PAR_FLOPS;
+    let mut block_rows = (EPI_BLOCK / n).clamp(1, rows);
+    if parallel {
+        block_rows = block_rows.min(rows.div_ceil(rayon::current_num_threads().max(1)));
+    }
     let one = |(c, o): (usize, &mut [f32]), product: &mut Vec<f32>| {
         let r0 = c * block_rows;
         let r = o.len() / n;
@@ -127,7 +132,7 @@ pub fn matmul_epilogue(
         }
         fused_shaped(f, &rn, &ins, o);
     };
-    if rows * n * k >= PAR_FLOPS {
+    if parallel {
         out.par_chunks_mut(block_rows * n)
             .enumerate()
             .for_each_init(Vec::new, |p, c| one(c, p));
