@@ -895,7 +895,7 @@ BAD_OPS = {
     "sum-axis-out-of-range": lambda x: x.sum(axis=2),
     "max-axis-repeat": lambda x: x.max(axis=(0, 0)),
     "getitem-step": lambda x: x[::2],
-    "getitem-list": lambda x: x[[0, 1]],
+    "getitem-ids-out-of-range": lambda x: x[[0, 5]],  # int lists gather rows; 5 is past the 2 rows
     "getitem-str": lambda x: x["a"],
     "getitem-out-of-range": lambda x: x[5],
     "getitem-too-many": lambda x: x[0, 0, 0],

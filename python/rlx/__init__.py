@@ -11,28 +11,41 @@ from . import distributed, models, nn, optim
 from ._compile import Function, InputSpec, TrainStep, compile, compile_train_step
 from ._devices import devices
 from ._graph import Executable, Graph, grad
+from ._losses import binary_cross_entropy_with_logits, cross_entropy, l1_loss, nll_loss, smooth_l1_loss
 from ._random import seed
 from ._tensor import (
     Tensor,
+    argmax,
+    clip,
     concat,
-    cross_entropy,
     embedding,
     exp,
     gelu,
     layer_norm,
+    leaky_relu,
     log,
+    log1p,
     log_softmax,
     matmul,
+    maximum,
+    minimum,
     mse_loss,
     relu,
     scaled_dot_product_attention,
     sigmoid,
+    silu,
     softmax,
+    softplus,
     split,
     sqrt,
+    stop_gradient,
     tanh,
     where,
 )
+from ._tensor import (
+    abs_ as abs,  # noqa: A004  (rlx.abs, as numpy's and PyTorch's)
+)
+from ._vision import avg_pool2d, batch_norm, conv2d, dropout, max_pool2d
 from .errors import CheckpointError, DeviceError, DTypeError, InputError, RlxError, ShapeError, UnsupportedError
 
 __version__ = "0.2.0"
@@ -72,6 +85,25 @@ def _fork_child() -> None:
 _os.register_at_fork(before=_fork_prepare, after_in_parent=_fork_parent, after_in_child=_fork_child)
 
 __all__ = [
+    "abs",
+    "argmax",
+    "avg_pool2d",
+    "batch_norm",
+    "binary_cross_entropy_with_logits",
+    "clip",
+    "conv2d",
+    "dropout",
+    "l1_loss",
+    "leaky_relu",
+    "log1p",
+    "max_pool2d",
+    "maximum",
+    "minimum",
+    "nll_loss",
+    "silu",
+    "smooth_l1_loss",
+    "softplus",
+    "stop_gradient",
     "CheckpointError",
     "DTypeError",
     "DeviceError",

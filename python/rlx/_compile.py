@@ -13,6 +13,7 @@ import numpy as np
 from . import _check, _rlx
 from ._arrays import _NP, convert
 from ._tensor import Tensor, Trace
+from ._vision import RNG_INPUT, new_rng_key
 from .errors import DTypeError, InputError, RlxError, ShapeError, UnsupportedError
 from .nn import _STRUCTURE, Module
 from .optim import Optimizer
@@ -20,6 +21,8 @@ from .optim import Optimizer
 # Serialises building executables (rare: a first call with a new size). Module-level so that
 # rlx's fork hooks (rlx/__init__.py) can hold it across a fork().
 _BUILD_LOCK = threading.Lock()
+#: Inputs the caller never gives: the dropout seed, set by the step itself.
+_HIDDEN = frozenset({RNG_INPUT})
 
 class InputSpec:
     """The shape and dtype of one named input of a compiled function. A dimension given as
@@ -140,6 +143,23 @@ class _Compiled:
         self._dynamic = any(s.dynamic for s in specs.values())
         self._signature = model._signature()
         self._generation = _STRUCTURE[0]
+        # Dropout: a key drawn from rlx's generator at the first build that needs one, and the
+        # number of calls so far; each call's masks come from (key, calls).
+        self._rng_key: int | None = None
+        self._rng_calls = 0
+
+    def _with_rng(self, var: _Variant) -> _Variant:
+        """Gives a fresh executable whose trace drew dropout masks its seed input."""
+        if RNG_INPUT in var.names:
+            if self._rng_key is None:
+                self._rng_key = new_rng_key()
+            self._bind_rng(var)
+        return var
+
+    def _bind_rng(self, var: _Variant) -> None:
+        """Sets the seed input for the next call: (key, calls so far)."""
+        if RNG_INPUT in var.names:
+            var.exe.bind(RNG_INPUT, np.array([self._rng_key, self._rng_calls % 2**31], np.int32))
 
     def _check_model(self) -> None:
         """Raises when a parameter or sub-module was added, replaced or removed since compile."""
@@ -312,12 +332,13 @@ class TrainStep(_Compiled):
                 raise UnsupportedError(f"[compile_train_step] distributed=True needs gradients the host can see "
                                        f"(the CPU); '{self._device}' is not supported yet")
             var.region = np.frombuffer(region[0], dtype=np.float32)
-        return var
+        return self._with_rng(var)
 
     def __call__(self, **arrays: Any) -> Any:
         var = self._pick(arrays)
-        feeds = _check_feeds(var.names, arrays, var.specs, set())
+        feeds = _check_feeds(var.names, arrays, var.specs, _HIDDEN)
         hyper = self._optimizer._prepare(var.state)
+        self._bind_rng(var)
         if self._comm is None:
             out = var.exe.run(feeds, hyper, var.read)
         else:
@@ -327,6 +348,7 @@ class TrainStep(_Compiled):
             assert var.region is not None
             self._comm.allreduce_mean_(var.region)
             out += var.exe.run({}, hyper, var.read[-1:], "update")
+        self._rng_calls += 1
         if var is not self._last:
             self._last, self._grads = var, None
         stats = np.frombuffer(out[-1], dtype=np.float32)
@@ -443,13 +465,15 @@ class Function(_Compiled):
         exe = _rlx.Executable(t.graph, store, self._device, None)
         var = _Variant(exe, specs)
         var.tuple = isinstance(out, tuple)
-        return var
+        return self._with_rng(var)
 
     def __call__(self, **arrays: Any) -> Any:
         var = self._pick(arrays)
         self._last = var
-        feeds = _check_feeds(var.names, arrays, var.specs, self._bound)
+        feeds = _check_feeds(var.names, arrays, var.specs, self._bound | _HIDDEN)
+        self._bind_rng(var)
         raw = var.exe.run(feeds, None, list(range(len(var.outs))))
+        self._rng_calls += 1
         outs = [np.frombuffer(b, dtype=_NP[d]).reshape(s) for b, (s, d) in zip(raw, var.outs)]
         return tuple(outs) if var.tuple else outs[0]
 

@@ -123,7 +123,7 @@ def _binary(kind: str, a: Any, b: Any) -> "Tensor":
 
 # Unary functions with float values: int32 arguments are cast to float32 first (numpy and
 # PyTorch give a float for exp/log/... of integers).
-_FLOAT_VALUED = {"tanh", "sigmoid", "exp", "log", "sqrt", "gelu", "gelu_tanh"}
+_FLOAT_VALUED = {"tanh", "sigmoid", "exp", "log", "sqrt", "gelu", "gelu_tanh", "log1p"}
 
 
 def _unary(kind: str, x: Any) -> "Tensor":
@@ -308,8 +308,66 @@ class Tensor:
         """Maximum over ``axis`` (all axes when None)."""
         return self._reduce("max", axis, keepdims)
 
+    def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
+        """Minimum over ``axis`` (all axes when None)."""
+        return -((-self)._reduce("max", axis, keepdims))
+
+    def var(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, ddof: int = 0) -> "Tensor":
+        """Variance over ``axis`` (all axes when None): ``mean((x - mean)**2)`` divided by
+        ``count - ddof`` instead of ``count`` (numpy's ``ddof``; PyTorch's default is ``ddof=1``).
+
+        Example:
+            >>> def forward(model, x):
+            ...     return x.var(axis=0)
+        """
+        x = self.astype("float32") if self.dtype == "int32" else self
+        axes = _axes(axis, "var")
+        dims = list(range(x.ndim)) if axes is None else [a + x.ndim if a < 0 else a for a in axes]
+        count = 1
+        for a in dims:
+            if not 0 <= a < x.ndim:
+                raise ShapeError(f"[var] axis {a} is out of range for a tensor of shape {x.shape}")
+            count *= x.shape[a]
+        d = x - x.mean(axis=dims, keepdims=True)
+        ss = (d * d).sum(axis=dims, keepdims=keepdims)
+        ddof = _check.integer("var", "ddof", ddof, lo=0)
+        return ss / float(count - ddof) if count > ddof else ss * float("nan")
+
+    def argmax(self, axis: int | None = None) -> "Tensor":
+        """Index of the first maximum along ``axis`` (of the flattened tensor when None), int32."""
+        return argmax(self, axis)
+
+    def flatten(self) -> "Tensor":
+        """The values as one dimension."""
+        return self.reshape(-1)
+
+    def exp(self) -> "Tensor":
+        """``e**x`` (``rlx.exp``)."""
+        return exp(self)
+
+    def log(self) -> "Tensor":
+        """Natural logarithm (``rlx.log``)."""
+        return log(self)
+
+    def abs(self) -> "Tensor":
+        """``|x|`` (``rlx.abs``)."""
+        return abs_(self)
+
+    def __abs__(self) -> "Tensor":
+        return abs_(self)
+
     def __getitem__(self, key: Any) -> "Tensor":
-        """Basic indexing: ints, slices with step 1, ``...`` and ``None``."""
+        """Basic indexing: ints, slices with step 1, ``...`` and ``None``; an int32 tensor (or
+        integer array) as the only index picks rows of a float32 tensor (gather along axis 0)."""
+        if isinstance(key, Tensor) or (isinstance(key, (np.ndarray, list)) and np.asarray(key).dtype.kind in "iu"):
+            ids = _as_tensor(key, self._trace)
+            if ids.dtype != "int32":
+                raise DTypeError(f"[getitem] tensor indices must be int32, got {ids.dtype}")
+            if self.ndim == 0:
+                raise ShapeError("[getitem] cannot index a 0-d tensor with a tensor")
+            if self.dtype != "float32":
+                raise UnsupportedError(f"[getitem] indexing with a tensor needs a float32 tensor, got {self.dtype}")
+            return Tensor(self._trace, self._trace.graph.gather(self._id, ids._id))
         if not isinstance(key, tuple):
             key = (key,)
         if sum(k is Ellipsis for k in key) > 1:
@@ -476,18 +534,6 @@ def where(cond: Any, a: Any, b: Any) -> Tensor:
     return Tensor(t, t.graph.where_(c._id, a._id, b._id))
 
 
-def cross_entropy(logits: Any, labels: Any) -> Tensor:
-    """Mean softmax cross-entropy of ``logits`` (N, C) against int32 class ids ``labels`` (N,).
-
-    Example:
-        >>> def loss_fn(model, x, y):
-        ...     return rlx.cross_entropy(model(x), y)   # y: int32 (N,)
-    """
-    t = _trace_of(logits, labels)
-    lg, lb = _as_tensor(logits, t), _as_tensor(labels, t)
-    return Tensor(t, t.graph.cross_entropy(lg._id, lb._id))
-
-
 def mse_loss(pred: Any, target: Any) -> Tensor:
     """Mean squared error of two tensors of the same shape.
 
@@ -636,3 +682,159 @@ def _sdpa_composed(q: Tensor, k: Tensor, v: Tensor, offset: int | None) -> Tenso
         mask = np.tril(np.ones((tq, tk), dtype=np.float32), k=offset)
         scores = where(mask, scores, float("-inf"))
     return matmul(softmax(scores, axis=-1), v)
+
+
+def abs_(x: Any) -> Tensor:
+    """``|x|`` elementwise (gradient ``sign(x)``, 0 at 0, as PyTorch's).
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.abs(x - 1.0)
+    """
+    t = _trace_of(x)
+    x = _as_tensor(x, t)
+    if x.dtype == "int32":
+        return where(x < 0, 0 - x, x)
+    sign = (x > 0) - (x < 0)  # comparisons carry no gradient
+    return x * sign
+
+
+def maximum(a: Any, b: Any) -> Tensor:
+    """Elementwise maximum (NaN propagates; ties share the gradient equally, as PyTorch's).
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.maximum(x, 0.0)
+    """
+    return _extremum(a, b, True)
+
+
+def minimum(a: Any, b: Any) -> Tensor:
+    """Elementwise minimum (NaN propagates; ties share the gradient equally).
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.minimum(x, 1.0)
+    """
+    return _extremum(a, b, False)
+
+
+def _extremum(a: Any, b: Any, is_max: bool) -> Tensor:
+    t = _trace_of(a, b)
+    a, b = _promoted(t, a, b)
+    first, second = (a > b, a < b) if is_max else (a < b, a > b)
+    if a.dtype == "int32":
+        return where(first, a, b)
+    # Ties (and NaN, where no comparison holds) take the mean: the value is unchanged for ties,
+    # NaN stays NaN, and each side gets half the gradient.
+    return where(first, a, where(second, b, a * 0.5 + b * 0.5))
+
+
+def clip(x: Any, lo: Any = None, hi: Any = None) -> Tensor:
+    """``x`` limited to ``[lo, hi]`` (either may be None); the gradient passes where
+    ``lo <= x <= hi`` (PyTorch's ``clamp``); NaN stays NaN.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.clip(x, -1.0, 1.0)
+    """
+    t = _trace_of(x, lo, hi)
+    x = _as_tensor(x, t)
+    if lo is None and hi is None:
+        raise InputError("[clip] give lo, hi or both")
+    if lo is not None:
+        x = where(x < lo, lo, x)
+    if hi is not None:
+        x = where(x > hi, hi, x)
+    return x
+
+
+def argmax(x: Any, axis: int | None = None) -> Tensor:
+    """Index (int32) of the first maximum along ``axis``; of the flattened tensor when None.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.argmax(model(x), axis=-1)      # predicted classes
+    """
+    t = _trace_of(x)
+    x = _as_tensor(x, t)
+    if axis is None:
+        x, axis = x.reshape(-1), 0
+    axis = _check.integer("argmax", "axis", axis, lo=-x.ndim, hi=x.ndim - 1) if x.ndim else 0
+    if x.ndim == 0 or x.shape[axis] == 0:
+        raise ShapeError(f"[argmax] needs a non-empty axis, got shape {x.shape}")
+    axis %= x.ndim
+    xf = stop_gradient(x.astype("float32") if x.dtype == "int32" else x)
+    n = x.shape[axis]
+    # Score n-1-i where x is maximal (or NaN, which numpy's argmax picks first), else -1.
+    rev = np.arange(n - 1, -1, -1, dtype=np.float32).reshape((n,) + (1,) * (x.ndim - 1 - axis))
+    m = xf.max(axis=axis, keepdims=True)
+    hit = (xf == m) + (xf != xf)
+    score = where(hit, rev, -1.0).max(axis=axis)
+    return (float(n - 1) - score).astype("int32")
+
+
+def softplus(x: Any, beta: float = 1.0, threshold: float = 20.0) -> Tensor:
+    """``log(1 + exp(beta * x)) / beta``, linear (``x``) where ``beta * x > threshold`` (PyTorch's).
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.softplus(x)
+    """
+    beta = _check.number("softplus", "beta", beta)
+    threshold = _check.number("softplus", "threshold", threshold)
+    t = _trace_of(x)
+    x = _as_tensor(x, t)
+    bx = x * beta if beta != 1.0 else x
+    soft = log1p(exp(where(bx > threshold, 0.0, bx)))
+    if beta != 1.0:
+        soft = soft / beta
+    return where(bx > threshold, x, soft)
+
+
+def log1p(x: Any) -> Tensor:
+    """``log(1 + x)``, accurate for small ``x``.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.log1p(x * x)
+    """
+    return _unary("log1p", x)
+
+
+def silu(x: Any) -> Tensor:
+    """``x * sigmoid(x)`` (swish).
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.silu(model.fc(x))
+    """
+    return x * sigmoid(x)
+
+
+def leaky_relu(x: Any, negative_slope: float = 0.01) -> Tensor:
+    """``x`` where ``x > 0``, else ``negative_slope * x``.
+
+    Example:
+        >>> def forward(model, x):
+        ...     return rlx.leaky_relu(x, 0.2)
+    """
+    slope = _check.number("leaky_relu", "negative_slope", negative_slope)
+    t = _trace_of(x)
+    x = _as_tensor(x, t)
+    return where(x > 0, x, x * slope)
+
+
+def stop_gradient(x: Any) -> Tensor:
+    """``x`` itself, through which no gradient flows back.
+
+    Example:
+        >>> def loss_fn(model, x):
+        ...     target = rlx.stop_gradient(model(x))
+        ...     return rlx.mse_loss(model(x + 0.1), target)
+    """
+    t = _trace_of(x)
+    x = _as_tensor(x, t)
+    if x.dtype != "float32":
+        return x  # integer tensors carry no gradient anyway
+    return Tensor(t, t.graph.unary("stop_gradient", x._id))

@@ -9,8 +9,9 @@ import numpy as np
 
 from . import _check, nn
 from ._compile import Function, InputSpec, compile
+from ._losses import cross_entropy
 from ._random import rng
-from ._tensor import Tensor, cross_entropy, embedding
+from ._tensor import Tensor, embedding
 from .errors import DTypeError, InputError, RlxError, ShapeError
 
 

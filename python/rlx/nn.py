@@ -13,7 +13,26 @@ import numpy as np
 from . import _check, _rlx
 from ._arrays import contiguous
 from ._random import rng
-from ._tensor import Tensor, _as_tensor, _current, _matmul_nt, _trace_of, concat, embedding, gelu, layer_norm, matmul, relu, softmax, where
+from ._tensor import (
+    Tensor,
+    _as_tensor,
+    _current,
+    _matmul_nt,
+    _trace_of,
+    concat,
+    embedding,
+    gelu,
+    layer_norm,
+    leaky_relu,
+    matmul,
+    relu,
+    sigmoid,
+    silu,
+    softmax,
+    tanh,
+    where,
+)
+from ._vision import avg_pool2d, batch_norm, conv2d, dropout, max_pool2d
 from .errors import CheckpointError, DTypeError, InputError, RlxError, ShapeError
 
 _DTYPES = {"float32": np.float32, "int32": np.int32}
@@ -845,6 +864,236 @@ class ReLU(Module):
     """
     def __call__(self, x: Any) -> Tensor:
         return relu(x)
+
+
+class Conv2d(Module):
+    """2-D convolution over (N, C, H, W) inputs, PyTorch's signature, layout
+    (``weight`` (out_channels, in_channels, kh, kw)) and initialisation (U(-1/sqrt(fan_in),
+    1/sqrt(fan_in)) for weight and bias, fan_in = in_channels * kh * kw).
+
+    Example:
+        >>> rlx.nn.Conv2d(1, 16, 3, padding=1)
+        Conv2d(1, 16, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), bias=True)
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
+                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = True) -> None:
+        from ._vision import _pair
+
+        cin = _check.integer("Conv2d", "in_channels", in_channels, lo=1)
+        cout = _check.integer("Conv2d", "out_channels", out_channels, lo=1)
+        self.kernel_size = _pair("Conv2d", "kernel_size", kernel_size, 1)
+        self.stride = _pair("Conv2d", "stride", stride, 1)
+        self.padding = _pair("Conv2d", "padding", padding, 0)
+        self.in_channels, self.out_channels = cin, cout
+        kh, kw = self.kernel_size
+        _check.fits_in_memory("Conv2d", (cout, cin, kh, kw))
+        bound = 1.0 / math.sqrt(cin * kh * kw)
+        self.weight = Parameter(rng().uniform(-bound, bound, (cout, cin, kh, kw)))
+        self.bias = Parameter(rng().uniform(-bound, bound, (cout,))) if bias else None
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, bias={self.bias is not None}")
+
+    def __call__(self, x: Any) -> Tensor:
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding)
+
+
+class MaxPool2d(Module):
+    """Max pooling over (N, C, H, W) inputs (``stride`` defaults to ``kernel_size``).
+
+    Example:
+        >>> rlx.nn.MaxPool2d(2)
+        MaxPool2d(kernel_size=2, stride=2, padding=0)
+    """
+
+    def __init__(self, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None,
+                 padding: int | tuple[int, int] = 0) -> None:
+        self.kernel_size, self.stride, self.padding = kernel_size, kernel_size if stride is None else stride, padding
+
+    def extra_repr(self) -> str:
+        return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
+
+    def __call__(self, x: Any) -> Tensor:
+        return max_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+
+class AvgPool2d(MaxPool2d):
+    """Average pooling over (N, C, H, W) inputs (padding counts as zeros in the mean).
+
+    Example:
+        >>> rlx.nn.AvgPool2d(2)
+        AvgPool2d(kernel_size=2, stride=2, padding=0)
+    """
+
+    def __call__(self, x: Any) -> Tensor:
+        return avg_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+
+class _BatchNorm(Module):
+    _rank: tuple[int, ...] = ()
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1, affine: bool = True) -> None:
+        name = type(self).__name__
+        n = _check.integer(name, "num_features", num_features, lo=1)
+        self.num_features = n
+        self.eps = _check.number(name, "eps", eps, lo=0.0)
+        self.momentum = _check.number(name, "momentum", momentum, lo=0.0, hi=1.0)
+        self.weight = Parameter(np.ones(n, np.float32)) if affine else None
+        self.bias = Parameter(np.zeros(n, np.float32)) if affine else None
+        self.register_buffer("running_mean", np.zeros(n, np.float32))
+        self.register_buffer("running_var", np.ones(n, np.float32))
+        self.register_buffer("num_batches_tracked", np.zeros((), np.float32))
+
+    def extra_repr(self) -> str:
+        return f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.weight is not None}"
+
+    def __call__(self, x: Any) -> Tensor:
+        name = type(self).__name__
+        shape = tuple(x.shape)
+        if len(shape) not in self._rank or shape[1] != self.num_features:
+            want = " or ".join(f"rank {r}" for r in self._rank)
+            raise ShapeError(f"[{name}] expects inputs of {want} with {self.num_features} channels in axis 1, got {shape}")
+        if self.training:
+            self.num_batches_tracked.update(self.num_batches_tracked + 1.0)
+        return batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training,
+                          self.momentum, self.eps)
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation of (N, C) or (N, C, L) inputs, as PyTorch's: batch statistics in
+    train mode (the running mean and unbiased variance updated in place in the step, buffers
+    ``running_mean`` / ``running_var`` / ``num_batches_tracked``), running ones in eval mode.
+
+    Example:
+        >>> rlx.nn.BatchNorm1d(64)
+        BatchNorm1d(64, eps=1e-05, momentum=0.1, affine=True)
+    """
+
+    _rank = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation of (N, C, H, W) inputs (see ``BatchNorm1d``).
+
+    Example:
+        >>> rlx.nn.BatchNorm2d(16)
+        BatchNorm2d(16, eps=1e-05, momentum=0.1, affine=True)
+    """
+
+    _rank = (4,)
+
+
+class Dropout(Module):
+    """Zeroes each element with probability ``p`` and scales the rest by ``1/(1-p)`` in train
+    mode; the identity in eval mode. Masks come from an in-graph generator seeded by
+    ``rlx.seed``: reproducible per step, different at each step.
+
+    Example:
+        >>> rlx.nn.Dropout(0.1)
+        Dropout(p=0.1)
+    """
+
+    def __init__(self, p: float = 0.5) -> None:
+        p = _check.number("Dropout", "p", p)
+        if not 0.0 <= p < 1.0:
+            raise InputError(f"[Dropout] p must be in [0, 1), got {p}")
+        self.p = p
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+    def __call__(self, x: Any) -> Tensor:
+        return dropout(x, self.p, self.training)
+
+
+class Flatten(Module):
+    """Flattens dims ``start_dim..end_dim`` (default: all but the batch dim) into one.
+
+    Example:
+        >>> rlx.nn.Flatten()                 # (N, C, H, W) -> (N, C*H*W)
+        Flatten()
+    """
+
+    def __init__(self, start_dim: int = 1, end_dim: int = -1) -> None:
+        self.start_dim = _check.integer("Flatten", "start_dim", start_dim)
+        self.end_dim = _check.integer("Flatten", "end_dim", end_dim)
+
+    def __call__(self, x: Any) -> Tensor:
+        shape = tuple(x.shape)
+        n = len(shape)
+        a = self.start_dim + n if self.start_dim < 0 else self.start_dim
+        b = self.end_dim + n if self.end_dim < 0 else self.end_dim
+        if not (0 <= a <= b < n):
+            raise ShapeError(f"[Flatten] dims {self.start_dim}..{self.end_dim} are invalid for shape {shape}")
+        return x.reshape(*shape[:a], math.prod(shape[a : b + 1]), *shape[b + 1 :])
+
+
+class Identity(Module):
+    """Returns its input.
+
+    Example:
+        >>> rlx.nn.Identity()
+        Identity()
+    """
+
+    def __call__(self, x: Any) -> Any:
+        return x
+
+
+class SiLU(Module):
+    """``x * sigmoid(x)`` as a module.
+
+    Example:
+        >>> rlx.nn.SiLU()
+        SiLU()
+    """
+
+    def __call__(self, x: Any) -> Tensor:
+        return silu(x)
+
+
+class Tanh(Module):
+    """``tanh(x)`` as a module.
+
+    Example:
+        >>> rlx.nn.Tanh()
+        Tanh()
+    """
+
+    def __call__(self, x: Any) -> Tensor:
+        return tanh(x)
+
+
+class Sigmoid(Module):
+    """``sigmoid(x)`` as a module.
+
+    Example:
+        >>> rlx.nn.Sigmoid()
+        Sigmoid()
+    """
+
+    def __call__(self, x: Any) -> Tensor:
+        return sigmoid(x)
+
+
+class LeakyReLU(Module):
+    """``x`` for positive x, ``negative_slope * x`` otherwise.
+
+    Example:
+        >>> rlx.nn.LeakyReLU(0.1)
+        LeakyReLU(negative_slope=0.1)
+    """
+
+    def __init__(self, negative_slope: float = 0.01) -> None:
+        self.negative_slope = _check.number("LeakyReLU", "negative_slope", negative_slope)
+
+    def extra_repr(self) -> str:
+        return f"negative_slope={self.negative_slope}"
+
+    def __call__(self, x: Any) -> Tensor:
+        return leaky_relu(x, self.negative_slope)
 
 
 class Sequential(Module):

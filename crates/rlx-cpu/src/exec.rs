@@ -96,6 +96,7 @@ fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
         Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
         Op::Where => ins[1].dtype == out.dtype,
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
+        Op::Dropout { .. } => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
         _ => all_f32,
     };
     if ok {
@@ -399,6 +400,20 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                 layout::concat(&parts, *axis, od, b.get_mut(out))
             },
         },
+        Op::Im2Col(w) => conv::im2col(f(0), sh(0), w, unsafe { b.get_mut(out) }),
+        Op::Col2Im { window, .. } => conv::col2im(f(0), window, od, unsafe { b.get_mut(out) }),
+        Op::Pool2d { window, max } => {
+            conv::pool2d(f(0), sh(0), window, *max, unsafe { b.get_mut(out) })
+        }
+        Op::Pool2dGrad { window, max } => {
+            conv::pool2d_grad(f(0), sh(0), f(1), window, *max, unsafe { b.get_mut(out) })
+        }
+        Op::Dropout { p } => {
+            let s = unsafe { b.get::<i32>(&ins[1]) };
+            conv::dropout(f(0), [s[0], s[1]], *p, unsafe { b.get_mut(out) })
+        }
+        Op::Log1p => conv::log1p(f(0), unsafe { b.get_mut(out) }),
+        Op::StopGradient => unsafe { b.get_mut::<f32>(out).copy_from_slice(f(0)) },
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } | Op::Reshape { .. } => {
             return Err(Error::Internal(format!("[{}] is not a kernel", op.name())))
         }

@@ -348,3 +348,92 @@ fn second_derivatives_are_refused_clearly() {
         other => panic!("expected an unsupported error, got {other:?}"),
     }
 }
+
+/// Distinct values 0.1 apart in a scrambled order (no near-ties for max pooling's argmax).
+fn spread(shape: &[usize]) -> Value {
+    let n: usize = shape.iter().product();
+    Value::F32(
+        shape.to_vec(),
+        (0..n).map(|i| ((i * 37) % n) as f32 * 0.1 - 1.0).collect(),
+    )
+}
+
+#[test]
+fn vision_ops() {
+    let w = |k: usize, s: usize, p: usize| rlx_ir::Window {
+        kernel: [k, k],
+        stride: [s, s],
+        padding: [p, p],
+    };
+    for (k, s, p) in [(3, 1, 1), (3, 2, 1), (2, 2, 0), (1, 1, 0), (5, 1, 2)] {
+        check(
+            &format!("im2col k{k} s{s} p{p}"),
+            &[rand(&[2, 3, 5, 6], 40)],
+            op1(Op::Im2Col(w(k, s, p))),
+        );
+        let window = w(k, s, p);
+        let [oh, ow] = window.out_size([5, 6]).unwrap();
+        check(
+            &format!("col2im k{k} s{s} p{p}"),
+            &[rand(&[2, 3 * k * k, oh * ow], 41)],
+            op1(Op::Col2Im {
+                window,
+                size: [5, 6],
+            }),
+        );
+    }
+    for (k, s, p) in [(2, 2, 0), (3, 2, 1), (3, 1, 1)] {
+        for max in [true, false] {
+            check(
+                &format!("pool max={max} k{k} s{s} p{p}"),
+                &[spread(&[2, 3, 5, 6])],
+                op1(Op::Pool2d {
+                    window: w(k, s, p),
+                    max,
+                }),
+            );
+        }
+        let [oh, ow] = w(k, s, p).out_size([5, 6]).unwrap();
+        check(
+            &format!("avg pool grad k{k} s{s} p{p}"),
+            &[rand(&[1, 2, 5, 6], 42), rand(&[1, 2, oh, ow], 43)],
+            op1(Op::Pool2dGrad {
+                window: w(k, s, p),
+                max: false,
+            }),
+        );
+    }
+    check(
+        "dropout",
+        &[rand(&[4, 50], 44), Value::I32(vec![2], vec![3, 9])],
+        op1(Op::Dropout { p: 0.3 }),
+    );
+    check("log1p", &[positive(&[3, 4], 45)], op1(Op::Log1p));
+}
+
+#[test]
+fn stop_gradient_passes_values_and_no_gradient() {
+    let mut g = Graph::new();
+    let x = g.input("a0", Shape::new([3]), DType::F32).unwrap();
+    let s = g.add(Op::StopGradient, &[x]).unwrap();
+    let p = g.add(Op::Binary(BinaryOp::Mul), &[x, s]).unwrap();
+    let loss = g
+        .add(
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes: vec![0],
+                keepdims: false,
+            },
+            &[p],
+        )
+        .unwrap();
+    let bw = grad(&g, loss, &[x]).unwrap();
+    let v = Value::F32(vec![3], vec![1.0, -2.0, 3.0]);
+    let out = run(&compile(&bw), &[v], 2);
+    assert_eq!(out[0], vec![14.0]);
+    assert_eq!(
+        out[1],
+        vec![1.0, -2.0, 3.0],
+        "d/dx x * c = c: nothing flows through c"
+    );
+}

@@ -183,6 +183,7 @@ fn differentiable(op: &Op) -> bool {
         // Floor division is piecewise constant: a zero gradient almost everywhere.
         Op::Binary(b) => !b.is_comparison() && *b != BinaryOp::FloorDiv,
         Op::Cast { to } => *to == DType::F32,
+        Op::StopGradient => false,
         _ => true,
     }
 }
@@ -509,6 +510,49 @@ fn vjp(
                 "second derivatives are not supported",
             ))
         }
+        Op::Im2Col(w) => {
+            let xs = shape(g, ins[0]);
+            let size = [xs.0[2], xs.0[3]];
+            vec![Some(g.add(Op::Col2Im { window: *w, size }, &[gy])?)]
+        }
+        Op::Col2Im { window, .. } => vec![Some(g.add(Op::Im2Col(*window), &[gy])?)],
+        Op::Pool2d { window, max } => vec![Some(g.add(
+            Op::Pool2dGrad {
+                window: *window,
+                max: *max,
+            },
+            &[ins[0], gy],
+        )?)],
+        Op::Pool2dGrad { max: false, .. } => {
+            // Linear in g: its adjoint is the average pool itself; x only gives the shape.
+            let Op::Pool2dGrad { window, .. } = op else {
+                unreachable!()
+            };
+            vec![
+                None,
+                Some(g.add(
+                    Op::Pool2d {
+                        window: *window,
+                        max: false,
+                    },
+                    &[gy],
+                )?),
+            ]
+        }
+        Op::Pool2dGrad { max: true, .. } => {
+            return Err(Error::unsupported(
+                "max_pool2d_grad",
+                "second derivatives are not supported",
+            ))
+        }
+        // The mask depends only on the seed: dropout is linear in x, its own adjoint.
+        Op::Dropout { p } => vec![Some(g.add(Op::Dropout { p: *p }, &[gy, ins[1]])?), None],
+        Op::Log1p => {
+            let one = g.scalar(1.0);
+            let d = g.add(Op::Binary(Add), &[ins[0], one])?;
+            vec![Some(g.add(Op::Binary(Div), &[gy, d])?)]
+        }
+        Op::StopGradient => vec![None],
     })
 }
 

@@ -354,7 +354,98 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             out[*axis] = total;
             Ok((Shape(out), ins[0].dtype))
         }
+        Op::Im2Col(w) => {
+            float(0)?;
+            let (n, c, o) = windowed(name, &ins[0].shape, w)?;
+            let k = c * w.kernel[0] * w.kernel[1];
+            Ok((Shape(vec![n, k, o[0] * o[1]]), DType::F32))
+        }
+        Op::Col2Im { window: w, size } => {
+            float(0)?;
+            let s = &ins[0].shape;
+            let kk = w.kernel[0] * w.kernel[1];
+            let o = w.out_size(*size);
+            let fits = s.rank() == 3
+                && kk > 0
+                && s.0[1] % kk == 0
+                && o.is_some_and(|o| o[0] * o[1] == s.0[2]);
+            if !fits {
+                return Err(Error::shape(
+                    name,
+                    format!(
+                        "patches {s} do not fit kernel {:?}, stride {:?}, padding {:?} over an image of {:?}",
+                        w.kernel, w.stride, w.padding, size
+                    ),
+                ));
+            }
+            Ok((
+                Shape(vec![s.0[0], s.0[1] / kk, size[0], size[1]]),
+                DType::F32,
+            ))
+        }
+        Op::Pool2d { window: w, .. } | Op::Pool2dGrad { window: w, .. } => {
+            float(0)?;
+            let (n, c, o) = windowed(name, &ins[0].shape, w)?;
+            if ins.len() == 2 {
+                float(1)?;
+                let want = Shape(vec![n, c, o[0], o[1]]);
+                if ins[1].shape != want {
+                    return Err(Error::shape(
+                        name,
+                        format!(
+                            "gradient {} must have the pooled shape {want}",
+                            ins[1].shape
+                        ),
+                    ));
+                }
+                return Ok((ins[0].shape.clone(), DType::F32));
+            }
+            Ok((Shape(vec![n, c, o[0], o[1]]), DType::F32))
+        }
+        Op::Dropout { p } => {
+            float(0)?;
+            if !(0.0..1.0).contains(p) {
+                return Err(Error::input(
+                    "p",
+                    format!("[dropout] p must be in [0, 1), got {p}"),
+                ));
+            }
+            if ins[1].dtype != DType::I32 || ins[1].shape != Shape(vec![2]) {
+                return Err(Error::dtype(
+                    name,
+                    format!(
+                        "the seed must be int32 of shape (2,), got {} {}",
+                        ins[1].dtype, ins[1].shape
+                    ),
+                ));
+            }
+            Ok((ins[0].shape.clone(), DType::F32))
+        }
+        Op::Log1p | Op::StopGradient => {
+            float(0)?;
+            Ok((ins[0].shape.clone(), DType::F32))
+        }
     }
+}
+
+/// `(N, C, [Ho, Wo])` of a windowed op over an NCHW input, or a clear error.
+fn windowed(op: &str, s: &Shape, w: &crate::Window) -> Result<(usize, usize, [usize; 2])> {
+    if s.rank() != 4 {
+        return Err(Error::shape(
+            op,
+            format!("expects an input of rank 4 (N, C, H, W), got {s}"),
+        ));
+    }
+    let o = w.out_size([s.0[2], s.0[3]]).ok_or_else(|| {
+        Error::shape(
+            op,
+            format!(
+                "kernel {:?} (stride {:?}, padding {:?}) does not fit the input {s}: the kernel is larger than the padded input, or a size is 0",
+                w.kernel, w.stride, w.padding
+            ),
+        )
+    })?;
+    Ok((s.0[0], s.0[1], o))
 }
 
 /// Checks a fused expression against its input shapes (registers `0..n_inputs`).

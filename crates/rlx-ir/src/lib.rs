@@ -19,6 +19,6 @@ pub use dtype::DType;
 pub use error::{Error, Result};
 pub use graph::Graph;
 pub use node::{Node, NodeId};
-pub use op::{BinaryOp, Fused, FusedStep, Op, ReduceOp, UnaryOp};
+pub use op::{dropout_keep, BinaryOp, Fused, FusedStep, Op, ReduceOp, UnaryOp, Window};
 pub use planner::{plan, Interval, Plan};
 pub use shape::Shape;

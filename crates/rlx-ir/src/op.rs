@@ -119,8 +119,11 @@ pub enum Op {
         axis: usize,
     },
     /// Mean softmax cross-entropy of logits `[N, C]` against int32 labels `[N]`; a scalar.
+    /// Rows labelled -100 (PyTorch's default `ignore_index`) are left out of the sum and the
+    /// count (NaN when every row is); other labels outside `[0, C)` are a run-time error.
     SoftmaxCrossEntropy,
-    /// Gradient of `SoftmaxCrossEntropy` w.r.t. the logits: `(softmax - onehot) * g / N`.
+    /// Gradient of `SoftmaxCrossEntropy` w.r.t. the logits: `(softmax - onehot) * g / N`
+    /// (N: rows not labelled -100; those rows get 0).
     SoftmaxCrossEntropyGrad,
     /// Mean squared error of two same-shape tensors; a scalar.
     Mse,
@@ -214,6 +217,79 @@ pub enum Op {
     /// A chain of float32 elementwise ops evaluated in one pass (made by `fuse`, after
     /// autodiff; it has no VJP).
     Fused(Arc<Fused>),
+    /// Convolution patches (the GEMM lowering of `conv2d`): x `[N, C, H, W]` gives
+    /// `[N, C*kh*kw, Ho*Wo]` where row `(c*kh + i)*kw + j` at column `oh*Wo + ow` holds
+    /// `x[n, c, oh*sh - ph + i, ow*sw - pw + j]` (0 outside the input);
+    /// `Ho = (H + 2*ph - kh) / sh + 1` (floor), likewise `Wo`. `[a, b]` pairs are (height, width).
+    Im2Col(Window),
+    /// The adjoint of `Im2Col`: sums the patches `[N, C*kh*kw, Ho*Wo]` back into an image
+    /// `[N, C, size[0], size[1]]` (positions in the padding are dropped).
+    Col2Im {
+        window: Window,
+        size: [usize; 2],
+    },
+    /// 2-D pooling of x `[N, C, H, W]` over `window` (output size as `Im2Col`'s). Max: padding
+    /// counts as -inf; avg: the sum over the window divided by `kh*kw` (padding counts as zeros,
+    /// PyTorch's `count_include_pad=True`).
+    Pool2d {
+        window: Window,
+        max: bool,
+    },
+    /// The VJP of `Pool2d` w.r.t. x. Inputs `(x, g)`. Max: each window's `g` goes to the first
+    /// maximal element of the window (row-major order, NaN counts as maximal, as PyTorch).
+    Pool2dGrad {
+        window: Window,
+        max: bool,
+    },
+    /// Inverted dropout: `x * keep / (1 - p)` where `keep` is a pseudo-random 0/1 mask with
+    /// P(keep) = 1 - p, a pure function of (the int32 `seed` input `[2]`, the element's flat
+    /// index): see [`dropout_keep`]. Inputs `(x, seed)`. Its VJP is the same op on `g`.
+    Dropout {
+        p: f32,
+    },
+    /// `log(1 + x)`, accurate near 0.
+    Log1p,
+    /// The identity whose gradient is zero (nothing flows back through it).
+    StopGradient,
+}
+
+/// The sliding window of a convolution or pooling: each `[a, b]` is (height, width).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+}
+
+impl Window {
+    /// The output size along each spatial dim for an input of `size`; `None` when the kernel
+    /// does not fit into the padded input (or a stride is 0).
+    pub fn out_size(&self, size: [usize; 2]) -> Option<[usize; 2]> {
+        let mut out = [0; 2];
+        for d in 0..2 {
+            let padded = size[d] + 2 * self.padding[d];
+            if self.stride[d] == 0 || self.kernel[d] == 0 || self.kernel[d] > padded {
+                return None;
+            }
+            out[d] = (padded - self.kernel[d]) / self.stride[d] + 1;
+        }
+        Some(out)
+    }
+}
+
+/// Whether dropout keeps element `index` for `seed` (the int32 pair given to `Op::Dropout`)
+/// at drop probability `p`: a counter-based hash (splitmix64 finaliser of the seed words and
+/// the index) turned into a uniform 24-bit value `u` in [0, 1); kept when `u >= p`. Every
+/// backend computes exactly this, so masks agree across devices.
+pub fn dropout_keep(seed: [i32; 2], index: u64, p: f32) -> bool {
+    let mut z = ((seed[0] as u32 as u64) << 32 | seed[1] as u32 as u64)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ index;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    let u = (z >> 40) as f32 * (1.0 / (1u64 << 24) as f32);
+    u >= p
 }
 
 /// One step of a fused expression: it reads earlier registers and appends one.
@@ -321,6 +397,15 @@ impl Op {
             Op::Pad { .. } => "pad",
             Op::Concat { .. } => "concat",
             Op::Fused(_) => "fused",
+            Op::Im2Col(_) => "im2col",
+            Op::Col2Im { .. } => "col2im",
+            Op::Pool2d { max: true, .. } => "max_pool2d",
+            Op::Pool2d { max: false, .. } => "avg_pool2d",
+            Op::Pool2dGrad { max: true, .. } => "max_pool2d_grad",
+            Op::Pool2dGrad { max: false, .. } => "avg_pool2d_grad",
+            Op::Dropout { .. } => "dropout",
+            Op::Log1p => "log1p",
+            Op::StopGradient => "stop_gradient",
             Op::MatMulEpilogue { .. } => "matmul_epilogue",
             Op::FusedSumTo { .. } => "fused_sum_to",
             Op::Attention { .. } => "attention",
@@ -355,7 +440,9 @@ impl Op {
             | Op::Mse
             | Op::Gather
             | Op::ScatterAdd { .. }
-            | Op::NormalizeGrad { .. } => 2,
+            | Op::NormalizeGrad { .. }
+            | Op::Pool2dGrad { .. }
+            | Op::Dropout { .. } => 2,
             Op::SoftmaxCrossEntropyGrad | Op::Where | Op::NormalizeGradAdd { .. } => 3,
             _ => 1,
         })

@@ -2,7 +2,7 @@
 use crate::buffer::Bytes;
 use crate::errors::{to_py, IntoPy};
 use pyo3::prelude::*;
-use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Shape, UnaryOp};
+use rlx_ir::{BinaryOp, DType, Error, Graph, NodeId, Op, ReduceOp, Shape, UnaryOp, Window};
 
 #[pyclass(name = "Graph", module = "rlx._rlx")]
 #[derive(Clone, Default)]
@@ -130,6 +130,8 @@ impl PyGraph {
             "sqrt" => UnaryOp::Sqrt,
             "gelu" => UnaryOp::Gelu,
             "gelu_tanh" => UnaryOp::GeluTanh,
+            "log1p" => return self.add(py, Op::Log1p, &[x]),
+            "stop_gradient" => return self.add(py, Op::StopGradient, &[x]),
             k => {
                 return Err(crate::errors::to_py(
                     py,
@@ -360,6 +362,36 @@ impl PyGraph {
         let shape = self.shape_of(py, first)?.clone();
         let axis = Self::axes("concat", &shape, Some(vec![axis])).py_err(py)?[0];
         self.add(py, Op::Concat { axis }, &xs)
+    }
+
+    /// A windowed op over an NCHW input: `"im2col"`, `"max_pool2d"` or `"avg_pool2d"`.
+    fn window(
+        &mut self,
+        py: Python<'_>,
+        kind: &str,
+        x: NodeId,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+    ) -> PyResult<NodeId> {
+        let window = Window {
+            kernel,
+            stride,
+            padding,
+        };
+        let op = match kind {
+            "im2col" => Op::Im2Col(window),
+            "max_pool2d" => Op::Pool2d { window, max: true },
+            "avg_pool2d" => Op::Pool2d { window, max: false },
+            k => return Err(to_py(py, Error::unsupported(k, "unknown windowed op"))),
+        };
+        self.add(py, op, &[x])
+    }
+
+    /// Inverted dropout of `x` with drop probability `p`, the mask drawn from the int32 (2,)
+    /// `seed` tensor.
+    fn dropout(&mut self, py: Python<'_>, x: NodeId, seed: NodeId, p: f32) -> PyResult<NodeId> {
+        self.add(py, Op::Dropout { p }, &[x, seed])
     }
 
     fn shape(&self, py: Python<'_>, id: NodeId) -> PyResult<Vec<usize>> {

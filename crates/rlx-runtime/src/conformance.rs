@@ -8,6 +8,8 @@ use crate::{Buf, Instr, Program, TRef};
 use rlx_ir::{BinaryOp, DType, Graph, Op, ReduceOp, Shape, UnaryOp};
 use std::sync::Arc;
 
+pub use crate::conformance_vision::vision_ops_match_references;
+
 fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -50,6 +52,7 @@ macro_rules! conformance_tests {
             optimizer_rules_match_closed_form,
             compile_rejects_bad_programs,
             data_parallel_phases,
+            vision_ops_match_references,
             fused_instructions_match_reference,
         );
     };

@@ -7,6 +7,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod conformance;
+pub mod conformance_vision;
 pub mod executable;
 pub mod listing;
 pub mod lower;

@@ -73,24 +73,41 @@ fn logsumexp_shifted(row: &[f32], max: f32) -> f32 {
     acc.iter().sum::<f32>() + rest
 }
 
+/// The label of rows that `cross_entropy` leaves out (PyTorch's default `ignore_index`).
+pub const IGNORE_LABEL: i32 = -100;
+
 fn check_label(y: i32, classes: usize) -> Result<usize> {
     if y < 0 || y as usize >= classes {
         return Err(Error::input(
             "labels",
-            format!("[cross_entropy] label {y} is out of range [0, {classes})"),
+            format!("[cross_entropy] label {y} is out of range [0, {classes}) (and is not the ignored label {IGNORE_LABEL})"),
         ));
     }
     Ok(y as usize)
 }
 
-/// Mean over rows of `logsumexp(logits) - logits[label]`.
+/// The rows counted by the mean: labels in range; ignored rows skipped; others an error.
+fn counted(labels: &[i32], classes: usize) -> Result<usize> {
+    let mut n = 0;
+    for &y in labels {
+        if y != IGNORE_LABEL {
+            check_label(y, classes)?;
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// Mean over rows (those whose label is not [`IGNORE_LABEL`]) of
+/// `logsumexp(logits) - logits[label]`.
 #[inline(always)]
 pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32> {
     let c = ld[1];
-    for &y in labels {
-        check_label(y, c)?;
-    }
+    let n = counted(labels, c)?;
     let row_loss = |(row, &y): (&[f32], &i32)| -> f64 {
+        if y == IGNORE_LABEL {
+            return 0.0;
+        }
         let max = math::max(row);
         (max + logsumexp_shifted(row, max).ln() - row[y as usize]) as f64
     };
@@ -103,13 +120,13 @@ pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32
     } else {
         crate::isa::dispatch(|| logits.chunks(c).zip(labels).map(row_loss).sum())
     };
-    if labels.is_empty() {
+    if n == 0 {
         return Ok(f32::NAN); // the mean over no rows, as numpy and PyTorch give
     }
-    Ok((total / labels.len() as f64) as f32)
+    Ok((total / n as f64) as f32)
 }
 
-/// `(softmax(logits) - onehot(labels)) * g / N`.
+/// `(softmax(logits) - onehot(labels)) * g / N` (N: the rows not ignored; ignored rows get 0).
 #[inline(always)]
 pub fn cross_entropy_grad(
     logits: &[f32],
@@ -119,11 +136,13 @@ pub fn cross_entropy_grad(
     out: &mut [f32],
 ) -> Result<()> {
     let c = ld[1];
-    for &y in labels {
-        check_label(y, c)?;
-    }
-    let scale = g / labels.len().max(1) as f32;
+    let n = counted(labels, c)?;
+    let scale = g / n.max(1) as f32;
     let row = |((row, o), &y): ((&[f32], &mut [f32]), &i32)| {
+        if y == IGNORE_LABEL {
+            o.fill(0.0);
+            return;
+        }
         o.copy_from_slice(row);
         softmax_row(o, false);
         o[y as usize] -= 1.0;

@@ -78,9 +78,53 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
         } else {
             crate::isa::dispatch(|| accumulate(out, 0));
         }
+    } else if let Some((outer, kept, inner)) = middle(xd, axes) {
+        // Reduced dims around one block of kept dims (bias gradients of NCHW tensors, batch
+        // statistics): each kept element folds `outer` contiguous rows of `inner`.
+        let one = |k: usize| -> f32 {
+            let mut acc = init;
+            for o in 0..outer {
+                let at = (o * kept + k) * inner;
+                acc = combine(acc, fold_long(&x[at..at + inner], init, combine));
+            }
+            acc
+        };
+        if x.len() >= PAR_MIN && out.len() > 1 {
+            out.par_iter_mut()
+                .enumerate()
+                .for_each(|(k, v)| *v = crate::isa::dispatch(|| one(k)));
+        } else {
+            out.iter_mut().enumerate().for_each(|(k, v)| *v = one(k));
+        }
     } else {
         crate::isa::dispatch(|| general(x, xd, axes, out, init, combine));
     }
+}
+
+/// `(outer, kept, inner)` sizes when the kept dims form one contiguous block with reduced dims
+/// on both sides (size-1 dims ignored).
+fn middle(xd: &[usize], axes: &[usize]) -> Option<(usize, usize, usize)> {
+    let (mut outer, mut kept, mut inner) = (1, 1, 1);
+    let mut phase = 0; // 0: leading reduced dims, 1: kept block, 2: trailing reduced dims
+    for (d, &n) in xd.iter().enumerate() {
+        if n == 1 {
+            continue;
+        }
+        let reduced = axes.contains(&d);
+        match (phase, reduced) {
+            (0, true) => outer *= n,
+            (0, false) | (1, false) => {
+                phase = 1;
+                kept *= n;
+            }
+            (1, true) | (2, true) => {
+                phase = 2;
+                inner *= n;
+            }
+            _ => return None,
+        }
+    }
+    (phase == 2 && outer > 1).then_some((outer, kept, inner))
 }
 
 /// Elements a single `fold_row` covers; longer rows are split in halves (pairwise summation).
@@ -201,6 +245,37 @@ mod tests {
                 .map(|v| v + 0.0)
                 .collect::<Vec<_>>()
         );
+    }
+
+    #[test]
+    fn middle_axis_reductions_match_the_general_walk() {
+        let xd = [3, 4, 2, 5];
+        let x: Vec<f32> = (0..120).map(|v| (v as f32 * 0.7).sin()).collect();
+        for op in [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Mean] {
+            let mut fast = vec![0.0; 4];
+            reduce(op, &x, &xd, &[0, 2, 3], &mut fast);
+            let mut slow = vec![0.0; 4];
+            let init = if op == ReduceOp::Max {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            };
+            general(&x, &xd, &[0, 2, 3], &mut slow, init, |a, b| {
+                if op == ReduceOp::Max {
+                    a.max(b)
+                } else {
+                    a + b
+                }
+            });
+            if op == ReduceOp::Mean {
+                slow.iter_mut().for_each(|v| *v /= 30.0);
+            }
+            for (a, b) in fast.iter().zip(&slow) {
+                assert!((a - b).abs() < 1e-5, "{op:?}: {fast:?} vs {slow:?}");
+            }
+        }
+        assert_eq!(middle(&xd, &[0, 2, 3]), Some((3, 4, 10)));
+        assert_eq!(middle(&xd, &[1, 3]), None);
     }
 
     #[test]

@@ -79,11 +79,19 @@ pub(super) fn check_limit(slot: &InputSlot, data: &[u8]) -> Result<()> {
     let bad = data
         .chunks_exact(4)
         .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
-        .find(|&v| v < 0 || v >= limit);
+        // Cross-entropy leaves rows labelled -100 out (PyTorch's default ignore_index).
+        .find(|&v| (v < 0 || v >= limit) && !(what == "label" && v == -100));
     match bad {
         Some(v) => Err(Error::input(
             &slot.name,
-            format!("{what} {v} is out of range [0, {limit})"),
+            format!(
+                "{what} {v} is out of range [0, {limit}){}",
+                if what == "label" {
+                    " (-100: an ignored row)"
+                } else {
+                    ""
+                }
+            ),
         )),
         None => Ok(()),
     }
