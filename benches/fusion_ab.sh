@@ -15,7 +15,7 @@ for r in $(seq "$rounds"); do
       fw=rlx; env_set="RLX_FUSION=1"
       case $v in unfused) env_set="RLX_FUSION=0" ;; torch) fw=torch; [ "$have_torch" = 1 ] || continue ;; esac
       line=$(env "$env_set" taskset -c "$cores" python benches/bench_cpu.py --child "$fw" "$w" --steps "$steps" 2>&1 | grep '^RESULT ' || true)
-      echo "round $r $w $v: $(python -c 'import json,sys; d=json.loads(sys.argv[1][7:]); print("step %.3f ms, loss %.4f" % (d["step_ms"], d["loss_last"]))' "$line")"
+      echo "round $r $w $v: $(python -c 'import json,sys; d=json.loads(sys.argv[1][7:]); print("step %.3f ms (p10 %.3f), loss %.4f" % (d["step_ms"], d["step_ms_p10"], d["loss_last"]))' "$line")"
     done
   done
 done

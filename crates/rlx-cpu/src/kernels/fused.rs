@@ -26,16 +26,21 @@ pub fn fused(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32]) {
     fused_shaped(f, f.shape.dims(), ins, out)
 }
 
-/// Elements of one block of a matmul epilogue's product: 1 MB, in a core's L2 while the
-/// epilogue reads it. Each block is one GEMM call that packs `b` again, so blocks are as large
-/// as that allows (and one per thread when the product is large enough to share).
-const EPI_BLOCK: usize = 256 * 1024;
+/// Elements of one block of a (single-threaded) matmul epilogue's product: 128 KB, in cache
+/// while the epilogue reads it.
+const EPI_BLOCK: usize = 32 * 1024;
 
-/// `out = f(a @ b, xs..)` (see `rlx_ir::Op::MatMulEpilogue`). A product that is one tall GEMM
-/// (`a` not transposed, `b` shared by every batch) whose other operands are full-size, scalars
-/// or rows of its width runs block by block: each block of rows is multiplied into a per-thread
-/// scratch and the epilogue writes `out` from it while it is in cache. Other products are
-/// computed whole first.
+thread_local! {
+    /// A matmul epilogue's product (a block of it, or all of it when it is computed whole).
+    static PRODUCT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `out = f(a @ b, xs..)` (see `rlx_ir::Op::MatMulEpilogue`). A small product (one thread) that
+/// is one tall GEMM (`a` not transposed, `b` shared by every batch) whose other operands are
+/// full-size, scalars or rows of its width runs block by block: each block of rows is
+/// multiplied into a scratch and the epilogue writes `out` from it while it is in cache. Other
+/// products are computed whole into a per-thread scratch (never the arena), then the epilogue
+/// runs over it in parallel tiles.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_epilogue(
     f: &Fused,
@@ -62,7 +67,12 @@ pub fn matmul_epilogue(
     let last = f.shape.dims().last().copied().unwrap_or(1);
     let row_like =
         |d: &[usize]| last == n && d.last() == Some(&n) && d[..d.len() - 1].iter().all(|&v| v == 1);
-    let blocked = !ta
+    let parallel = rows * n * k >= PAR_FLOPS;
+    // Large products are shared between threads by the GEMM itself (its own fine-grained
+    // blocking balances the cores; fixed row blocks with one GEMM each stall on the slowest
+    // core and pack `b` again per block), then the epilogue runs over it in parallel tiles.
+    let blocked = !parallel
+        && !ta
         && b_batch == 1
         && n > 0
         && rows == a_batch * m
@@ -83,11 +93,17 @@ pub fn matmul_epilogue(
             (0..r).map(|i| at(pa, i).max(at(pb, i))).collect()
         };
         od.extend([m, n]);
-        let mut product = vec![0.0; out.len()];
-        super::matmul::matmul(a, ad, ta, b, bd, tb, &mut product, &od);
-        let mut ins: Vec<(&[f32], &[usize])> = vec![(&product, f.shape.dims())];
-        ins.extend_from_slice(xs);
-        return fused(f, &ins, out);
+        return PRODUCT.with(|p| {
+            let mut p = p.borrow_mut();
+            if p.len() < out.len() {
+                p.resize(out.len(), 0.0);
+            }
+            let product = &mut p[..out.len()];
+            super::matmul::matmul(a, ad, ta, b, bd, tb, product, &od);
+            let mut ins: Vec<(&[f32], &[usize])> = vec![(product, f.shape.dims())];
+            ins.extend_from_slice(xs);
+            fused(f, &ins, out)
+        });
     }
     let bv = if tb {
         View {
@@ -98,11 +114,7 @@ pub fn matmul_epilogue(
     } else {
         View::rows(0, cb)
     };
-    let parallel = rows * n * k >= PAR_FLOPS;
-    let mut block_rows = (EPI_BLOCK / n).clamp(1, rows);
-    if parallel {
-        block_rows = block_rows.min(rows.div_ceil(rayon::current_num_threads().max(1)));
-    }
+    let block_rows = (EPI_BLOCK / n).clamp(1, rows);
     let one = |(c, o): (usize, &mut [f32]), product: &mut Vec<f32>| {
         let r0 = c * block_rows;
         let r = o.len() / n;
@@ -132,16 +144,12 @@ pub fn matmul_epilogue(
         }
         fused_shaped(f, &rn, &ins, o);
     };
-    if parallel {
-        out.par_chunks_mut(block_rows * n)
-            .enumerate()
-            .for_each_init(Vec::new, |p, c| one(c, p));
-    } else {
-        let mut p = Vec::new();
+    PRODUCT.with(|p| {
+        let p = &mut p.borrow_mut();
         out.chunks_mut(block_rows * n)
             .enumerate()
-            .for_each(|c| one(c, &mut p));
-    }
+            .for_each(|c| one(c, p))
+    });
 }
 
 /// Rows of one block of a fused sum (each block is evaluated, then added into a partial sum).
