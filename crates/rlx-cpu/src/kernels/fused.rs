@@ -324,22 +324,35 @@ fn eval(f: &Fused, ins: &[Src], out: &mut [f32], scratch: &mut [f32]) {
         match *step {
             FusedStep::Unary(u, a) => unary(u, reg(a), dst),
             FusedStep::Binary(b, x, y) => binary(b, reg(x), reg(y), dst),
-            FusedStep::Where(c, x, y) => {
-                let (c, x, y) = (reg(c), reg(x), reg(y));
-                for (j, o) in dst.iter_mut().enumerate() {
-                    *o = if at(c, j) != 0.0 { at(x, j) } else { at(y, j) };
-                }
-            }
+            FusedStep::Where(c, x, y) => select(reg(c), reg(x), reg(y), dst),
         }
     }
 }
 
-#[inline(always)]
-fn at(s: Src, j: usize) -> f32 {
-    match s {
-        Src::Slice(v) => v[j],
-        Src::Scalar(v) => v,
-    }
+/// `dst = c != 0 ? x : y` as one tight (branch-free) loop per operand kind.
+fn select(c: Src, x: Src, y: Src, dst: &mut [f32]) {
+    let pick = |c: f32, x: f32, y: f32| if c != 0.0 { x } else { y };
+    crate::isa::dispatch(|| match (c, x, y) {
+        (Src::Scalar(c), x, y) => match if c != 0.0 { x } else { y } {
+            Src::Slice(v) => dst.copy_from_slice(&v[..dst.len()]),
+            Src::Scalar(v) => dst.fill(v),
+        },
+        (Src::Slice(c), Src::Scalar(x), Src::Slice(y)) => dst
+            .iter_mut()
+            .zip(c.iter().zip(y))
+            .for_each(|(o, (&c, &y))| *o = pick(c, x, y)),
+        (Src::Slice(c), Src::Slice(x), Src::Scalar(y)) => dst
+            .iter_mut()
+            .zip(c.iter().zip(x))
+            .for_each(|(o, (&c, &x))| *o = pick(c, x, y)),
+        (Src::Slice(c), Src::Slice(x), Src::Slice(y)) => dst
+            .iter_mut()
+            .zip(c.iter().zip(x.iter().zip(y)))
+            .for_each(|(o, (&c, (&x, &y)))| *o = pick(c, x, y)),
+        (Src::Slice(c), Src::Scalar(x), Src::Scalar(y)) => {
+            dst.iter_mut().zip(c).for_each(|(o, &c)| *o = pick(c, x, y))
+        }
+    })
 }
 
 /// `dst = f(a)` as one tight loop per op.
