@@ -85,9 +85,17 @@ def main() -> None:
     shapes = {"digits": (1, 8, 8), "cifar": (3, 32, 32)}
     ours = {"digits": DigitsCNN, "cifar": CifarCNN}
     batch = 64
-    print(f"rlx {rlx.__version__}, torch {torch.__version__}, {args.threads} threads, batch {batch}")
-    print("| workload | rlx ms/step | PyTorch ms/step | rlx / PyTorch |")
-    print("|---|---|---|---|")
+    def load() -> str:
+        try:
+            with open("/proc/loadavg") as f:
+                return f.read().split()[0]
+        except OSError:
+            return "?"
+
+    print(f"rlx {rlx.__version__}, torch {torch.__version__}, {args.threads} threads, batch {batch}, "
+          f"1-min load average {load()} (other processes inflate both columns, PyTorch's more)")
+    print("| workload | rlx ms/step | PyTorch ms/step | rlx / PyTorch | load after |")
+    print("|---|---|---|---|---|")
     for name in args.only.split(","):
         rng = np.random.default_rng(0)
         xs = rng.random((args.steps, batch, *shapes[name]), dtype=np.float32)
@@ -121,7 +129,7 @@ def main() -> None:
                     fn(i)
                     times[fw].append(time.perf_counter() - t)
         a, b = statistics.median(times["rlx"]) * 1e3, statistics.median(times["torch"]) * 1e3
-        print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f} |")
+        print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f} | {load()} |")
 
 
 if __name__ == "__main__":

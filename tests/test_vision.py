@@ -55,6 +55,7 @@ CONV_CASES = [
     ((1, 2, 6, 6), (3, 5, 5), 1, 2),
     ((2, 3, 5, 6), (2, 2, 3), (2, 1), (0, 1)),
     ((1, 4, 5, 5), (6, 1, 1), 2, 0),
+    ((2, 2, 17, 16), (3, 3, 3), 1, 1),  # >= 256 output positions: one GEMM per image
 ]
 
 
@@ -310,3 +311,44 @@ def test_bad_layer_arguments():
         rlx.compile(lambda m, x: m(x), rlx.nn.BatchNorm2d(3), {"x": rlx.InputSpec((2, 4, 5, 5))})
     with pytest.raises(rlx.ShapeError, match=r"\[conv2d\] x has 2 channels but weight \(4, 3, 3, 3\) expects 3"):
         rlx.compile(lambda m, x: m(x), rlx.nn.Conv2d(3, 4, 3), {"x": rlx.InputSpec((1, 2, 5, 5))})
+
+
+@needs_torch
+@pytest.mark.parametrize("xs,ws,stride,padding", CONV_CASES, ids=str)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_conv_and_pool_layers_match_torch(xs, ws, stride, padding, training):
+    """Conv2d -> MaxPool2d / AvgPool2d layers: outputs, and in train mode the gradients of the
+    weight, bias and input, against PyTorch on the same weights."""
+    rlx.seed(sum(xs))
+    conv = rlx.nn.Conv2d(xs[1], ws[0], ws[1:], stride=stride, padding=padding)
+    tconv = torch.nn.Conv2d(xs[1], ws[0], ws[1:], stride=stride, padding=padding)
+    _torch_copy(conv, tconv)
+    x = np.random.default_rng(1).standard_normal(xs).astype(np.float32)
+    tx = torch.tensor(x, requires_grad=True)
+    ty = tconv(tx)
+    k = min(2, ty.shape[2], ty.shape[3])
+
+    class Net(rlx.nn.Module):
+        def __init__(self):
+            self.conv, self.mp, self.ap = conv, rlx.nn.MaxPool2d(k, 1), rlx.nn.AvgPool2d(k)
+
+        def __call__(self, x):
+            y = self.conv(x)
+            return y, self.mp(y), self.ap(y)
+
+    tys = (ty, torch.nn.functional.max_pool2d(ty, k, 1), torch.nn.functional.avg_pool2d(ty, k))
+    net = Net().train(training)
+    outs = rlx.compile(lambda m, x: m(x), net, {"x": rlx.InputSpec(xs)}, training=training)(x=x)
+    for got, want in zip(outs, tys):
+        assert_close(got, want.detach().numpy().astype(np.float64), rtol=1e-4, atol=1e-5)
+    if not training:
+        return
+    gs = [np.random.default_rng(i).standard_normal(t.shape).astype(np.float32) for i, t in enumerate(tys)]
+    sum(((t * torch.tensor(g)).sum() for t, g in zip(tys, gs)), torch.zeros(())).backward()
+    net.x = rlx.nn.Parameter(x)
+    step = rlx.compile_train_step(
+        lambda m, g0, g1, g2: sum(((o * g).sum() for o, g in zip(m(m.x * 1.0), (g0, g1, g2))), 0.0), net,
+        rlx.optim.SGD(lr=0.0), {f"g{i}": rlx.InputSpec(g.shape) for i, g in enumerate(gs)})
+    step(g0=gs[0], g1=gs[1], g2=gs[2])
+    for name, want in [("conv.weight", tconv.weight.grad), ("conv.bias", tconv.bias.grad), ("x", tx.grad)]:
+        assert_close(step.grads[name], want.numpy().astype(np.float64), rtol=1e-4, atol=1e-4, err_msg=name)

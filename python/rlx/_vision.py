@@ -9,11 +9,14 @@ import numpy as np
 
 from . import _check
 from ._random import rng
-from ._tensor import Tensor, Trace, _as_tensor, _trace_of, matmul
+from ._tensor import Tensor, Trace, _as_tensor, _matmul_nt, _trace_of
 from .errors import DTypeError, InputError, ShapeError
 
 #: The name of the hidden int32 (2,) input holding the dropout seed of a call: (key, call count).
 RNG_INPUT = "rlx.rng"
+#: Output positions per image from which conv2d runs one GEMM per image instead of one tall GEMM
+#: plus a transpose.
+_DIRECT_MIN = 256
 
 
 def _pair(op: str, name: str, v: Any, lo: int) -> tuple[int, int]:
@@ -45,7 +48,7 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
            padding: int | tuple[int, int] = 0) -> Tensor:
     """2-D convolution (cross-correlation, as PyTorch's) of ``x`` (N, C, H, W) with ``weight``
     (O, C, kh, kw), plus ``bias`` (O,) when given: (N, O, Ho, Wo). Lowered to a GEMM over
-    im2col patches planned in the arena (a 1x1 kernel with stride 1 reads x directly).
+    im2col patches planned in the arena.
 
     Example:
         >>> def forward(model, x):
@@ -64,17 +67,26 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
     if kh == 0 or kw == 0:
         raise ShapeError(f"[conv2d] weight {w.shape} has an empty kernel")
     ho, wo = _out_size("conv2d", x, (kh, kw), s, p, "kernel")
-    if (kh, kw, s, p) == (1, 1, (1, 1), (0, 0)):
-        cols = x.reshape(n, c, h * wd)
-    else:
-        cols = Tensor(t, t.graph.window("im2col", x._id, (kh, kw), s, p))
-    y = matmul(w.reshape(o, c * kh * kw), cols).reshape(n, o, ho, wo)
+    cols = Tensor(t, t.graph.window("im2col", x._id, (kh, kw), s, p))  # (N, Ho*Wo, C*kh*kw)
+    w2 = w.reshape(o, c * kh * kw)
+    b = None
     if bias is not None:
         b = _as_tensor(bias, t)
         if b.shape != (o,):
             raise ShapeError(f"[conv2d] bias must have shape ({o},), got {b.shape}")
-        y = y + b.reshape(o, 1, 1)
-    return y
+    if ho * wo >= _DIRECT_MIN:
+        # Large images: one GEMM per image, weight (O, K) @ patches^T, straight into NCHW; the
+        # gradients are per-image GEMMs too (the weight's summed over the batch).
+        y = Tensor(t, t.graph.matmul(w2._id, cols._id, False, True))
+        if b is not None:
+            y = y + b.reshape(o, 1)
+        return y.reshape(n, o, ho, wo)
+    # Small images: all patches times the weight as one tall GEMM (and one for the patch
+    # gradient), then one transpose to NCHW.
+    y = _matmul_nt(cols, w2)
+    if b is not None:
+        y = y + b
+    return y.transpose(0, 2, 1).reshape(n, o, ho, wo)
 
 
 def _pool(op: str, x: Any, kernel_size: Any, stride: Any, padding: Any) -> Tensor:
@@ -131,7 +143,8 @@ def dropout(x: Any, p: float = 0.5, training: bool = True) -> Tensor:
     """Inverted dropout: in training, each element is zeroed with probability ``p`` and the
     rest scaled by ``1 / (1 - p)``; otherwise ``x`` unchanged. The mask is drawn in the graph
     from a seed that ``rlx.seed`` makes reproducible: the same for a given step number, new at
-    every call of a compiled step.
+    every call of a compiled step. (In a graph built by hand with ``rlx.Graph``, the seed is an
+    int32 (2,) input named ``"rlx.rng"`` that the caller feeds: a key and a call counter.)
 
     Example:
         >>> def forward(model, x):

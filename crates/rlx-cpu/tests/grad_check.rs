@@ -375,7 +375,7 @@ fn vision_ops() {
         let [oh, ow] = window.out_size([5, 6]).unwrap();
         check(
             &format!("col2im k{k} s{s} p{p}"),
-            &[rand(&[2, 3 * k * k, oh * ow], 41)],
+            &[rand(&[2, oh * ow, 3 * k * k], 41)],
             op1(Op::Col2Im {
                 window,
                 size: [5, 6],

@@ -358,7 +358,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             float(0)?;
             let (n, c, o) = windowed(name, &ins[0].shape, w)?;
             let k = c * w.kernel[0] * w.kernel[1];
-            Ok((Shape(vec![n, k, o[0] * o[1]]), DType::F32))
+            Ok((Shape(vec![n, o[0] * o[1], k]), DType::F32))
         }
         Op::Col2Im { window: w, size } => {
             float(0)?;
@@ -367,8 +367,8 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             let o = w.out_size(*size);
             let fits = s.rank() == 3
                 && kk > 0
-                && s.0[1] % kk == 0
-                && o.is_some_and(|o| o[0] * o[1] == s.0[2]);
+                && s.0[2] % kk == 0
+                && o.is_some_and(|o| o[0] * o[1] == s.0[1]);
             if !fits {
                 return Err(Error::shape(
                     name,
@@ -379,7 +379,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                 ));
             }
             Ok((
-                Shape(vec![s.0[0], s.0[1] / kk, size[0], size[1]]),
+                Shape(vec![s.0[0], s.0[2] / kk, size[0], size[1]]),
                 DType::F32,
             ))
         }

@@ -218,11 +218,11 @@ pub enum Op {
     /// autodiff; it has no VJP).
     Fused(Arc<Fused>),
     /// Convolution patches (the GEMM lowering of `conv2d`): x `[N, C, H, W]` gives
-    /// `[N, C*kh*kw, Ho*Wo]` where row `(c*kh + i)*kw + j` at column `oh*Wo + ow` holds
-    /// `x[n, c, oh*sh - ph + i, ow*sw - pw + j]` (0 outside the input);
+    /// `[N, Ho*Wo, C*kh*kw]` where row `oy*Wo + ox`, column `(c*kh + i)*kw + j` holds
+    /// `x[n, c, oy*sh - ph + i, ox*sw - pw + j]` (0 outside the input);
     /// `Ho = (H + 2*ph - kh) / sh + 1` (floor), likewise `Wo`. `[a, b]` pairs are (height, width).
     Im2Col(Window),
-    /// The adjoint of `Im2Col`: sums the patches `[N, C*kh*kw, Ho*Wo]` back into an image
+    /// The adjoint of `Im2Col`: sums the patches `[N, Ho*Wo, C*kh*kw]` back into an image
     /// `[N, C, size[0], size[1]]` (positions in the padding are dropped).
     Col2Im {
         window: Window,

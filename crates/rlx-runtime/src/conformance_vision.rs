@@ -49,11 +49,11 @@ fn im2col_ref(x: &[f32], w: &Window) -> Vec<f64> {
     let [kh, kw] = w.kernel;
     let mut out = Vec::new();
     for n in 0..N {
-        for c in 0..C {
-            for i in 0..kh {
-                for j in 0..kw {
-                    for oy in 0..oh {
-                        for ox in 0..ow {
+        for oy in 0..oh {
+            for ox in 0..ow {
+                for c in 0..C {
+                    for i in 0..kh {
+                        for j in 0..kw {
                             let (y, xx) = pos(w, oy, ox, i, j);
                             out.push(at(x, n, c, y, xx).unwrap_or(0.0));
                         }

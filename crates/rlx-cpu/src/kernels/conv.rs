@@ -34,90 +34,82 @@ fn planes(out: &mut [f32], plane: usize, body: impl Fn(usize, &mut [f32]) + Sync
     }
 }
 
-/// Input row (or column) `o * stride + k - pad` when it lies inside `0..size`.
+/// `dst = src` for the few elements of one kernel row: the common widths unrolled (a call to
+/// `memcpy` per 3 floats costs more than the copy).
 #[inline(always)]
-fn src(o: usize, k: usize, stride: usize, pad: usize, size: usize) -> Option<usize> {
-    (o * stride + k).checked_sub(pad).filter(|&v| v < size)
+fn copy_short(dst: &mut [f32], src: &[f32]) {
+    match (dst, src) {
+        ([d0], [s0]) => *d0 = *s0,
+        ([d0, d1, d2], [s0, s1, s2]) => (*d0, *d1, *d2) = (*s0, *s1, *s2),
+        (d, s) => d.copy_from_slice(s),
+    }
 }
 
-/// x `[N, C, H, W]` (dims `xd`) into patches `[N, C*kh*kw, Ho*Wo]`.
+/// `dst += src` for the few elements of one kernel row (see [`copy_short`]).
+#[inline(always)]
+fn add_short(dst: &mut [f32], src: &[f32]) {
+    match (dst, src) {
+        ([d0], [s0]) => *d0 += *s0,
+        ([d0, d1, d2], [s0, s1, s2]) => {
+            *d0 += *s0;
+            *d1 += *s1;
+            *d2 += *s2;
+        }
+        (d, s) => d.iter_mut().zip(s).for_each(|(t, v)| *t += v),
+    }
+}
+
+/// x `[N, C, H, W]` (dims `xd`) into patches `[N, Ho*Wo, C*kh*kw]`: row `oy*Wo + ox` holds
+/// the window of output (oy, ox), channel-major, zeros where it reaches into the padding.
 pub fn im2col(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
-    let (h, wd) = (xd[2], xd[3]);
+    let (c, h, wd) = (xd[1], xd[2], xd[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
-    let [sh, sw] = w.stride;
-    let [ph, pw] = w.padding;
-    let p = oh * ow;
-    // One (n, c) plane of x gives kh*kw rows of patches.
-    planes(out, kh * kw * p, |nc, o| {
-        let img = &x[nc * h * wd..(nc + 1) * h * wd];
-        for i in 0..kh {
-            for j in 0..kw {
-                let row = &mut o[(i * kw + j) * p..(i * kw + j + 1) * p];
-                for y in 0..oh {
-                    let dst = &mut row[y * ow..(y + 1) * ow];
-                    let Some(iy) = src(y, i, sh, ph, h) else {
-                        dst.fill(0.0);
-                        continue;
-                    };
-                    let line = &img[iy * wd..(iy + 1) * wd];
-                    if sw == 1 {
-                        // Columns j - pw + ox, contiguous: zeros, a copy, zeros.
-                        let lo = pw.saturating_sub(j).min(ow);
-                        let hi = (wd + pw).saturating_sub(j).clamp(lo, ow);
-                        dst[..lo].fill(0.0);
-                        if hi > lo {
-                            let start = lo + j - pw;
-                            dst[lo..hi].copy_from_slice(&line[start..start + hi - lo]);
-                        }
-                        dst[hi..].fill(0.0);
-                    } else {
-                        for (xo, d) in dst.iter_mut().enumerate() {
-                            *d = src(xo, j, sw, pw, wd).map_or(0.0, |ix| line[ix]);
-                        }
-                    }
+    let k = c * kh * kw;
+    let rxs: Vec<_> = (0..ow)
+        .map(|ox| span(ox, kw, w.stride[1], w.padding[1], wd))
+        .collect();
+    // One task unit: the patches of one output row (n, oy).
+    planes(out, ow * k, |row, o| {
+        let (n, oy) = (row / oh, row % oh);
+        let img = &x[n * c * h * wd..(n + 1) * c * h * wd];
+        let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
+        for (dst, &(jlo, jhi, ix0)) in o.chunks_exact_mut(k).zip(&rxs) {
+            if ihi - ilo < kh || jhi - jlo < kw {
+                dst.fill(0.0);
+            }
+            for ch in 0..c {
+                for i in ilo..ihi {
+                    let line = (ch * h + iy0 + i - ilo) * wd + ix0;
+                    let d = (ch * kh + i) * kw;
+                    copy_short(&mut dst[d + jlo..d + jhi], &img[line..line + jhi - jlo]);
                 }
             }
         }
     });
 }
 
-/// Patches `[N, C*kh*kw, Ho*Wo]` summed back into an image `[N, C, H, W]` (dims `od`).
+/// Patches `[N, Ho*Wo, C*kh*kw]` summed back into an image `[N, C, H, W]` (dims `od`).
 pub fn col2im(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
-    let (h, wd) = (od[2], od[3]);
+    let (c, h, wd) = (od[1], od[2], od[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
-    let [sh, sw] = w.stride;
-    let [ph, pw] = w.padding;
-    let p = oh * ow;
-    planes(out, h * wd, |nc, img| {
+    let k = c * kh * kw;
+    let rxs: Vec<_> = (0..ow)
+        .map(|ox| span(ox, kw, w.stride[1], w.padding[1], wd))
+        .collect();
+    planes(out, c * h * wd, |n, img| {
         img.fill(0.0);
-        let patch = &cols[nc * kh * kw * p..(nc + 1) * kh * kw * p];
-        for i in 0..kh {
-            for j in 0..kw {
-                let row = &patch[(i * kw + j) * p..(i * kw + j + 1) * p];
-                for y in 0..oh {
-                    let Some(iy) = src(y, i, sh, ph, h) else {
-                        continue;
-                    };
-                    let line = &mut img[iy * wd..(iy + 1) * wd];
-                    let from = &row[y * ow..(y + 1) * ow];
-                    if sw == 1 {
-                        let lo = pw.saturating_sub(j).min(ow);
-                        let hi = (wd + pw).saturating_sub(j).clamp(lo, ow);
-                        if hi > lo {
-                            let start = lo + j - pw;
-                            let to = &mut line[start..start + hi - lo];
-                            for (d, s) in to.iter_mut().zip(&from[lo..hi]) {
-                                *d += s;
-                            }
-                        }
-                    } else {
-                        for (xo, s) in from.iter().enumerate() {
-                            if let Some(ix) = src(xo, j, sw, pw, wd) {
-                                line[ix] += s;
-                            }
-                        }
+        let patches = &cols[n * oh * ow * k..(n + 1) * oh * ow * k];
+        for oy in 0..oh {
+            let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
+            for (ox, &(jlo, jhi, ix0)) in rxs.iter().enumerate() {
+                let src = &patches[(oy * ow + ox) * k..(oy * ow + ox + 1) * k];
+                for ch in 0..c {
+                    for i in ilo..ihi {
+                        let line = (ch * h + iy0 + i - ilo) * wd + ix0;
+                        let d = (ch * kh + i) * kw;
+                        add_short(&mut img[line..line + jhi - jlo], &src[d + jlo..d + jhi]);
                     }
                 }
             }
@@ -183,17 +175,36 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
         // Every window lies inside the image: one output row at a time, folding the kernel's
         // rows into it (NaN propagates).
         let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
+        let nan_max = |a: f32, b: f32| if a > b || a.is_nan() { a } else { b };
+        if [kh, kw, sh, sw] == [2, 2, 2, 2] {
+            planes(out, oh * ow, |nc, o| {
+                let img = &x[nc * h * wd..(nc + 1) * h * wd];
+                for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
+                    let i0 = &img[2 * y * wd..2 * y * wd + 2 * ow];
+                    let i1 = &img[(2 * y + 1) * wd..(2 * y + 1) * wd + 2 * ow];
+                    for ((m, p), q) in orow
+                        .iter_mut()
+                        .zip(i0.chunks_exact(2))
+                        .zip(i1.chunks_exact(2))
+                    {
+                        *m = nan_max(nan_max(p[0], p[1]), nan_max(q[0], q[1]));
+                    }
+                }
+            });
+            return;
+        }
         planes(out, oh * ow, |nc, o| {
             let img = &x[nc * h * wd..(nc + 1) * h * wd];
             for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
                 orow.fill(f32::NEG_INFINITY);
                 for i in 0..kh {
                     let line = &img[(y * sh + i) * wd..(y * sh + i + 1) * wd];
-                    for (xo, m) in orow.iter_mut().enumerate() {
-                        for &v in &line[xo * sw..xo * sw + kw] {
-                            if v > *m || v.is_nan() {
-                                *m = v;
-                            }
+                    for j in 0..kw {
+                        // Column j of every window of this row: a strided walk with a
+                        // branch-free select (random data would mispredict a branch half the
+                        // time).
+                        for (m, &v) in orow.iter_mut().zip(line[j..].iter().step_by(sw)) {
+                            *m = if v > *m || v.is_nan() { v } else { *m };
                         }
                     }
                 }
@@ -229,6 +240,71 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
     let rxs: Vec<_> = (0..ow)
         .map(|xo| span(xo, w.kernel[1], w.stride[1], w.padding[1], wd))
         .collect();
+    if max && w.padding == [0, 0] {
+        let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
+        if [kh, kw, sh, sw] == [2, 2, 2, 2] {
+            planes(out, h * wd, |nc, gx| {
+                let img = &x[nc * h * wd..(nc + 1) * h * wd];
+                let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
+                gx.fill(0.0); // rows / columns past the last window (odd sizes) stay 0
+                for y in 0..oh {
+                    let (r0, r1) = (2 * y * wd, (2 * y + 1) * wd);
+                    let (i0, i1) = (&img[r0..r0 + 2 * ow], &img[r1..r1 + 2 * ow]);
+                    let (o0, o1) = gx.split_at_mut(r1);
+                    let (o0, o1) = (&mut o0[r0..r0 + 2 * ow], &mut o1[..2 * ow]);
+                    let gr = &gp[y * ow..(y + 1) * ow];
+                    for ((((a, b), (c, d)), gv), ((oa, ob), (oc, od))) in i0
+                        .chunks_exact(2)
+                        .map(|p| (p[0], p[1]))
+                        .zip(i1.chunks_exact(2).map(|p| (p[0], p[1])))
+                        .zip(gr)
+                        .zip(
+                            o0.chunks_exact_mut(2)
+                                .map(|p| p.split_at_mut(1))
+                                .zip(o1.chunks_exact_mut(2).map(|p| p.split_at_mut(1))),
+                        )
+                    {
+                        // The first maximum (or first NaN) of (a, b, c, d), branch-free.
+                        let beats = |v: f32, best: f32| v > best || (v.is_nan() && !best.is_nan());
+                        let mut k = 0u8;
+                        let mut best = a;
+                        for (i, v) in [(1u8, b), (2, c), (3, d)] {
+                            let t = beats(v, best);
+                            k = if t { i } else { k };
+                            best = if t { v } else { best };
+                        }
+                        oa[0] = if k == 0 { *gv } else { 0.0 };
+                        ob[0] = if k == 1 { *gv } else { 0.0 };
+                        oc[0] = if k == 2 { *gv } else { 0.0 };
+                        od[0] = if k == 3 { *gv } else { 0.0 };
+                    }
+                }
+            });
+            return;
+        }
+        planes(out, h * wd, |nc, gx| {
+            gx.fill(0.0);
+            let img = &x[nc * h * wd..(nc + 1) * h * wd];
+            let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
+            for y in 0..oh {
+                for xo in 0..ow {
+                    let base = y * sh * wd + xo * sw;
+                    let (mut at, mut best) = (base, img[base]);
+                    for i in 0..kh {
+                        for j in 0..kw {
+                            let v = img[base + i * wd + j];
+                            // The first maximum, or the first NaN (then kept): branch-free.
+                            let take = v > best || (v.is_nan() && !best.is_nan());
+                            at = if take { base + i * wd + j } else { at };
+                            best = if take { v } else { best };
+                        }
+                    }
+                    gx[at] += gp[y * ow + xo];
+                }
+            }
+        });
+        return;
+    }
     planes(out, h * wd, |nc, gx| {
         gx.fill(0.0);
         let img = &x[nc * h * wd..(nc + 1) * h * wd];
@@ -317,8 +393,8 @@ mod tests {
             let mut cols = vec![f32::NAN; n * c * k * k * oh * ow];
             im2col(&x, &[n, c, h, wd], &w, &mut cols);
             for (idx, &v) in cols.iter().enumerate() {
-                let col = idx % (oh * ow);
-                let row = (idx / (oh * ow)) % (c * k * k);
+                let row = idx % (c * k * k);
+                let col = (idx / (c * k * k)) % (oh * ow);
                 let b = idx / (oh * ow * c * k * k);
                 let (ch, i, j) = (row / (k * k), (row / k) % k, row % k);
                 let (y, xo) = (col / ow, col % ow);
@@ -354,6 +430,26 @@ mod tests {
         let mut gx = [9.0; 8];
         pool2d_grad(&x, &[1, 1, 2, 4], &[1.0, 2.0], &w, true, &mut gx);
         assert_eq!(gx, [0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        // NaN propagates and takes the gradient (the first NaN of its window), with and
+        // without padding.
+        let x = [1.0, f32::NAN, 3.0, 0.0, f32::NAN, 9.0, 1.0, 0.0];
+        for pad in [0, 1] {
+            let w = win(2, 2, pad);
+            let [oh, ow] = w.out_size([2, 4]).unwrap();
+            let mut y = vec![0.0; oh * ow];
+            pool2d(&x, &[1, 1, 2, 4], &w, true, &mut y);
+            let mut gx = [0.0; 8];
+            pool2d_grad(&x, &[1, 1, 2, 4], &vec![1.0; oh * ow], &w, true, &mut gx);
+            if pad == 0 {
+                assert!(y[0].is_nan() && y[1] == 3.0, "{y:?}");
+                assert_eq!(gx, [0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+            } else {
+                // Windows over columns (-1, 0), (1, 2), (3, 4) of rows -1..1 and 1..3.
+                assert!(y[1].is_nan() && y[3].is_nan() && y[4] == 9.0, "{y:?}");
+                assert_eq!(gx[1], 1.0);
+                assert_eq!(gx[4], 1.0);
+            }
+        }
     }
 
     #[test]
