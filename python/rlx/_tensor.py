@@ -649,7 +649,7 @@ def scaled_dot_product_attention(
     float32 q, k, v with the same leading dims run as one fused ``attention`` instruction (and
     one ``attention_grad`` in the backward pass): the scores of one (batch, head) block at a
     time, never the whole (..., Tq, Tk) tensor. Other inputs (broadcast leading dims, empty
-    axes, int32) are computed from primitive ops, with the same results.
+    axes, other dtypes) are computed from primitive ops.
 
     ``causal=True`` lets query ``i`` see keys ``j`` with ``j <= i + offset``. With the default
     ``causal_align="top_left"`` the offset is 0, as PyTorch's ``is_causal=True`` (query 0 sees
