@@ -206,9 +206,10 @@ def test_matmul_epilogues_match_the_unfused_program(monkeypatch, rows, k, n, bat
         assert "matmul_epilogue" in program_ops(fused[2])
 
 
-def test_a_large_epilogue_runs_in_parallel_blocks_and_a_batched_product_whole(monkeypatch):
-    # 512 x 128 @ 128 x 256: over the parallel threshold, several blocks; then a batched
-    # product of two 3-D operands (computed whole, then the epilogue).
+def test_large_and_batched_epilogues_match_the_unfused_program(monkeypatch):
+    # 512 x 128 @ 128 x 256: over the parallel threshold (the product computed whole by the
+    # threaded GEMM, then the epilogue in parallel tiles); and a batched product of two 3-D
+    # operands (not one tall GEMM).
     rng = np.random.default_rng(1)
     arrays = {"w": rng.standard_normal((128, 256)).astype(np.float32) * 0.1,
               "b": rng.standard_normal(256).astype(np.float32),
