@@ -349,8 +349,8 @@ class TrainStep(_Compiled):
             self._comm.allreduce_mean_(var.region)
             out += var.exe.run({}, hyper, var.read[-1:], "update")
         self._rng_calls += 1
-        if var is not self._last:
-            self._last, self._grads = var, None
+        # Views (host-visible memory) stay current; copies (device memory) are taken again.
+        self._last, self._grads = var, None
         stats = np.frombuffer(out[-1], dtype=np.float32)
         self._grad_norm = float(stats[0])
         var.skipped = float(stats[1])
@@ -424,7 +424,8 @@ def _output(exe: Any, i: int) -> np.ndarray:
     shape, dtype = exe.outputs()[i]
     raw = exe.output_view(i)
     if raw is None:
-        raise RlxError("this device's memory is not host-visible; read outputs from the call's result")
+        # Device memory the host cannot see (CUDA): a read-only copy of the last call's values.
+        raw = exe.output_read(i)
     arr = np.frombuffer(raw, dtype=_NP[dtype]).reshape(shape)
     arr.flags.writeable = False
     return arr
@@ -498,7 +499,8 @@ class Function(_Compiled):
         self._bound.add(name)
 
     def view(self, name: str) -> np.ndarray:
-        """The arena view of input ``name`` (writable; host-visible devices only).
+        """The arena view of input ``name`` (writable) where the host can see the memory; on CUDA a
+        read-only copy of its current values (change it with ``bind`` or ``write_rows``).
 
         Example:
             >>> fn.view("k_cache")[:, :, 0] = 0.0
@@ -506,7 +508,8 @@ class Function(_Compiled):
         spec = self._spec(name)
         raw = self._exe.input_view(name)
         if raw is None:
-            raise RlxError(f"[{name}] this device's memory is not host-visible")
+            # Device memory (CUDA): a read-only copy of the slot; write with bind / write_rows.
+            return np.frombuffer(self._exe.input_read(name), dtype=_NP[spec.dtype]).reshape(spec.shape)
         return np.frombuffer(raw, dtype=_NP[spec.dtype]).reshape(spec.shape)
 
     def write_rows(self, name: str, start: int, rows: Any, axis: int = 0) -> None:

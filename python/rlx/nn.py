@@ -112,7 +112,8 @@ class Parameter:
         return len(self.shape)
 
     def numpy(self) -> np.ndarray:
-        """The values: a zero-copy view of the weight store where the host can see it, else a copy.
+        """The values: a zero-copy view of the weight store where the host can see it, else a
+        read-only copy (CUDA: assign to the parameter to change it).
 
         Example:
             >>> lin = rlx.nn.Linear(3, 2)
@@ -127,7 +128,8 @@ class Parameter:
         shape = self._store_shape
         raw = self._store.view(self._name)
         if raw is None:
-            return np.frombuffer(self._store.read(self._name), dtype=np.float32).reshape(shape).copy()
+            # Device memory (CUDA): a read-only copy; writes go through assignment, not the array.
+            return np.frombuffer(self._store.read(self._name), dtype=np.float32).reshape(shape)
         self._view = np.frombuffer(raw, dtype=np.float32).reshape(shape)
         return self._view
 

@@ -8,7 +8,14 @@ use std::sync::Arc;
 /// Devices that can run here.
 #[pyfunction]
 pub fn devices() -> Vec<String> {
-    vec!["cpu".to_string()]
+    let mut out = vec!["cpu".to_string()];
+    if let Ok(n) = rlx_cuda::available() {
+        if n > 0 {
+            out.push("cuda".into());
+            out.extend((0..n).map(|i| format!("cuda:{i}")));
+        }
+    }
+    out
 }
 
 /// The instruction set the CPU kernels run with in this process: `"avx2"` or `"portable"`
@@ -28,12 +35,47 @@ pub fn backend(device: &str) -> Result<Arc<dyn Backend>, Error> {
     let available = devices();
     match device {
         "cpu" => Ok(Arc::new(rlx_cpu::CpuBackend)),
-        d if d == "cuda" || d.starts_with("cuda:") || d == "metal" => Err(Error::Device(format!(
-            "device '{d}' is not available: this rlx build has no {} backend; available devices: {available:?}",
-            if d == "metal" { "Metal" } else { "CUDA" }
+        "cuda" => cuda(device, 0),
+        d if d.starts_with("cuda:") => match d[5..].parse::<usize>() {
+            Ok(i) if d[5..].bytes().all(|c| c.is_ascii_digit()) => cuda(d, i),
+            _ => Err(Error::Device(format!(
+                "bad device name '{d}': write 'cuda' or 'cuda:N' with N a GPU number"
+            ))),
+        },
+        "metal" => Err(Error::Device(format!(
+            "device 'metal' is not available: this rlx build has no Metal backend; available devices: {available:?}"
         ))),
         d => Err(Error::Device(format!(
             "unknown device '{d}'; available devices: {available:?} (names: 'cpu', 'cuda', 'cuda:N', 'metal')"
         ))),
     }
+}
+
+/// The CUDA backend of GPU `ordinal`, or why it cannot be used here.
+fn cuda(device: &str, ordinal: usize) -> Result<Arc<dyn Backend>, Error> {
+    let with_list = |e: Error| {
+        Error::Device(format!(
+            "{}; available devices: {:?}",
+            e.to_string().trim_start_matches("device error: "),
+            devices()
+        ))
+    };
+    if rlx_cuda::available().is_err() {
+        return Err(with_list(rlx_cuda::unavailable(device)));
+    }
+    rlx_cuda::CudaBackend::new(ordinal)
+        .map(|b| Arc::new(b) as Arc<dyn Backend>)
+        .map_err(with_list)
+}
+
+/// Tells the CUDA backend where this interpreter's packages are (`sys.path`), so the NVRTC and
+/// cuBLAS libraries of the `nvidia-*` wheels are found next to PyTorch's.
+pub fn register_python_paths(py: Python<'_>) {
+    let paths: Vec<std::path::PathBuf> = py
+        .import("sys")
+        .and_then(|sys| sys.getattr("path"))
+        .and_then(|p| p.extract::<Vec<String>>())
+        .map(|v| v.into_iter().map(Into::into).collect())
+        .unwrap_or_default();
+    rlx_cuda::add_package_dirs(paths);
 }

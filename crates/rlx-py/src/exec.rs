@@ -6,7 +6,7 @@ use crate::gate::native;
 use crate::graph::PyGraph;
 use crate::store::PyStore;
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyDict};
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
 use rlx_ir::Error;
 use rlx_runtime::{Executable, HostBytes, OptimHyper, OptimizerSetup, Phase};
 use std::sync::Arc;
@@ -192,6 +192,37 @@ impl PyExecutable {
             slot.at.offset,
             slot.at.bytes(),
         ))
+    }
+
+    /// A copy of input `name`'s slot (for devices whose memory the host cannot see).
+    fn input_read<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
+        let slot = native(py, || Ok(self.exe.inputs()))?
+            .into_iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| to_py(py, Error::input(name, "unknown input")))?;
+        let arena = self.exe.arena().clone();
+        let mut out = vec![0u8; slot.at.bytes()];
+        native(py, || arena.read(slot.at.offset, &mut out))?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// A copy of output `i`'s bytes as the last run left them (for devices whose memory the
+    /// host cannot see).
+    fn output_read<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyBytes>> {
+        let t = self
+            .exe
+            .outputs()
+            .get(i)
+            .ok_or_else(|| to_py(py, Error::Graph(format!("no output {i}"))))?
+            .clone();
+        let buf = self
+            .exe
+            .buffer(t.buf)
+            .ok_or_else(|| to_py(py, Error::Graph("output buffer missing".into())))?
+            .clone();
+        let mut out = vec![0u8; t.bytes()];
+        native(py, || buf.read(t.offset, &mut out))?;
+        Ok(PyBytes::new(py, &out))
     }
 
     /// A data-parallel step's gradient region: `(zero-copy view or None when not host-visible,

@@ -13,6 +13,7 @@ use pyo3::prelude::*;
 #[pymodule]
 fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
+    devices::register_python_paths(m.py());
     m.add_class::<graph::PyGraph>()?;
     m.add_class::<store::PyStore>()?;
     m.add_class::<exec::PyExecutable>()?;

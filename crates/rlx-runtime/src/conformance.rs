@@ -41,6 +41,35 @@ fn close(got: &[f32], want: &[f64], what: &str) {
 /// ```
 #[macro_export]
 macro_rules! conformance_tests {
+    // For backends that may be absent: `$make` gives `Result<Arc<dyn Backend>, String>`, and
+    // where it is `Err(why)` each test prints that it was skipped and why (CUDA).
+    (skip_unless: $make:expr) => {
+        $crate::conformance_tests!(@maybe $make;
+            linear_softmax_training_step,
+            training_step_options,
+            resident_inputs,
+            bad_feeds_change_nothing,
+            copy_engine_contract,
+            prefetch_consumes_batches_in_order,
+            optimizer_rules_match_closed_form,
+            compile_rejects_bad_programs,
+            data_parallel_phases,
+            vision_ops_match_references,
+        );
+    };
+    (@maybe $make:expr; $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                let made: ::std::result::Result<::std::sync::Arc<dyn $crate::Backend>, String> =
+                    $make;
+                match made {
+                    Ok(backend) => $crate::conformance::$check(&backend),
+                    Err(why) => eprintln!("SKIPPED {}: {why}", stringify!($check)),
+                }
+            }
+        )*
+    };
     ($make:expr) => {
         $crate::conformance_tests!(@each $make;
             linear_softmax_training_step,

@@ -351,7 +351,8 @@ def _read(store: Any, name: str, shape: list[int], dtype: str) -> np.ndarray:
     np_dtype = np.float32 if dtype == "float32" else np.int32
     raw = store.view(name)
     if raw is None:
-        return np.frombuffer(store.read(name), dtype=np_dtype).reshape(shape).copy()
+        # Device memory (CUDA): a read-only copy, since writes to it could not reach the device.
+        return np.frombuffer(store.read(name), dtype=np_dtype).reshape(shape)
     return np.frombuffer(raw, dtype=np_dtype).reshape(shape)
 
 

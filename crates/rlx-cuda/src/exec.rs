@@ -1,0 +1,261 @@
+//! Runs a planned program: resolves each operand to a device address, queues every step on the
+//! device's stream, waits, and reports the first error a kernel flagged (bad label, id, integer
+//! division by zero) as the CPU backend would.
+use crate::driver::{Device, Func, GraphExec, Pinned};
+use crate::mem::CudaBuffer;
+use crate::plan::{self, Kernel, Plan, Step};
+use crate::source;
+use rlx_ir::{Error, Result};
+use rlx_runtime::{Compiled, DeviceBuffer, OptimHyper, Program};
+use std::sync::Arc;
+
+pub struct CudaProgram {
+    dev: Arc<Device>,
+    plan: Plan,
+    /// The function of each launch step (None for other steps), resolved at compile time.
+    funcs: Vec<Option<Func>>,
+    lens: Vec<usize>,
+    scratch: CudaBuffer,
+    /// Matmul products read by their epilogues.
+    product: CudaBuffer,
+    /// The run's hyper-parameter row, copied to the device by the run (also inside a graph).
+    hyper: Pinned,
+    /// The error word, copied back by every run of a program with kernels that can fail.
+    err: Option<Pinned>,
+    /// The captured run and the base addresses it was captured with.
+    graph: Option<([u64; 6], GraphExec)>,
+    /// Graph capture: on unless `RLX_CUDA_GRAPHS=0`, and off for good once a capture failed.
+    use_graphs: bool,
+    runs: u64,
+}
+
+fn graphs_enabled() -> bool {
+    std::env::var("RLX_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0")
+}
+
+impl CudaProgram {
+    pub fn new(dev: Arc<Device>, program: &Program, lens: &[usize]) -> Result<CudaProgram> {
+        let plan = plan::plan(program, lens)?;
+        let lib = dev.module(&format!("{}{}", source::PRELUDE, source::LIBRARY))?;
+        let fused_mod = if plan.fused.is_empty() {
+            None
+        } else {
+            let mut src = source::PRELUDE.to_string();
+            for (i, f) in plan.fused.iter().enumerate() {
+                src.push_str(&source::fused_kernel(&format!("rlx_fused_{i}"), f));
+            }
+            Some(dev.module(&src)?)
+        };
+        let funcs = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Launch { kernel, .. } => match kernel {
+                    Kernel::Library(name) => lib.func(name).map(Some),
+                    Kernel::Fused(i) => fused_mod
+                        .as_ref()
+                        .expect("fused kernels compiled")
+                        .func(&format!("rlx_fused_{i}"))
+                        .map(Some),
+                },
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let scratch = CudaBuffer::zeroed(dev.clone(), plan.scratch_bytes)?;
+        let product = CudaBuffer::zeroed(dev.clone(), plan.product_bytes)?;
+        let hyper = Pinned::new(dev.clone(), rlx_runtime::hyper_col::LEN * 4)?;
+        let err_at = plan::Loc {
+            buf: plan::SCRATCH,
+            offset: plan::ERR_AT,
+        };
+        let may_fail = plan.steps.iter().any(|s| match s {
+            Step::Launch { operands, .. } => operands.iter().any(|(_, l)| *l == err_at),
+            _ => false,
+        });
+        let err = if may_fail {
+            Some(Pinned::new(dev.clone(), 8)?)
+        } else {
+            None
+        };
+        Ok(CudaProgram {
+            dev,
+            plan,
+            funcs,
+            lens: lens.to_vec(),
+            scratch,
+            product,
+            hyper,
+            err,
+            graph: None,
+            use_graphs: graphs_enabled(),
+            runs: 0,
+        })
+    }
+
+    /// Queues every step (on the stream, or into a capture).
+    fn enqueue(&mut self, bases: &[u64; 6]) -> Result<()> {
+        let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
+        let err_at = bases[plan::SCRATCH] + plan::ERR_AT as u64;
+        if self.err.is_some() {
+            self.dev.memset_async(err_at, 16)?;
+        }
+        for (step, func) in self.plan.steps.iter().zip(&self.funcs) {
+            match step {
+                Step::Launch {
+                    grid,
+                    block,
+                    p,
+                    operands,
+                    ..
+                } => {
+                    let mut p = **p;
+                    for (slot, loc) in operands {
+                        p.ptr[*slot] = addr(loc);
+                    }
+                    let f = func.ok_or_else(|| Error::Internal("launch without kernel".into()))?;
+                    self.dev.launch(f, *grid, *block, &mut p)?;
+                }
+                Step::Fill { at, bytes } => self.dev.memset_async(addr(at), *bytes)?,
+                Step::Gemm { g, a, b, c } => self.dev.gemm(g, addr(a), addr(b), addr(c))?,
+                Step::HyperRow { at } => self.hyper.copy_to(addr(at))?,
+            }
+        }
+        if let Some(e) = &mut self.err {
+            e.copy_from(err_at)?;
+        }
+        Ok(())
+    }
+
+    /// One run: replays the captured graph where the buffers are the ones it was captured with,
+    /// captures one from the second run on, else queues the steps; then waits.
+    fn run_steps(&mut self, bases: &[u64; 6], hyper: Option<&OptimHyper>) -> Result<()> {
+        let needs_hyper = self
+            .plan
+            .steps
+            .iter()
+            .any(|s| matches!(s, Step::HyperRow { .. }));
+        match hyper {
+            Some(h) => {
+                let row: Vec<u8> = plan::hyper_row(h)
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                self.hyper.set(&row);
+            }
+            None if needs_hyper => {
+                return Err(Error::Graph(
+                    "optimizer step without hyper-parameters".into(),
+                ))
+            }
+            None => {}
+        }
+        self.runs += 1;
+        if self.graph.as_ref().is_some_and(|(b, _)| b != bases) {
+            self.graph = None;
+        }
+        if self.use_graphs && self.graph.is_none() && self.runs >= 2 {
+            self.dev.begin_capture()?;
+            let queued = self.enqueue(bases);
+            match (queued.is_ok(), self.dev.end_capture(queued.is_ok())) {
+                (true, Ok(g)) => self.graph = Some((*bases, g)),
+                (_, e) => {
+                    if std::env::var("RLX_CUDA_DEBUG").is_ok_and(|v| v == "1") {
+                        eprintln!(
+                            "rlx cuda: graph capture impossible ({:?} / {:?}); launching on the stream",
+                            queued.err(),
+                            e.err()
+                        );
+                    }
+                    self.use_graphs = false;
+                }
+            }
+        }
+        match &self.graph {
+            Some((_, g)) => self.dev.launch_graph(g)?,
+            None => self.enqueue(bases)?,
+        }
+        self.dev.sync()
+    }
+
+    /// The first failure a kernel flagged in this run, as the CPU backend reports it.
+    fn flagged(&self) -> Result<()> {
+        let Some(e) = &self.err else {
+            return Ok(());
+        };
+        let w = e.get();
+        let code = i32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+        let value = i32::from_le_bytes([w[4], w[5], w[6], w[7]]);
+        match code {
+            0 => Ok(()),
+            source::err::LABEL => Err(Error::input(
+                "labels",
+                format!(
+                    "[cross_entropy] label {value} is out of range [0, {})",
+                    self.plan.classes.unwrap_or(0)
+                ),
+            )),
+            source::err::ID => Err(Error::input(
+                "ids",
+                format!(
+                    "[gather] id {value} is out of range [0, {})",
+                    self.plan.rows.unwrap_or(0)
+                ),
+            )),
+            source::err::INT_DIV_ZERO => {
+                let (name, shape) =
+                    self.plan.int_div.clone().unwrap_or_else(|| {
+                        ("floor_divide".into(), rlx_ir::Shape::new([0usize; 0]))
+                    });
+                Err(Error::Graph(format!(
+                    "[{name}] integer division by zero (the int32 divisor {shape} holds a 0)"
+                )))
+            }
+            c => Err(Error::Internal(format!(
+                "[cuda] unknown kernel error code {c}"
+            ))),
+        }
+    }
+}
+
+impl Compiled for CudaProgram {
+    unsafe fn run(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&OptimHyper>,
+    ) -> Result<()> {
+        let mut bases = [0u64; 6];
+        for (i, &len) in self.lens.iter().enumerate() {
+            if len == 0 {
+                continue;
+            }
+            let b = buffers.get(i).ok_or_else(|| {
+                Error::Internal(format!(
+                    "the program needs buffer {i}, the run gave {}",
+                    buffers.len()
+                ))
+            })?;
+            if b.len() < len {
+                return Err(Error::Internal(format!(
+                    "buffer {i} has {} bytes, the program was compiled for {len}",
+                    b.len()
+                )));
+            }
+            let c = CudaBuffer::of(*b).ok_or_else(|| {
+                Error::Device("a cuda program runs only over cuda buffers".into())
+            })?;
+            if c.device().ordinal != self.dev.ordinal {
+                return Err(Error::Device(
+                    "a buffer of another GPU was given to this program".into(),
+                ));
+            }
+            bases[i] = c.device_ptr();
+        }
+        bases[plan::SCRATCH] = self.scratch.device_ptr();
+        bases[plan::PRODUCT] = self.product.device_ptr();
+        let dev = self.dev.clone();
+        let _one_at_a_time = dev.run_lock.lock().unwrap_or_else(|p| p.into_inner());
+        dev.bind()?;
+        self.run_steps(&bases, hyper)?;
+        self.flagged()
+    }
+}

@@ -1,0 +1,1674 @@
+//! Lowers a `Program` to device steps, once at compile time: kernel launches with their launch
+//! records (operands as buffer + byte offset, patched to addresses at run time), cuBLAS GEMMs
+//! at fixed offsets, and fills. Also the compile-time checks the CPU backend makes (ranges,
+//! outputs overlapping inputs, dtypes). No GPU is touched here, so it is unit-tested in CI.
+use crate::source::{self, MAX_OPS, MAX_RANK};
+use rlx_ir::{BinaryOp, DType, Error, Fused, FusedStep, Op, ReduceOp, Result, Shape, UnaryOp};
+use rlx_runtime::backend::check_range;
+use rlx_runtime::{hyper_col, Instr, OptimRule, Program, TRef, UpdatePlan};
+
+/// The launch record every kernel takes (the layout of `struct P` in [`source::PRELUDE`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct P {
+    pub ptr: [u64; MAX_OPS],
+    pub n: i64,
+    pub rank: i64,
+    pub dims: [i64; MAX_RANK],
+    pub st: [[i64; MAX_RANK]; MAX_OPS],
+    pub iv: [i64; 8],
+    pub fv: [f32; 8],
+    pub mode: [i32; MAX_OPS],
+}
+
+impl P {
+    /// A record for `n` iterations (elements, rows or outputs, as the kernel defines).
+    pub fn sized(n: usize) -> P {
+        P {
+            n: n as i64,
+            ..P::default()
+        }
+    }
+}
+
+impl Default for P {
+    fn default() -> P {
+        P {
+            ptr: [0; MAX_OPS],
+            n: 0,
+            rank: 0,
+            dims: [0; MAX_RANK],
+            st: [[0; MAX_RANK]; MAX_OPS],
+            iv: [0; 8],
+            fv: [0.0; 8],
+            mode: [0; MAX_OPS],
+        }
+    }
+}
+
+/// Where an operand lives: a program buffer (`Buf as usize`) or the program's scratch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Loc {
+    pub buf: usize,
+    pub offset: usize,
+}
+
+/// The scratch buffer's index in a run's base addresses (after the four program buffers).
+pub const SCRATCH: usize = 4;
+/// The buffer holding a matmul product its epilogue reads (sized for the largest).
+pub const PRODUCT: usize = 5;
+/// Where a cross-entropy gradient finds its count of rows not labelled -100 (int32, scratch).
+pub const COUNT_AT: usize = 64;
+/// Scratch layout: the error word, the update's control block, the run's hyper-parameter row,
+/// then per-row cross-entropy losses.
+pub const ERR_AT: usize = 0;
+pub const CTRL_AT: usize = 256;
+pub const HYPER_AT: usize = 512;
+pub const ROWS_AT: usize = 1024;
+
+fn at(t: &TRef) -> Loc {
+    Loc {
+        buf: t.buf as usize,
+        offset: t.offset,
+    }
+}
+
+fn scratch(offset: usize) -> Loc {
+    Loc {
+        buf: SCRATCH,
+        offset,
+    }
+}
+
+/// Which module a kernel is in.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Kernel {
+    Library(&'static str),
+    /// Index into [`Plan::fused`].
+    Fused(usize),
+}
+
+/// `C = op(A) op(B)` in cuBLAS's column-major terms, `batch` times with the given strides.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    pub ta: bool,
+    pub tb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+    pub stride_a: usize,
+    pub stride_b: usize,
+    pub stride_c: usize,
+    pub batch: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    Launch {
+        kernel: Kernel,
+        grid: u32,
+        block: u32,
+        p: Box<P>,
+        /// `(operand slot, where)`, patched into `p.ptr` at run time.
+        operands: Vec<(usize, Loc)>,
+    },
+    Fill {
+        at: Loc,
+        bytes: usize,
+    },
+    Gemm {
+        g: Gemm,
+        a: Loc,
+        b: Loc,
+        c: Loc,
+    },
+    /// Writes the run's hyper-parameters (`OptimHyper`) as one table row at `at`.
+    HyperRow {
+        at: Loc,
+    },
+}
+
+/// A lowered program.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    pub steps: Vec<Step>,
+    /// Generated elementwise expressions, each one kernel.
+    pub fused: Vec<Fused>,
+    pub scratch_bytes: usize,
+    /// Bytes of the product buffer (matmul epilogues).
+    pub product_bytes: usize,
+    /// Classes of the first cross-entropy (for the error message of a bad label).
+    pub classes: Option<usize>,
+    /// Rows of the first embedding table (for the error message of a bad id).
+    pub rows: Option<usize>,
+    /// The first integer division's divisor shape (for its error message).
+    pub int_div: Option<(String, Shape)>,
+}
+
+const THREADS: u32 = 256;
+
+fn grid_for(n: usize, per_block: usize) -> u32 {
+    n.div_ceil(per_block.max(1)).clamp(1, 132 * 32) as u32
+}
+
+/// Element strides reading `src` (right-aligned, numpy rules) while walking `out`.
+fn broadcast(src: &[usize], out: &[usize]) -> Vec<i64> {
+    let mut st = vec![0i64; out.len()];
+    let mut s = 1i64;
+    for k in 1..=src.len() {
+        let d = src[src.len() - k];
+        if d != 1 {
+            st[out.len() - k] = s;
+        }
+        s *= d as i64;
+    }
+    st
+}
+
+fn contiguous(dims: &[usize]) -> Vec<i64> {
+    let mut st = vec![0i64; dims.len()];
+    let mut s = 1i64;
+    for d in (0..dims.len()).rev() {
+        st[d] = s;
+        s *= dims[d] as i64;
+    }
+    st
+}
+
+/// Fills the iteration part of a launch record: walks `dims` with one stride list per operand,
+/// merging dims every operand walks contiguously and dropping size-1 dims.
+fn iterate(p: &mut P, dims: &[usize], strides: &[Vec<i64>], what: &str) -> Result<()> {
+    let mut cd: Vec<i64> = Vec::new();
+    let mut cs: Vec<Vec<i64>> = vec![Vec::new(); strides.len()];
+    for (d, &n) in dims.iter().enumerate() {
+        if n == 1 {
+            continue;
+        }
+        let n = n as i64;
+        let merge = !cd.is_empty()
+            && strides
+                .iter()
+                .enumerate()
+                .all(|(k, s)| *cs[k].last().expect("same rank") == s[d] * n);
+        if merge {
+            *cd.last_mut().expect("not empty") *= n;
+            for (k, s) in strides.iter().enumerate() {
+                *cs[k].last_mut().expect("not empty") = s[d];
+            }
+        } else {
+            cd.push(n);
+            for (k, s) in strides.iter().enumerate() {
+                cs[k].push(s[d]);
+            }
+        }
+    }
+    if cd.len() > MAX_RANK || strides.len() > MAX_OPS {
+        return Err(Error::unsupported(
+            what,
+            format!(
+                "the cuda backend walks at most {MAX_RANK} non-mergeable dims and {MAX_OPS} operands"
+            ),
+        ));
+    }
+    p.n = dims.iter().product::<usize>() as i64;
+    p.rank = cd.len() as i64;
+    for (d, &n) in cd.iter().enumerate() {
+        p.dims[d] = n;
+    }
+    let cont = {
+        let mut st = vec![0i64; cd.len()];
+        let mut s = 1;
+        for d in (0..cd.len()).rev() {
+            st[d] = s;
+            s *= cd[d];
+        }
+        st
+    };
+    for (k, s) in cs.iter().enumerate() {
+        for (d, &v) in s.iter().enumerate() {
+            p.st[k][d] = v;
+        }
+        p.mode[k] = if s.iter().all(|&v| v == 0) {
+            0
+        } else if *s == cont {
+            1
+        } else {
+            2
+        };
+    }
+    Ok(())
+}
+
+fn overlaps(a: &TRef, b: &TRef) -> bool {
+    a.buf == b.buf
+        && a.bytes() > 0
+        && b.bytes() > 0
+        && a.offset < b.offset + b.bytes()
+        && b.offset < a.offset + a.bytes()
+}
+
+/// (read, written) tensors of an update.
+fn update_operands(plan: &UpdatePlan) -> (Vec<&TRef>, Vec<&TRef>) {
+    let mut reads = vec![&plan.loss];
+    let mut writes = vec![&plan.stats];
+    reads.extend(plan.hyper.iter());
+    for p in &plan.params {
+        reads.push(&p.grad);
+        writes.push(&p.param);
+        writes.extend(p.acc.iter());
+        writes.extend(p.state.iter());
+        writes.push(&p.step);
+        writes.extend(p.started.iter());
+    }
+    for (src, dst) in &plan.buffer_updates {
+        reads.push(src);
+        writes.push(dst);
+    }
+    (reads, writes)
+}
+
+/// Rejects kernels the backend does not have for these dtypes (the CPU backend's set).
+fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
+    let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
+    let ok = match op {
+        Op::Binary(_)
+        | Op::BroadcastTo { .. }
+        | Op::Transpose { .. }
+        | Op::Cast { .. }
+        | Op::Slice { .. }
+        | Op::Pad { .. }
+        | Op::Concat { .. } => true,
+        Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
+        Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
+        Op::Where => ins[1].dtype == out.dtype,
+        Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
+        Op::Dropout { .. } => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
+        _ => all_f32,
+    };
+    if ok {
+        Ok(())
+    } else {
+        let dts: Vec<&str> = ins.iter().map(|t| t.dtype.name()).collect();
+        Err(Error::unsupported(
+            op.name(),
+            format!("the cuda backend has no kernel for dtypes {dts:?}"),
+        ))
+    }
+}
+
+/// Checks `program` against buffers of `lens` bytes and lowers it.
+pub fn plan(program: &Program, lens: &[usize]) -> Result<Plan> {
+    for instr in &program.instrs {
+        let (reads, writes): (Vec<&TRef>, Vec<&TRef>) = match instr {
+            Instr::Op { ins, out, op } => {
+                check_kernel(op, ins, out)?;
+                (ins.iter().collect(), vec![out])
+            }
+            Instr::Update(plan) => update_operands(plan),
+        };
+        for t in reads.iter().chain(&writes) {
+            let len = lens.get(t.buf as usize).copied().unwrap_or(0);
+            check_range("program", t.offset, t.bytes(), len)?;
+        }
+        for (i, w) in writes.iter().enumerate() {
+            let clash = reads.iter().any(|r| overlaps(w, r))
+                || writes[i + 1..].iter().any(|o| overlaps(w, o));
+            if clash {
+                return Err(Error::Internal(format!(
+                    "an instruction writes over its own operand: {instr:?}"
+                )));
+            }
+        }
+    }
+    let mut b = Builder {
+        plan: Plan {
+            scratch_bytes: ROWS_AT,
+            ..Plan::default()
+        },
+    };
+    for instr in &program.instrs {
+        match instr {
+            Instr::Op { op, ins, out } => b.op(op, ins, out)?,
+            Instr::Update(u) => b.update(u)?,
+        }
+    }
+    Ok(b.plan)
+}
+
+struct Builder {
+    plan: Plan,
+}
+
+impl Builder {
+    fn launch(&mut self, kernel: Kernel, grid: u32, block: u32, p: P, operands: Vec<(usize, Loc)>) {
+        self.plan.steps.push(Step::Launch {
+            kernel,
+            grid,
+            block,
+            p: Box::new(p),
+            operands,
+        });
+    }
+
+    /// An elementwise launch over `dims` (grid-stride, one thread per element).
+    fn map(
+        &mut self,
+        kernel: Kernel,
+        dims: &[usize],
+        ops: &[(Loc, Vec<i64>)],
+        mut p: P,
+        what: &str,
+    ) -> Result<()> {
+        let n: usize = dims.iter().product();
+        if n == 0 {
+            return Ok(());
+        }
+        let strides: Vec<Vec<i64>> = ops.iter().map(|(_, s)| s.clone()).collect();
+        iterate(&mut p, dims, &strides, what)?;
+        let operands = ops.iter().enumerate().map(|(k, (l, _))| (k, *l)).collect();
+        self.launch(kernel, grid_for(n, THREADS as usize), THREADS, p, operands);
+        Ok(())
+    }
+
+    /// A fused expression over `f.shape` reading `ins` (each broadcast to it) into `out`.
+    fn fused(&mut self, f: Fused, ins: &[TRef], out: &TRef) -> Result<()> {
+        let ins: Vec<(Loc, Vec<usize>)> = ins
+            .iter()
+            .map(|t| (at(t), t.shape.dims().to_vec()))
+            .collect();
+        self.fused_at(f, &ins, at(out), out.numel())
+    }
+
+    /// A fused expression over operands given by place and dims.
+    fn fused_at(
+        &mut self,
+        f: Fused,
+        ins: &[(Loc, Vec<usize>)],
+        out: Loc,
+        total: usize,
+    ) -> Result<()> {
+        let od = f.shape.dims().to_vec();
+        let numel = |d: &[usize]| d.iter().product::<usize>();
+        let flat = ins.iter().all(|(_, d)| numel(d) == total || numel(d) == 1);
+        let mut ops: Vec<(Loc, Vec<i64>)> = Vec::new();
+        let dims: Vec<usize> = if flat { vec![total] } else { od.clone() };
+        for (l, d) in ins {
+            let st = if flat {
+                vec![if numel(d) == total && total != 1 {
+                    1
+                } else {
+                    0
+                }]
+            } else {
+                broadcast(d, &od)
+            };
+            ops.push((*l, st));
+        }
+        ops.push((out, if flat { vec![1] } else { contiguous(&od) }));
+        let idx = match self
+            .plan
+            .fused
+            .iter()
+            .position(|g| g.n_inputs == f.n_inputs && g.steps == f.steps)
+        {
+            Some(i) => i,
+            None => {
+                self.plan.fused.push(f);
+                self.plan.fused.len() - 1
+            }
+        };
+        self.map(Kernel::Fused(idx), &dims, &ops, P::default(), "fused")
+    }
+
+    fn copy32(
+        &mut self,
+        dims: &[usize],
+        src: (Loc, Vec<i64>),
+        dst: (Loc, Vec<i64>),
+        what: &str,
+    ) -> Result<()> {
+        self.map(
+            Kernel::Library("rlx_copy32"),
+            dims,
+            &[src, dst],
+            P::default(),
+            what,
+        )
+    }
+
+    fn op(&mut self, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
+        let od = out.shape.dims().to_vec();
+        let sh = |i: usize| ins[i].shape.dims().to_vec();
+        let err = (3usize, scratch(ERR_AT));
+        let _ = err;
+        match op {
+            Op::Unary(u) => self.fused(
+                Fused {
+                    shape: out.shape.clone(),
+                    n_inputs: 1,
+                    steps: vec![FusedStep::Unary(*u, 0)],
+                },
+                ins,
+                out,
+            ),
+            Op::Fused(f) => self.fused((**f).clone(), ins, out),
+            Op::Binary(bop) if ins[0].dtype == DType::F32 => self.fused(
+                Fused {
+                    shape: out.shape.clone(),
+                    n_inputs: 2,
+                    steps: vec![FusedStep::Binary(*bop, 0, 1)],
+                },
+                ins,
+                out,
+            ),
+            Op::Binary(bop) => {
+                if matches!(bop, BinaryOp::FloorDiv | BinaryOp::Mod) && self.plan.int_div.is_none()
+                {
+                    self.plan.int_div = Some((op.name().to_string(), ins[1].shape.clone()));
+                }
+                let mut p = P::default();
+                p.iv[0] = source::int_op_code(*bop);
+                let ops = [
+                    (at(&ins[0]), broadcast(&sh(0), &od)),
+                    (at(&ins[1]), broadcast(&sh(1), &od)),
+                    (at(out), contiguous(&od)),
+                    (scratch(ERR_AT), vec![0; od.len()]),
+                ];
+                self.map(Kernel::Library("rlx_ibinary"), &od, &ops, p, op.name())
+            }
+            Op::Where if ins[0].dtype == DType::F32 && out.dtype == DType::F32 => self.fused(
+                Fused {
+                    shape: out.shape.clone(),
+                    n_inputs: 3,
+                    steps: vec![FusedStep::Where(0, 1, 2)],
+                },
+                ins,
+                out,
+            ),
+            Op::Where => {
+                let mut p = P::default();
+                p.iv[0] = (ins[0].dtype == DType::I32) as i64;
+                let ops = [
+                    (at(&ins[0]), broadcast(&sh(0), &od)),
+                    (at(&ins[1]), broadcast(&sh(1), &od)),
+                    (at(&ins[2]), broadcast(&sh(2), &od)),
+                    (at(out), contiguous(&od)),
+                ];
+                self.map(Kernel::Library("rlx_where32"), &od, &ops, p, "where")
+            }
+            Op::Cast { to } => {
+                let name = match (ins[0].dtype, to) {
+                    (DType::F32, DType::I32) => "rlx_cast_f2i",
+                    (DType::I32, DType::F32) => "rlx_cast_i2f",
+                    _ => "rlx_copy32",
+                };
+                let n = out.numel();
+                let ops = [(at(&ins[0]), vec![1]), (at(out), vec![1])];
+                self.map(Kernel::Library(name), &[n], &ops, P::default(), "cast")
+            }
+            Op::BroadcastTo { .. } => self.copy32(
+                &od,
+                (at(&ins[0]), broadcast(&sh(0), &od)),
+                (at(out), contiguous(&od)),
+                "broadcast_to",
+            ),
+            Op::Transpose { perm } => {
+                let cs = contiguous(&sh(0));
+                let st: Vec<i64> = perm.iter().map(|&p| cs[p]).collect();
+                self.copy32(
+                    &od,
+                    (at(&ins[0]), st),
+                    (at(out), contiguous(&od)),
+                    "transpose",
+                )
+            }
+            Op::Slice { axis, start, .. } => {
+                let xs = contiguous(&sh(0));
+                let mut src = at(&ins[0]);
+                src.offset += *start * xs[*axis] as usize * 4;
+                self.copy32(&od, (src, xs), (at(out), contiguous(&od)), "slice")
+            }
+            Op::Pad { axis, before, .. } => {
+                self.plan.steps.push(Step::Fill {
+                    at: at(out),
+                    bytes: out.bytes(),
+                });
+                let os = contiguous(&od);
+                let mut dst = at(out);
+                dst.offset += *before * os[*axis] as usize * 4;
+                self.copy32(&sh(0), (at(&ins[0]), contiguous(&sh(0))), (dst, os), "pad")
+            }
+            Op::Concat { axis } => {
+                let os = contiguous(&od);
+                let mut from = 0usize;
+                for t in ins {
+                    let mut dst = at(out);
+                    dst.offset += from * os[*axis] as usize * 4;
+                    let d = t.shape.dims().to_vec();
+                    self.copy32(&d, (at(t), contiguous(&d)), (dst, os.clone()), "concat")?;
+                    from += d[*axis];
+                }
+                Ok(())
+            }
+            Op::MatMul { trans_a, trans_b } => self.matmul(ins, out, *trans_a, *trans_b),
+            Op::Reduce { op: r, axes, .. } => self.reduce(*r, &ins[0], axes, out),
+            Op::SumTo { .. } => {
+                let xd = sh(0);
+                let lead = xd.len() - od.len();
+                let axes: Vec<usize> = (0..xd.len())
+                    .filter(|&d| d < lead || (od[d - lead] == 1 && xd[d] != 1))
+                    .collect();
+                self.reduce(ReduceOp::Sum, &ins[0], &axes, out)
+            }
+            Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+                let xd = sh(0);
+                let len = xd[*axis];
+                let inner: usize = xd[axis + 1..].iter().product();
+                let outer: usize = xd[..*axis].iter().product();
+                if len == 0 || out.numel() == 0 {
+                    return Ok(());
+                }
+                let mut p = P::sized(outer * inner);
+                p.iv[0] = len as i64;
+                p.iv[1] = inner as i64;
+                p.iv[2] = matches!(op, Op::LogSoftmax { .. }) as i64;
+                let rows = outer * inner;
+                self.launch(
+                    Kernel::Library("rlx_softmax"),
+                    grid_for(rows, 8),
+                    THREADS,
+                    p,
+                    vec![(0, at(&ins[0])), (1, at(out))],
+                );
+                Ok(())
+            }
+            Op::SoftmaxCrossEntropy => {
+                let (rows, c) = (sh(0)[0], sh(0)[1]);
+                self.plan.classes.get_or_insert(c);
+                self.plan.scratch_bytes = self.plan.scratch_bytes.max(ROWS_AT + rows * 8);
+                let mut p = P::sized(rows);
+                p.iv[0] = c as i64;
+                if rows > 0 {
+                    self.launch(
+                        Kernel::Library("rlx_ce_rows"),
+                        grid_for(rows, 8),
+                        THREADS,
+                        p,
+                        vec![
+                            (0, at(&ins[0])),
+                            (1, at(&ins[1])),
+                            (2, scratch(ROWS_AT)),
+                            (3, scratch(ERR_AT)),
+                        ],
+                    );
+                }
+                let q = P::sized(rows);
+                self.launch(
+                    Kernel::Library("rlx_mean_rows"),
+                    1,
+                    1024,
+                    q,
+                    vec![(0, scratch(ROWS_AT)), (1, at(out))],
+                );
+                Ok(())
+            }
+            Op::SoftmaxCrossEntropyGrad => {
+                let (rows, c) = (sh(0)[0], sh(0)[1]);
+                self.plan.classes.get_or_insert(c);
+                if rows == 0 || c == 0 {
+                    return Ok(());
+                }
+                let mut p = P::sized(rows);
+                p.iv[0] = c as i64;
+                self.launch(
+                    Kernel::Library("rlx_count_labels"),
+                    1,
+                    1024,
+                    P::sized(rows),
+                    vec![(0, at(&ins[1])), (1, scratch(COUNT_AT))],
+                );
+                self.launch(
+                    Kernel::Library("rlx_ce_grad"),
+                    grid_for(rows, 8),
+                    THREADS,
+                    p,
+                    vec![
+                        (0, at(&ins[0])),
+                        (1, at(&ins[1])),
+                        (2, at(&ins[2])),
+                        (3, at(out)),
+                        (4, scratch(ERR_AT)),
+                        (5, scratch(COUNT_AT)),
+                    ],
+                );
+                Ok(())
+            }
+            Op::Mse => {
+                let p = P::sized(ins[0].numel());
+                self.launch(
+                    Kernel::Library("rlx_mse"),
+                    1,
+                    1024,
+                    p,
+                    vec![(0, at(&ins[0])), (1, at(&ins[1])), (2, at(out))],
+                );
+                Ok(())
+            }
+            Op::Gather => {
+                let rows = sh(0)[0];
+                self.plan.rows.get_or_insert(rows);
+                let width = ins[0].numel().checked_div(rows).unwrap_or(0);
+                let n = ins[1].numel() * width;
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut p = P::sized(n);
+                p.iv[0] = rows as i64;
+                p.iv[1] = width as i64;
+                self.launch(
+                    Kernel::Library("rlx_gather"),
+                    grid_for(n, THREADS as usize),
+                    THREADS,
+                    p,
+                    vec![
+                        (0, at(&ins[0])),
+                        (1, at(&ins[1])),
+                        (2, at(out)),
+                        (3, scratch(ERR_AT)),
+                    ],
+                );
+                Ok(())
+            }
+            Op::ScatterAdd { rows } => {
+                self.plan.rows.get_or_insert(*rows);
+                self.plan.steps.push(Step::Fill {
+                    at: at(out),
+                    bytes: out.bytes(),
+                });
+                let width = out.numel().checked_div(*rows).unwrap_or(0);
+                let n = ins[0].numel() * width;
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut p = P::sized(n);
+                p.iv[0] = *rows as i64;
+                p.iv[1] = width as i64;
+                self.launch(
+                    Kernel::Library("rlx_scatter_add"),
+                    grid_for(n, THREADS as usize),
+                    THREADS,
+                    p,
+                    vec![
+                        (0, at(&ins[0])),
+                        (1, at(&ins[1])),
+                        (2, at(out)),
+                        (3, scratch(ERR_AT)),
+                    ],
+                );
+                Ok(())
+            }
+            Op::Normalize { eps } | Op::NormalizeGrad { eps } => {
+                let width = sh(0).last().copied().unwrap_or(1);
+                if width == 0 || out.numel() == 0 {
+                    return Ok(());
+                }
+                let rows = out.numel() / width;
+                let mut p = P::sized(rows);
+                p.iv[0] = width as i64;
+                p.fv[0] = *eps;
+                let (name, operands) = match op {
+                    Op::Normalize { .. } => ("rlx_normalize", vec![(0, at(&ins[0])), (1, at(out))]),
+                    _ => (
+                        "rlx_normalize_grad",
+                        vec![(0, at(&ins[0])), (1, at(&ins[1])), (2, at(out))],
+                    ),
+                };
+                self.launch(
+                    Kernel::Library(name),
+                    grid_for(rows, 8),
+                    THREADS,
+                    p,
+                    operands,
+                );
+                Ok(())
+            }
+            Op::MatMulEpilogue {
+                trans_a,
+                trans_b,
+                epilogue,
+            } => {
+                // The product goes to the program's product buffer, the epilogue reads it there.
+                let (ad, bd) = (sh(0), sh(1));
+                let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+                let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+                let m = if *trans_a { ca } else { ra };
+                let n = if *trans_b { rb } else { cb };
+                let (pa, pb) = (&ad[..ad.len() - 2], &bd[..bd.len() - 2]);
+                let r = pa.len().max(pb.len());
+                let dim = |p: &[usize], i: usize| {
+                    if i + p.len() >= r {
+                        p[i + p.len() - r]
+                    } else {
+                        1
+                    }
+                };
+                let mut pd: Vec<usize> = (0..r).map(|i| dim(pa, i).max(dim(pb, i))).collect();
+                pd.extend([m, n]);
+                let numel: usize = pd.iter().product();
+                self.plan.product_bytes = self.plan.product_bytes.max(numel * 4);
+                let prod = Loc {
+                    buf: PRODUCT,
+                    offset: 0,
+                };
+                self.matmul_at(
+                    (at(&ins[0]), &ad),
+                    (at(&ins[1]), &bd),
+                    (prod, &pd),
+                    *trans_a,
+                    *trans_b,
+                )?;
+                let mut fins = vec![(prod, epilogue.shape.dims().to_vec())];
+                fins.extend(ins[2..].iter().map(|t| (at(t), t.shape.dims().to_vec())));
+                self.fused_at((**epilogue).clone(), &fins, at(out), out.numel())
+            }
+            Op::FusedSumTo { expr, .. } => {
+                // The expression goes to the product buffer, then is summed down from there.
+                let xd = expr.shape.dims().to_vec();
+                let total = expr.shape.numel();
+                self.plan.product_bytes = self.plan.product_bytes.max(total * 4);
+                let prod = Loc {
+                    buf: PRODUCT,
+                    offset: 0,
+                };
+                let fins: Vec<(Loc, Vec<usize>)> = ins
+                    .iter()
+                    .map(|t| (at(t), t.shape.dims().to_vec()))
+                    .collect();
+                self.fused_at((**expr).clone(), &fins, prod, total)?;
+                let lead = xd.len() - od.len();
+                let axes: Vec<usize> = (0..xd.len())
+                    .filter(|&d| d < lead || (od[d - lead] == 1 && xd[d] != 1))
+                    .collect();
+                self.reduce_at(ReduceOp::Sum, prod, &xd, &axes, out)
+            }
+            Op::NormalizeGradAdd { eps } => {
+                // normalize_grad into the product buffer, then `+ acc` into `out`.
+                let width = sh(0).last().copied().unwrap_or(1);
+                if width == 0 || out.numel() == 0 {
+                    return Ok(());
+                }
+                let rows = out.numel() / width;
+                self.plan.product_bytes = self.plan.product_bytes.max(out.numel() * 4);
+                let prod = Loc {
+                    buf: PRODUCT,
+                    offset: 0,
+                };
+                let mut p = P::sized(rows);
+                p.iv[0] = width as i64;
+                p.fv[0] = *eps;
+                self.launch(
+                    Kernel::Library("rlx_normalize_grad"),
+                    grid_for(rows, 8),
+                    THREADS,
+                    p,
+                    vec![(0, at(&ins[0])), (1, at(&ins[1])), (2, prod)],
+                );
+                let add = Fused {
+                    shape: out.shape.clone(),
+                    n_inputs: 2,
+                    steps: vec![FusedStep::Binary(BinaryOp::Add, 0, 1)],
+                };
+                let fins = [(prod, od.clone()), (at(&ins[2]), sh(2))];
+                self.fused_at(add, &fins, at(out), out.numel())
+            }
+            Op::Log1p => {
+                let n = out.numel();
+                let ops = [(at(&ins[0]), vec![1]), (at(out), vec![1])];
+                self.map(
+                    Kernel::Library("rlx_log1p"),
+                    &[n],
+                    &ops,
+                    P::default(),
+                    "log1p",
+                )
+            }
+            Op::StopGradient => {
+                let n = out.numel();
+                self.copy32(
+                    &[n],
+                    (at(&ins[0]), vec![1]),
+                    (at(out), vec![1]),
+                    "stop_gradient",
+                )
+            }
+            Op::Dropout { p: drop } => {
+                let n = out.numel();
+                if n == 0 {
+                    return Ok(());
+                }
+                let mut p = P::sized(n);
+                p.fv[0] = *drop;
+                p.fv[1] = 1.0 / (1.0 - *drop);
+                self.launch(
+                    Kernel::Library("rlx_dropout"),
+                    grid_for(n, THREADS as usize),
+                    THREADS,
+                    p,
+                    vec![(0, at(&ins[0])), (1, at(&ins[1])), (2, at(out))],
+                );
+                Ok(())
+            }
+            Op::Attention {
+                scale,
+                causal,
+                heads,
+            }
+            | Op::AttentionGrad {
+                scale,
+                causal,
+                heads,
+            } => self.attention(
+                matches!(op, Op::AttentionGrad { .. }),
+                *scale,
+                *causal,
+                *heads,
+                ins,
+                out,
+            ),
+            Op::Im2Col(w) => {
+                let d = sh(0);
+                let ops = vec![(0, at(&ins[0])), (1, at(out))];
+                self.window(
+                    "rlx_im2col",
+                    w,
+                    [d[2], d[3]],
+                    (false, d[1]),
+                    out.numel(),
+                    ops,
+                )
+            }
+            Op::Col2Im { window, size } => {
+                let ops = vec![(0, at(&ins[0])), (1, at(out))];
+                self.window(
+                    "rlx_col2im",
+                    window,
+                    *size,
+                    (false, od[1]),
+                    out.numel(),
+                    ops,
+                )
+            }
+            Op::Pool2d { window, max } => {
+                let d = sh(0);
+                self.window(
+                    "rlx_pool2d",
+                    window,
+                    [d[2], d[3]],
+                    (*max, d[1]),
+                    out.numel(),
+                    vec![(0, at(&ins[0])), (1, at(out))],
+                )
+            }
+            Op::Pool2dGrad { window, max } => {
+                let d = sh(0);
+                let ops = vec![(0, at(&ins[0])), (1, at(&ins[1])), (2, at(out))];
+                self.window(
+                    "rlx_pool2d_grad",
+                    window,
+                    [d[2], d[3]],
+                    (*max, d[1]),
+                    out.numel(),
+                    ops,
+                )
+            }
+            Op::Input { .. } | Op::Param { .. } | Op::Const { .. } | Op::Reshape { .. } => {
+                Err(Error::Internal(format!("[{}] is not a kernel", op.name())))
+            }
+        }
+    }
+
+    /// A convolution-patch or pooling kernel over planes of `size` (one thread per output
+    /// element).
+    fn window(
+        &mut self,
+        name: &'static str,
+        w: &rlx_ir::Window,
+        size: [usize; 2],
+        (max, channels): (bool, usize),
+        n: usize,
+        operands: Vec<(usize, Loc)>,
+    ) -> Result<()> {
+        let Some([oh, ow]) = w.out_size(size) else {
+            return Err(Error::Internal(format!("[{name}] the window does not fit")));
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let mut p = P::sized(n);
+        p.iv.copy_from_slice(&[
+            size[0] as i64,
+            size[1] as i64,
+            oh as i64,
+            ow as i64,
+            w.kernel[0] as i64,
+            w.kernel[1] as i64,
+            max as i64,
+            channels as i64,
+        ]);
+        p.st[0][..4].copy_from_slice(&[
+            w.stride[0] as i64,
+            w.stride[1] as i64,
+            w.padding[0] as i64,
+            w.padding[1] as i64,
+        ]);
+        p.fv[0] = 1.0 / (w.kernel[0] * w.kernel[1]) as f32;
+        self.launch(
+            Kernel::Library(name),
+            grid_for(n, THREADS as usize),
+            THREADS,
+            p,
+            operands,
+        );
+        Ok(())
+    }
+
+    /// Attention forward or backward (see `rlx_attention` in the kernel source for the record).
+    fn attention(
+        &mut self,
+        grad: bool,
+        scale: f32,
+        causal: Option<i64>,
+        heads: Option<usize>,
+        ins: &[TRef],
+        out: &TRef,
+    ) -> Result<()> {
+        let d0 = ins[0].shape.dims();
+        let mut p = P::default();
+        let (units, h, l, s, e, ev);
+        // Per tensor: [unit stride, head offset, row stride, base] in elements.
+        let mut st = [[0i64; 4]; 7];
+        match heads {
+            Some(hh) => {
+                (units, h, l, s) = (d0[0], hh, d0[1], d0[1]);
+                e = d0[2] / (3 * hh);
+                ev = e;
+                let (row, t) = ((3 * hh * e) as i64, d0[1] as i64);
+                for (x, base) in [(0, 0), (1, hh * e), (2, 2 * hh * e)] {
+                    st[x] = [t * row, e as i64, row, base as i64];
+                    st[x + 4] = st[x];
+                }
+                let orow = (hh * e) as i64;
+                st[3] = [t * orow, e as i64, orow, 0];
+            }
+            None => {
+                let (kd, vd) = (ins[1].shape.dims(), ins[2].shape.dims());
+                let r = d0.len();
+                units = d0[..r - 2].iter().product();
+                (h, l, s, e, ev) = (1, d0[r - 2], kd[r - 2], d0[r - 1], vd[r - 1]);
+                let (l_, s_, e_, ev_) = (l as i64, s as i64, e as i64, ev as i64);
+                st[0] = [l_ * e_, 0, e_, 0];
+                st[1] = [s_ * e_, 0, e_, 0];
+                st[2] = [s_ * ev_, 0, ev_, 0];
+                st[3] = [l_ * ev_, 0, ev_, 0];
+                let (qn, kn) = (ins[0].numel() as i64, ins[1].numel() as i64);
+                st[4] = st[0];
+                st[5] = [s_ * e_, 0, e_, qn];
+                st[6] = [s_ * ev_, 0, ev_, qn + kn];
+            }
+        }
+        if e > 256 || ev > 256 {
+            return Err(Error::unsupported(
+                "attention",
+                format!("the cuda kernel takes head sizes up to 256, got {e} / {ev}"),
+            ));
+        }
+        let rows = units * h * l;
+        if out.numel() == 0 {
+            return Ok(());
+        }
+        for (x, v) in st.iter().enumerate() {
+            p.st[x][..4].copy_from_slice(v);
+        }
+        p.n = rows as i64;
+        p.iv[..6].copy_from_slice(&[
+            units as i64,
+            h as i64,
+            l as i64,
+            s as i64,
+            e as i64,
+            ev as i64,
+        ]);
+        if let Some(off) = causal {
+            p.iv[6] = 1;
+            p.iv[7] = off;
+        }
+        p.fv[0] = scale;
+        let packed = heads.is_some();
+        let (q, k, v) = if packed {
+            (at(&ins[0]), at(&ins[0]), at(&ins[0]))
+        } else {
+            (at(&ins[0]), at(&ins[1]), at(&ins[2]))
+        };
+        let mut ops = vec![(0, q), (1, k), (2, v)];
+        let name = if grad {
+            let (o, g) = if packed {
+                (&ins[1], &ins[2])
+            } else {
+                (&ins[3], &ins[4])
+            };
+            ops.extend([(3, at(o)), (4, at(g)), (5, at(out))]);
+            self.plan.steps.push(Step::Fill {
+                at: at(out),
+                bytes: out.bytes(),
+            });
+            "rlx_attention_grad"
+        } else {
+            ops.push((3, at(out)));
+            "rlx_attention"
+        };
+        if rows > 0 {
+            self.launch(Kernel::Library(name), grid_for(rows, 8), THREADS, p, ops);
+        }
+        Ok(())
+    }
+
+    fn reduce(&mut self, r: ReduceOp, x: &TRef, axes: &[usize], out: &TRef) -> Result<()> {
+        self.reduce_at(r, at(x), x.shape.dims(), axes, out)
+    }
+
+    /// `reduce` of an operand given by place and dims.
+    fn reduce_at(
+        &mut self,
+        r: ReduceOp,
+        xl: Loc,
+        xd: &[usize],
+        axes: &[usize],
+        out: &TRef,
+    ) -> Result<()> {
+        let n = out.numel();
+        if n == 0 {
+            return Ok(());
+        }
+        let count: usize = axes.iter().map(|&a| xd[a]).product();
+        let is_prefix = axes.iter().enumerate().all(|(i, &a)| a == i);
+        if is_prefix && r != ReduceOp::Max && count >= 64 {
+            // Leading rows summed column-wise: coalesced reads, partial sums added atomically.
+            const CHUNK: usize = 64;
+            let colblocks = n.div_ceil(THREADS as usize);
+            let chunks = count.div_ceil(CHUNK);
+            self.plan.steps.push(Step::Fill {
+                at: at(out),
+                bytes: out.bytes(),
+            });
+            let mut p = P::sized(n);
+            p.iv[0] = count as i64;
+            p.iv[1] = n as i64;
+            p.iv[2] = CHUNK as i64;
+            p.fv[0] = if r == ReduceOp::Mean {
+                1.0 / count as f32
+            } else {
+                1.0
+            };
+            self.launch(
+                Kernel::Library("rlx_reduce_rows"),
+                (colblocks * chunks) as u32,
+                THREADS,
+                p,
+                vec![(0, xl), (1, at(out))],
+            );
+            return Ok(());
+        }
+        let xs = contiguous(xd);
+        let kept: Vec<usize> = (0..xd.len()).filter(|d| !axes.contains(d)).collect();
+        let kdims: Vec<usize> = kept.iter().map(|&d| xd[d]).collect();
+        let kst: Vec<i64> = kept.iter().map(|&d| xs[d]).collect();
+        let mut p = P::default();
+        iterate(&mut p, &kdims, &[kst], "reduce")?;
+        p.n = n as i64;
+        // Reduced dims, merged where contiguous with each other.
+        let mut rd: Vec<i64> = Vec::new();
+        let mut rs: Vec<i64> = Vec::new();
+        for &a in axes {
+            let (d, s) = (xd[a] as i64, xs[a]);
+            if d == 1 {
+                continue;
+            }
+            if let (Some(ld), Some(ls)) = (rd.last_mut(), rs.last_mut()) {
+                if *ls == s * d {
+                    *ld *= d;
+                    *ls = s;
+                    continue;
+                }
+            }
+            rd.push(d);
+            rs.push(s);
+        }
+        if rd.len() > MAX_RANK {
+            return Err(Error::unsupported(
+                "reduce",
+                "more than 8 non-adjacent reduced axes",
+            ));
+        }
+        for (i, (&d, &s)) in rd.iter().zip(&rs).enumerate() {
+            p.st[2][i] = d;
+            p.st[3][i] = s;
+        }
+        p.iv[0] = (r == ReduceOp::Max) as i64;
+        p.iv[1] = count as i64;
+        p.iv[2] = rd.len() as i64;
+        p.fv[0] = if r == ReduceOp::Mean {
+            1.0 / count as f32
+        } else {
+            1.0
+        };
+        let block = (count.next_power_of_two() as u32).clamp(32, THREADS);
+        self.launch(
+            Kernel::Library("rlx_reduce"),
+            n.min(1 << 16) as u32,
+            block,
+            p,
+            vec![(0, xl), (1, at(out))],
+        );
+        Ok(())
+    }
+
+    fn matmul(&mut self, ins: &[TRef], out: &TRef, ta: bool, tb: bool) -> Result<()> {
+        let (ad, bd, od) = (ins[0].shape.dims(), ins[1].shape.dims(), out.shape.dims());
+        self.matmul_at((at(&ins[0]), ad), (at(&ins[1]), bd), (at(out), od), ta, tb)
+    }
+
+    /// `c = op(a) @ op(b)` for operands given by place and dims.
+    fn matmul_at(
+        &mut self,
+        (a, ad): (Loc, &[usize]),
+        (b, bd): (Loc, &[usize]),
+        (c, od): (Loc, &[usize]),
+        ta: bool,
+        tb: bool,
+    ) -> Result<()> {
+        let out_numel: usize = od.iter().product();
+        let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+        let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+        let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
+        let n = if tb { rb } else { cb };
+        if out_numel == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            self.plan.steps.push(Step::Fill {
+                at: c,
+                bytes: out_numel * 4,
+            });
+            return Ok(());
+        }
+        let ob = &od[..od.len() - 2];
+        let batch: usize = ob.iter().product();
+        let a_batch: usize = ad[..ad.len() - 2].iter().product();
+        let b_batch: usize = bd[..bd.len() - 2].iter().product();
+        // Row-major C = A B is column-major C^T = B^T A^T: cuBLAS's A is our B.
+        let g = |rows: usize, batch: usize, sa: usize, sb: usize| Gemm {
+            ta: tb,
+            tb: ta,
+            m: n,
+            n: rows,
+            k,
+            lda: cb,
+            ldb: ca,
+            ldc: n,
+            stride_a: sb,
+            stride_b: sa,
+            stride_c: rows * n,
+            batch,
+        };
+        if b_batch == 1 && !ta && a_batch == batch {
+            // A stack of row-major matrices times one matrix is one tall GEMM.
+            self.plan.steps.push(Step::Gemm {
+                g: g(batch * m, 1, 0, 0),
+                a: b,
+                b: a,
+                c,
+            });
+            return Ok(());
+        }
+        if (a_batch == batch || a_batch == 1) && (b_batch == batch || b_batch == 1) {
+            let sa = if a_batch == 1 { 0 } else { ra * ca };
+            let sb = if b_batch == 1 { 0 } else { rb * cb };
+            self.plan.steps.push(Step::Gemm {
+                g: g(m, batch, sa, sb),
+                a: b,
+                b: a,
+                c,
+            });
+            return Ok(());
+        }
+        // General batch broadcasting: one GEMM per output matrix.
+        let sa = broadcast(&ad[..ad.len() - 2], ob);
+        let sbb = broadcast(&bd[..bd.len() - 2], ob);
+        let offset = |s: &[i64], mut i: usize, size: usize| {
+            let mut o = 0usize;
+            for d in (0..ob.len()).rev() {
+                o += (i % ob[d]) * s[d] as usize;
+                i /= ob[d];
+            }
+            o * size * 4
+        };
+        for bi in 0..batch {
+            let mut ai = a;
+            ai.offset += offset(&sa, bi, ra * ca);
+            let mut bi_ = b;
+            bi_.offset += offset(&sbb, bi, rb * cb);
+            let mut ci = c;
+            ci.offset += bi * m * n * 4;
+            self.plan.steps.push(Step::Gemm {
+                g: g(m, 1, 0, 0),
+                a: bi_,
+                b: ai,
+                c: ci,
+            });
+        }
+        Ok(())
+    }
+
+    fn update(&mut self, u: &UpdatePlan) -> Result<()> {
+        let k = u.accumulate.max(1) as i64;
+        let skip = u.skip_nonfinite;
+        let need_norm = u.clip.is_some() || skip;
+        let ctrl = scratch(CTRL_AT);
+        let one = |s: &mut Self, name: &'static str, p: P, ops: Vec<(usize, Loc)>| {
+            s.launch(Kernel::Library(name), 1, 1, p, ops)
+        };
+        self.plan.steps.push(Step::Fill {
+            at: ctrl,
+            bytes: 32,
+        });
+        if u.hyper.is_none() {
+            self.plan.steps.push(Step::HyperRow {
+                at: scratch(HYPER_AT),
+            });
+        }
+        let sumsq = |s: &mut Self, t: Loc, n: usize, slot: i64| {
+            if n == 0 {
+                return;
+            }
+            let mut p = P::sized(n);
+            p.iv[0] = slot;
+            s.launch(
+                Kernel::Library("rlx_sumsq"),
+                grid_for(n, 4 * THREADS as usize).min(264),
+                THREADS,
+                p,
+                vec![(0, t), (1, ctrl)],
+            );
+        };
+        if skip {
+            for q in &u.params {
+                sumsq(self, at(&q.grad), q.grad.numel(), 0);
+            }
+        }
+        let ctrl_step = |s: &mut Self, phase: i64| {
+            let mut p = P::default();
+            p.iv[0] = phase;
+            p.iv[1] = skip as i64;
+            p.iv[2] = k;
+            p.iv[3] = need_norm as i64;
+            p.iv[4] = (k == 1 && skip) as i64;
+            p.iv[5] = u.clip.is_some() as i64;
+            p.fv[0] = u.clip.unwrap_or(0.0);
+            one(
+                s,
+                "rlx_update_ctrl",
+                p,
+                vec![(0, ctrl), (1, at(&u.stats)), (2, at(&u.loss))],
+            );
+        };
+        ctrl_step(self, 0);
+        let src = |q: &rlx_runtime::UpdateParam| q.acc.as_ref().map_or(at(&q.grad), at);
+        if k > 1 {
+            for q in &u.params {
+                let Some(acc) = &q.acc else {
+                    return Err(Error::Internal("accumulation buffer not planned".into()));
+                };
+                let n = q.grad.numel().min(acc.numel());
+                if n > 0 {
+                    let p = P::sized(n);
+                    self.launch(
+                        Kernel::Library("rlx_accumulate"),
+                        grid_for(n, THREADS as usize),
+                        THREADS,
+                        p,
+                        vec![(0, at(&q.grad)), (1, at(acc)), (2, ctrl)],
+                    );
+                }
+            }
+            ctrl_step(self, 1);
+        }
+        if need_norm && !(k == 1 && skip) {
+            for q in &u.params {
+                sumsq(self, src(q), q.grad.numel(), 1);
+            }
+        }
+        ctrl_step(self, 2);
+        let rule = match u.rule {
+            OptimRule::Sgd => 0,
+            OptimRule::Adam => 1,
+            OptimRule::AdamW => 2,
+            OptimRule::RmsProp => 3,
+            OptimRule::Adagrad => 4,
+        };
+        let mut finish: Vec<(Loc, Option<Loc>, Loc)> = Vec::new();
+        for q in &u.params {
+            let row = match &u.hyper {
+                Some(h) => {
+                    let mut l = at(h);
+                    l.offset += q.row * hyper_col::LEN * 4;
+                    l
+                }
+                None => scratch(HYPER_AT),
+            };
+            let n = q.param.numel().min(q.grad.numel());
+            let mut ops = vec![
+                (0, at(&q.param)),
+                (1, src(q)),
+                (4, at(&q.step)),
+                (6, row),
+                (7, ctrl),
+            ];
+            for (i, s) in q.state.iter().enumerate().take(2) {
+                ops.push((2 + i, at(s)));
+            }
+            if let Some(s) = &q.started {
+                ops.push((5, at(s)));
+            }
+            if n > 0 {
+                let mut p = P::sized(n);
+                p.iv[0] = rule;
+                self.launch(
+                    Kernel::Library("rlx_update"),
+                    grid_for(n, THREADS as usize),
+                    THREADS,
+                    p,
+                    ops,
+                );
+            }
+            finish.push((at(&q.step), q.started.as_ref().map(at), row));
+        }
+        // Step counts and momentum flags, five parameters per launch.
+        for chunk in finish.chunks(5) {
+            let mut p = P::default();
+            p.iv[0] = chunk.len() as i64;
+            let mut ops = vec![(0, ctrl)];
+            for (i, (step, started, row)) in chunk.iter().enumerate() {
+                ops.push((1 + 3 * i, *step));
+                if let Some(s) = started {
+                    ops.push((2 + 3 * i, *s));
+                }
+                ops.push((3 + 3 * i, *row));
+            }
+            one(self, "rlx_update_finish", p, ops);
+        }
+        ctrl_step(self, 3);
+        for (s, d) in &u.buffer_updates {
+            let n = s.numel().min(d.numel());
+            if n > 0 {
+                let p = P::sized(n);
+                self.launch(
+                    Kernel::Library("rlx_copy_unless_skipped"),
+                    grid_for(n, THREADS as usize),
+                    THREADS,
+                    p,
+                    vec![(0, at(s)), (1, at(d)), (2, ctrl)],
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The row of the hyper table a run's single set of settings stands for (as the CPU backend's
+/// `Hyper::from_run`).
+pub fn hyper_row(h: &rlx_runtime::OptimHyper) -> [f32; hyper_col::LEN] {
+    let mut r = [0.0f32; hyper_col::LEN];
+    r[hyper_col::LR] = h.lr;
+    r[hyper_col::WEIGHT_DECAY] = h.weight_decay;
+    r[hyper_col::MOMENTUM] = h.momentum;
+    r[hyper_col::BETA1] = h.beta1;
+    r[hyper_col::BETA2] = h.beta2;
+    r[hyper_col::EPS] = h.eps;
+    r[hyper_col::ALPHA] = 0.99;
+    r[hyper_col::ONE_MINUS_ALPHA] = (1.0 - 0.99f64) as f32;
+    r[hyper_col::ONE_MINUS_DAMPENING] = 1.0;
+    r[hyper_col::ONE_MINUS_BETA1] = (1.0 - h.beta1 as f64) as f32;
+    r[hyper_col::ONE_MINUS_BETA2] = (1.0 - h.beta2 as f64) as f32;
+    r
+}
+
+/// Silences an unused-import lint where `UnaryOp` is only used in tests.
+#[allow(dead_code)]
+fn _unary(_: UnaryOp) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rlx_runtime::Buf;
+
+    fn t(offset: usize, dims: &[usize]) -> TRef {
+        TRef {
+            buf: Buf::Arena,
+            offset,
+            shape: Shape::from(dims),
+            dtype: DType::F32,
+        }
+    }
+
+    #[test]
+    fn launch_record_layout_matches_the_c_struct() {
+        // 16 pointers, n, rank, 8 dims, 16x8 strides, 8 ints, 8 floats, 16 modes.
+        assert_eq!(
+            std::mem::size_of::<P>(),
+            128 + 8 + 8 + 64 + 1024 + 64 + 32 + 64
+        );
+    }
+
+    #[test]
+    fn broadcast_add_is_one_fused_launch_with_a_strided_operand() {
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Binary(BinaryOp::Add),
+                ins: vec![t(0, &[2, 3]), t(64, &[3])],
+                out: t(128, &[2, 3]),
+            }],
+        };
+        let plan = plan(&prog, &[256]).unwrap();
+        assert_eq!(plan.fused.len(), 1);
+        let Step::Launch { p, operands, .. } = &plan.steps[0] else {
+            panic!("{:?}", plan.steps)
+        };
+        assert_eq!(p.n, 6);
+        assert_eq!(&p.mode[..3], &[1, 2, 1]);
+        assert_eq!(operands[1], (1, Loc { buf: 0, offset: 64 }));
+    }
+
+    #[test]
+    fn matmul_of_a_stack_is_one_tall_gemm() {
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::MatMul {
+                    trans_a: false,
+                    trans_b: true,
+                },
+                ins: vec![t(0, &[4, 2, 3]), t(256, &[5, 3])],
+                out: t(512, &[4, 2, 5]),
+            }],
+        };
+        let plan = plan(&prog, &[1024]).unwrap();
+        let Step::Gemm { g, a, b, .. } = &plan.steps[0] else {
+            panic!()
+        };
+        assert_eq!((g.m, g.n, g.k, g.batch), (5, 8, 3, 1));
+        assert!(g.ta && !g.tb);
+        assert_eq!((g.lda, g.ldb, g.ldc), (3, 3, 5));
+        assert_eq!((a.offset, b.offset), (256, 0));
+    }
+
+    #[test]
+    fn bad_programs_are_rejected() {
+        let neg = |x: TRef, out: TRef| Program {
+            instrs: vec![Instr::Op {
+                op: Op::Unary(UnaryOp::Neg),
+                ins: vec![x],
+                out,
+            }],
+        };
+        assert!(plan(&neg(t(0, &[8]), t(240, &[8])), &[256]).is_err());
+        assert!(plan(&neg(t(0, &[8]), t(16, &[8])), &[256]).is_err());
+        assert!(plan(&neg(t(0, &[8]), t(64, &[8])), &[256]).is_ok());
+    }
+
+    #[test]
+    fn leading_axis_sums_are_column_reductions_and_others_general() {
+        let red = |axes: Vec<usize>, op: ReduceOp, out: &[usize]| {
+            let prog = Program {
+                instrs: vec![Instr::Op {
+                    op: Op::Reduce {
+                        op,
+                        axes,
+                        keepdims: false,
+                    },
+                    ins: vec![t(0, &[128, 6])],
+                    out: t(4096, out),
+                }],
+            };
+            plan(&prog, &[8192]).unwrap().steps
+        };
+        let steps = red(vec![0], ReduceOp::Mean, &[6]);
+        assert!(matches!(steps[0], Step::Fill { bytes: 24, .. }));
+        let Step::Launch { kernel, p, .. } = &steps[1] else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_reduce_rows"));
+        assert_eq!((p.iv[0], p.iv[1], p.fv[0]), (128, 6, 1.0 / 128.0));
+        let steps = red(vec![0], ReduceOp::Max, &[6]);
+        assert!(matches!(
+            &steps[0],
+            Step::Launch {
+                kernel: Kernel::Library("rlx_reduce"),
+                ..
+            }
+        ));
+        let steps = red(vec![1], ReduceOp::Sum, &[128]);
+        let Step::Launch { kernel, p, .. } = &steps[0] else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_reduce"));
+        assert_eq!((p.n, p.iv[1], p.st[2][0], p.st[3][0]), (128, 6, 6, 1));
+    }
+
+    #[test]
+    fn an_epilogue_reads_the_product_buffer_and_attention_gets_packed_strides() {
+        let epi = Fused {
+            shape: Shape::new([4, 5]),
+            n_inputs: 2,
+            steps: vec![
+                FusedStep::Binary(BinaryOp::Add, 0, 1),
+                FusedStep::Unary(UnaryOp::Relu, 2),
+            ],
+        };
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::MatMulEpilogue {
+                    trans_a: false,
+                    trans_b: true,
+                    epilogue: std::sync::Arc::new(epi),
+                },
+                ins: vec![t(0, &[4, 3]), t(256, &[5, 3]), t(512, &[5])],
+                out: t(768, &[4, 5]),
+            }],
+        };
+        let pl = plan(&prog, &[1024]).unwrap();
+        assert_eq!(pl.product_bytes, 80);
+        let Step::Gemm { c, .. } = &pl.steps[0] else {
+            panic!("{:?}", pl.steps)
+        };
+        assert_eq!(c.buf, PRODUCT);
+        let Step::Launch { operands, .. } = &pl.steps[1] else {
+            panic!()
+        };
+        assert_eq!(operands[0].1.buf, PRODUCT);
+        assert_eq!(
+            operands[2].1,
+            Loc {
+                buf: 0,
+                offset: 768
+            }
+        );
+
+        // Packed qkv (B 2, T 8, 3 heads of 4): k of head 1 starts at column (3 + 1) * 4.
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Attention {
+                    scale: 0.5,
+                    causal: Some(0),
+                    heads: Some(3),
+                },
+                ins: vec![t(0, &[2, 8, 36])],
+                out: t(4096, &[2, 8, 12]),
+            }],
+        };
+        let pl = plan(&prog, &[8192]).unwrap();
+        let Step::Launch { p, .. } = &pl.steps[0] else {
+            panic!()
+        };
+        assert_eq!(p.n, 2 * 3 * 8);
+        assert_eq!(&p.iv[..8], &[2, 3, 8, 8, 4, 4, 1, 0]);
+        assert_eq!(&p.st[1][..4], &[8 * 36, 4, 36, 12]);
+        assert_eq!(&p.st[3][..4], &[8 * 12, 4, 12, 0]);
+    }
+
+    #[test]
+    fn pooling_is_one_thread_per_output_with_the_window_in_the_record() {
+        let w = rlx_ir::Window {
+            kernel: [3, 2],
+            stride: [2, 1],
+            padding: [1, 0],
+        };
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Pool2d {
+                    window: w,
+                    max: true,
+                },
+                ins: vec![t(0, &[1, 2, 5, 4])],
+                out: t(256, &[1, 2, 3, 3]),
+            }],
+        };
+        let pl = plan(&prog, &[512]).unwrap();
+        let Step::Launch { kernel, p, .. } = &pl.steps[0] else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_pool2d"));
+        assert_eq!(p.n, 18);
+        assert_eq!(&p.iv[..7], &[5, 4, 3, 3, 3, 2, 1]);
+        assert_eq!(&p.st[0][..4], &[2, 1, 1, 0]);
+    }
+
+    #[test]
+    fn transposes_walk_the_source_with_permuted_strides() {
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Transpose { perm: vec![1, 0] },
+                ins: vec![t(0, &[2, 3])],
+                out: t(64, &[3, 2]),
+            }],
+        };
+        let plan = plan(&prog, &[128]).unwrap();
+        let Step::Launch { p, .. } = &plan.steps[0] else {
+            panic!()
+        };
+        assert_eq!((p.rank, p.dims[0], p.dims[1]), (2, 3, 2));
+        assert_eq!((p.st[0][0], p.st[0][1]), (1, 3));
+        assert_eq!((p.mode[0], p.mode[1]), (2, 1));
+    }
+}

@@ -1,0 +1,865 @@
+//! CUDA C source of every kernel: the fixed library (layout, reductions, nn, the update) and the
+//! generated elementwise kernels, one per `Fused` expression. Pure string building, so the code
+//! generation is tested without a GPU.
+//!
+//! Every kernel takes one argument, the launch record `P` (mirrored by [`crate::plan::P`]): the
+//! operand pointers, an iteration shape with per-operand element strides, and a few integer and
+//! float settings. Operand `k`'s element for iteration index `i` is at `off(p, k, i)`.
+use rlx_ir::{BinaryOp, Fused, FusedStep, UnaryOp};
+
+/// Operands one launch record holds.
+pub const MAX_OPS: usize = 16;
+/// Iteration rank one launch record holds (after merging contiguous dims).
+pub const MAX_RANK: usize = 8;
+
+/// Declarations every module starts with: the launch record, indexing, and the scalar functions
+/// the elementwise kernels call (each computes what the CPU kernel computes, in float32).
+pub const PRELUDE: &str = r#"
+#define RX_INF __int_as_float(0x7f800000)
+#define RX_NAN __int_as_float(0x7fffffff)
+#define RX_ISNAN(x) ((x) != (x))
+#define RX_FINITE(x) (((x) - (x)) == 0)
+#define MAXOP 16
+#define MAXR 8
+struct P {
+  unsigned long long ptr[MAXOP];
+  long long n;
+  long long rank;
+  long long dims[MAXR];
+  long long st[MAXOP][MAXR];
+  long long iv[8];
+  float fv[8];
+  int mode[MAXOP];
+};
+/* mode 0: a scalar (every index reads element 0); 1: contiguous (element i); 2: strided. */
+__device__ __forceinline__ long long off(const P& p, int k, long long i) {
+  int m = p.mode[k];
+  if (m == 0) return 0;
+  if (m == 1) return i;
+  long long o = 0;
+  for (int d = (int)p.rank - 1; d >= 0; --d) {
+    long long q = i / p.dims[d];
+    o += (i - q * p.dims[d]) * p.st[k][d];
+    i = q;
+  }
+  return o;
+}
+#define F(k) ((float*)p.ptr[k])
+#define I(k) ((int*)p.ptr[k])
+#define U(k) ((unsigned int*)p.ptr[k])
+#define GRID_LOOP(i, n) for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+__device__ __forceinline__ float rx_relu(float x) { return x < 0.0f ? 0.0f : x; }
+__device__ __forceinline__ float rx_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float rx_gelu(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float rx_gelu_deriv(float x) {
+  float e = expf(-0.5f * x * x);
+  return 0.5f * (1.0f + erff(x * 0.70710678118654752f)) + x * 0.3989422804014327f * e;
+}
+__device__ __forceinline__ float rx_gelu_tanh(float x) {
+  float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (1.0f + tanhf(u));
+}
+__device__ __forceinline__ float rx_gelu_tanh_deriv(float x) {
+  float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  float t = tanhf(u);
+  float du = 0.7978845608028654f * (1.0f + 3.0f * 0.044715f * x * x);
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
+}
+__device__ __forceinline__ float rx_floor_div(float a, float b) {
+  if (b == 0.0f) return a / b;
+  float m = fmodf(a, b);
+  float div = (a - m) / b;
+  if (m != 0.0f && ((b < 0.0f) != (m < 0.0f))) div -= 1.0f;
+  if (div == 0.0f) return copysignf(0.0f, a / b);
+  float f = floorf(div);
+  return (div - f > 0.5f) ? f + 1.0f : f;
+}
+__device__ __forceinline__ float rx_rem(float a, float b) {
+  float m = fmodf(a, b);
+  return (m != 0.0f && ((b < 0.0f) != (m < 0.0f))) ? m + b : m;
+}
+__device__ __forceinline__ float rx_max(float a, float b) { return (a > b || RX_ISNAN(a)) ? a : b; }
+/* Reports the first failure of a run (read back by the host after the run). */
+__device__ __forceinline__ void rx_fail(int* err, int code, int value) {
+  if (atomicCAS(err, 0, code) == 0) err[1] = value;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = rx_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+"#;
+
+/// Error codes a kernel writes to the run's error word.
+pub mod err {
+    pub const LABEL: i32 = 1;
+    pub const ID: i32 = 2;
+    pub const INT_DIV_ZERO: i32 = 3;
+}
+
+/// Codes of the integer binary kernel (`iv[0]`).
+pub fn int_op_code(op: BinaryOp) -> i64 {
+    match op {
+        BinaryOp::Add => 0,
+        BinaryOp::Sub => 1,
+        BinaryOp::Mul => 2,
+        BinaryOp::Div => 3,
+        BinaryOp::FloorDiv => 4,
+        BinaryOp::Mod => 5,
+        BinaryOp::Lt => 6,
+        BinaryOp::Le => 7,
+        BinaryOp::Gt => 8,
+        BinaryOp::Ge => 9,
+        BinaryOp::Eq => 10,
+        BinaryOp::Ne => 11,
+    }
+}
+
+/// The fixed kernels (compiled once per process and device).
+pub const LIBRARY: &str = r#"
+/* ---- layout: strided 4-byte copies (broadcast, transpose, slice, pad, concat, i32 where) ---- */
+extern "C" __global__ void rlx_copy32(const P p) {
+  GRID_LOOP(i, p.n) { U(1)[off(p, 1, i)] = U(0)[off(p, 0, i)]; }
+}
+extern "C" __global__ void rlx_cast_f2i(const P p) {
+  GRID_LOOP(i, p.n) { float x = F(0)[off(p, 0, i)]; I(1)[off(p, 1, i)] = RX_ISNAN(x) ? 0 : __float2int_rz(x); }
+}
+extern "C" __global__ void rlx_cast_i2f(const P p) {
+  GRID_LOOP(i, p.n) { F(1)[off(p, 1, i)] = (float)I(0)[off(p, 0, i)]; }
+}
+/* cond (f32 when iv[0]==0, else i32) ? a : b over 4-byte values. */
+extern "C" __global__ void rlx_where32(const P p) {
+  GRID_LOOP(i, p.n) {
+    long long c = off(p, 0, i);
+    bool t = p.iv[0] == 0 ? (F(0)[c] != 0.0f) : (I(0)[c] != 0);
+    U(3)[off(p, 3, i)] = t ? U(1)[off(p, 1, i)] : U(2)[off(p, 2, i)];
+  }
+}
+/* int32 a (op) b; Div gives a float32 quotient, comparisons float32 masks. */
+extern "C" __global__ void rlx_ibinary(const P p) {
+  int op = (int)p.iv[0];
+  GRID_LOOP(i, p.n) {
+    int a = I(0)[off(p, 0, i)], b = I(1)[off(p, 1, i)];
+    long long o = off(p, 2, i);
+    unsigned int ua = (unsigned int)a, ub = (unsigned int)b;
+    switch (op) {
+      case 0: I(2)[o] = (int)(ua + ub); break;
+      case 1: I(2)[o] = (int)(ua - ub); break;
+      case 2: I(2)[o] = (int)(ua * ub); break;
+      case 3: F(2)[o] = (float)((double)a / (double)b); break;
+      case 4: case 5: {
+        if (b == 0) { rx_fail((int*)p.ptr[3], 3, 0); I(2)[o] = 0; break; }
+        int q, r;
+        if (a == (int)0x80000000 && b == -1) { q = a; r = 0; } else { q = a / b; r = a % b; }
+        if (r != 0 && ((r < 0) != (b < 0))) { q -= 1; r += b; }
+        I(2)[o] = op == 4 ? q : r;
+        break;
+      }
+      case 6: F(2)[o] = a < b ? 1.0f : 0.0f; break;
+      case 7: F(2)[o] = a <= b ? 1.0f : 0.0f; break;
+      case 8: F(2)[o] = a > b ? 1.0f : 0.0f; break;
+      case 9: F(2)[o] = a >= b ? 1.0f : 0.0f; break;
+      case 10: F(2)[o] = a == b ? 1.0f : 0.0f; break;
+      default: F(2)[o] = a != b ? 1.0f : 0.0f; break;
+    }
+  }
+}
+/* ---- reductions: one block per output; kept dims in dims/st[0], reduced dims in st[2] (sizes)
+   and st[3] (strides), iv[1] elements, iv[2] reduced rank; iv[0] 0 sum, 1 max; fv[0] scale. ---- */
+extern "C" __global__ void rlx_reduce(const P p) {
+  __shared__ float sh[32];
+  bool mx = p.iv[0] == 1;
+  long long count = p.iv[1];
+  int rr = (int)p.iv[2];
+  for (long long o = blockIdx.x; o < p.n; o += gridDim.x) {
+    long long base = off(p, 0, o);
+    float acc = mx ? (-RX_INF) : 0.0f;
+    for (long long r = threadIdx.x; r < count; r += blockDim.x) {
+      long long rem = r, at = base;
+      for (int d = rr - 1; d >= 0; --d) {
+        long long q = rem / p.st[2][d];
+        at += (rem - q * p.st[2][d]) * p.st[3][d];
+        rem = q;
+      }
+      float v = F(0)[at];
+      acc = mx ? rx_max(acc, v) : acc + v;
+    }
+    acc = mx ? warp_max(acc) : warp_sum(acc);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) sh[w] = acc;
+    __syncthreads();
+    if (w == 0) {
+      int nw = (blockDim.x + 31) >> 5;
+      float v = lane < nw ? sh[lane] : (mx ? (-RX_INF) : 0.0f);
+      v = mx ? warp_max(v) : warp_sum(v);
+      if (lane == 0) F(1)[o] = mx ? v : v * p.fv[0];
+    }
+    __syncthreads();
+  }
+}
+/* Sums over leading rows (bias gradients): x is [iv[0] rows, iv[1] cols]; each block sums
+   iv[2] rows for 256 adjacent columns (coalesced) and adds its partial, times fv[0], into the
+   zeroed output. */
+extern "C" __global__ void rlx_reduce_rows(const P p) {
+  long long rows = p.iv[0], cols = p.iv[1], chunk = p.iv[2];
+  long long colblocks = (cols + blockDim.x - 1) / blockDim.x;
+  long long cb = blockIdx.x % colblocks, rb = blockIdx.x / colblocks;
+  long long c = cb * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  long long r0 = rb * chunk, r1 = min(rows, r0 + chunk);
+  float acc = 0.0f;
+  for (long long r = r0; r < r1; ++r) acc += F(0)[r * cols + c];
+  atomicAdd(F(1) + c, acc * p.fv[0]);
+}
+/* ---- softmax / log-softmax: one warp per row; iv[0] len, iv[1] inner, iv[2] log. ---- */
+extern "C" __global__ void rlx_softmax(const P p) {
+  long long len = p.iv[0], inner = p.iv[1];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
+    long long o = r / inner, in = r - o * inner;
+    const float* x = F(0) + o * len * inner + in;
+    float* y = F(1) + o * len * inner + in;
+    float m = (-RX_INF);
+    for (long long j = lane; j < len; j += 32) m = rx_max(m, x[j * inner]);
+    m = warp_max(m);
+    if (m == (-RX_INF)) m = 0.0f;
+    float s = 0.0f;
+    for (long long j = lane; j < len; j += 32) s += expf(x[j * inner] - m);
+    s = warp_sum(s);
+    if (p.iv[2]) {
+      float lse = m + logf(s);
+      for (long long j = lane; j < len; j += 32) y[j * inner] = x[j * inner] - lse;
+    } else {
+      float inv = 1.0f / s;
+      for (long long j = lane; j < len; j += 32) y[j * inner] = expf(x[j * inner] - m) * inv;
+    }
+  }
+}
+/* ---- cross-entropy: per-row losses into scratch (ptr2: n losses, then n 0/1 counted flags),
+   then their mean over the counted rows (rlx_mean_rows). Label -100 rows are ignored. ---- */
+extern "C" __global__ void rlx_ce_rows(const P p) {
+  long long c = p.iv[0];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
+    const float* x = F(0) + r * c;
+    int y = I(1)[r];
+    if (y == -100) { if (lane == 0) { F(2)[r] = 0.0f; F(2)[p.n + r] = 0.0f; } continue; }
+    float m = (-RX_INF);
+    for (long long j = lane; j < c; j += 32) m = rx_max(m, x[j]);
+    m = warp_max(m);
+    float s = 0.0f;
+    for (long long j = lane; j < c; j += 32) s += expf(x[j] - m);
+    s = warp_sum(s);
+    if (lane == 0) {
+      F(2)[p.n + r] = 1.0f;
+      if (y < 0 || y >= c) { rx_fail((int*)p.ptr[3], 1, y); F(2)[r] = 0.0f; }
+      else F(2)[r] = m + logf(s) - x[y];
+    }
+  }
+}
+/* The sum of n floats at ptr0 over the count of n flags after them (ptr0 + n), into ptr1[0],
+   in double (NaN for no counted row). */
+extern "C" __global__ void rlx_mean_rows(const P p) {
+  __shared__ double sh[32];
+  __shared__ double shc[32];
+  double acc = 0.0, cnt = 0.0;
+  for (long long i = threadIdx.x; i < p.n; i += blockDim.x) { acc += (double)F(0)[i]; cnt += (double)F(0)[p.n + i]; }
+  for (int o = 16; o > 0; o >>= 1) { acc += __shfl_xor_sync(0xffffffffu, acc, o); cnt += __shfl_xor_sync(0xffffffffu, cnt, o); }
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  if (lane == 0) { sh[w] = acc; shc[w] = cnt; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0.0, k = 0.0;
+    for (int q = 0; q < (int)((blockDim.x + 31) >> 5); ++q) { t += sh[q]; k += shc[q]; }
+    F(1)[0] = k == 0.0 ? RX_NAN : (float)(t / k);
+  }
+}
+/* Rows not labelled -100 among n int labels (ptr0), into ((int*)ptr1)[0]. One block. */
+extern "C" __global__ void rlx_count_labels(const P p) {
+  __shared__ int sh[32];
+  int cnt = 0;
+  for (long long i = threadIdx.x; i < p.n; i += blockDim.x) cnt += I(0)[i] != -100;
+  for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  if (lane == 0) sh[w] = cnt;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int t = 0;
+    for (int q = 0; q < (int)((blockDim.x + 31) >> 5); ++q) t += sh[q];
+    I(1)[0] = t;
+  }
+}
+/* (softmax - onehot) * g / N: ptr0 logits, ptr1 labels, ptr2 g (scalar), ptr3 out, ptr4 err,
+   ptr5 the count N of rows not labelled -100 (those rows get 0). */
+extern "C" __global__ void rlx_ce_grad(const P p) {
+  long long c = p.iv[0];
+  int counted = I(5)[0];
+  float scale = F(2)[0] / (float)(counted > 0 ? counted : 1);
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
+    const float* x = F(0) + r * c;
+    float* out = F(3) + r * c;
+    int y = I(1)[r];
+    if (y == -100) { for (long long j = lane; j < c; j += 32) out[j] = 0.0f; continue; }
+    if (y < 0 || y >= c) { if (lane == 0) rx_fail((int*)p.ptr[4], 1, y); continue; }
+    float m = (-RX_INF);
+    for (long long j = lane; j < c; j += 32) m = rx_max(m, x[j]);
+    m = warp_max(m);
+    if (m == (-RX_INF)) m = 0.0f;
+    float s = 0.0f;
+    for (long long j = lane; j < c; j += 32) s += expf(x[j] - m);
+    s = warp_sum(s);
+    float inv = 1.0f / s;
+    for (long long j = lane; j < c; j += 32) {
+      float v = expf(x[j] - m) * inv;
+      if (j == y) v -= 1.0f;
+      out[j] = v * scale;
+    }
+  }
+}
+/* Mean squared error of n elements (ptr0, ptr1) into ptr2[0], in double. */
+extern "C" __global__ void rlx_mse(const P p) {
+  __shared__ double sh[32];
+  double acc = 0.0;
+  for (long long i = threadIdx.x; i < p.n; i += blockDim.x) {
+    double d = (double)(F(0)[i] - F(1)[i]);
+    acc += d * d;
+  }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  if (lane == 0) sh[w] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0.0;
+    for (int k = 0; k < (int)((blockDim.x + 31) >> 5); ++k) t += sh[k];
+    F(2)[0] = p.n == 0 ? RX_NAN : (float)(t / (double)p.n);
+  }
+}
+/* ---- embedding: iv[0] rows, iv[1] width; n = ids * width. ---- */
+extern "C" __global__ void rlx_gather(const P p) {
+  long long w = p.iv[1];
+  GRID_LOOP(i, p.n) {
+    long long k = i / w, j = i - k * w;
+    int id = I(1)[k];
+    if (id < 0 || id >= p.iv[0]) { rx_fail((int*)p.ptr[3], 2, id); F(2)[i] = 0.0f; }
+    else F(2)[i] = F(0)[(long long)id * w + j];
+  }
+}
+extern "C" __global__ void rlx_scatter_add(const P p) {
+  long long w = p.iv[1];
+  GRID_LOOP(i, p.n) {
+    long long k = i / w, j = i - k * w;
+    int id = I(0)[k];
+    if (id < 0 || id >= p.iv[0]) rx_fail((int*)p.ptr[3], 2, id);
+    else atomicAdd(F(2) + (long long)id * w + j, F(1)[i]);
+  }
+}
+/* ---- layer norm over the last axis: one warp per row; iv[0] width, fv[0] eps. ---- */
+__device__ __forceinline__ void row_stats(const float* x, long long w, float eps, int lane, float* mean, float* rstd) {
+  float s = 0.0f;
+  for (long long j = lane; j < w; j += 32) s += x[j];
+  float m = warp_sum(s) / (float)w;
+  float v = 0.0f;
+  for (long long j = lane; j < w; j += 32) { float d = x[j] - m; v += d * d; }
+  v = warp_sum(v) / (float)w;
+  *mean = m;
+  *rstd = 1.0f / sqrtf(v + eps);
+}
+extern "C" __global__ void rlx_normalize(const P p) {
+  long long w = p.iv[0];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
+    const float* x = F(0) + r * w;
+    float* y = F(1) + r * w;
+    float m, rs;
+    row_stats(x, w, p.fv[0], lane, &m, &rs);
+    for (long long j = lane; j < w; j += 32) y[j] = (x[j] - m) * rs;
+  }
+}
+extern "C" __global__ void rlx_normalize_grad(const P p) {
+  long long w = p.iv[0];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
+    const float* x = F(0) + r * w;
+    const float* g = F(1) + r * w;
+    float* y = F(2) + r * w;
+    float m, rs;
+    row_stats(x, w, p.fv[0], lane, &m, &rs);
+    float sg = 0.0f, sgx = 0.0f;
+    for (long long j = lane; j < w; j += 32) { sg += g[j]; sgx += g[j] * (x[j] - m) * rs; }
+    float mg = warp_sum(sg) / (float)w, mgx = warp_sum(sgx) / (float)w;
+    for (long long j = lane; j < w; j += 32) y[j] = rs * (g[j] - mg - (x[j] - m) * rs * mgx);
+  }
+}
+/* ---- convolution patches and pooling over [N*C planes of H x W]: iv H, W, Ho, Wo, kh, kw,
+   max, C; st[0] stride h, w, padding h, w; fv[0] 1/(kh*kw). ---- */
+#define WINDOW \
+  long long H = p.iv[0], W = p.iv[1], Ho = p.iv[2], Wo = p.iv[3], KH = p.iv[4], KW = p.iv[5]; \
+  long long SH = p.st[0][0], SW = p.st[0][1], PH = p.st[0][2], PW = p.st[0][3];
+/* Patches [N, Ho*Wo, C*kh*kw] (iv[7] = C): row oy*Wo + ox, column (c*kh + i)*kw + j. */
+extern "C" __global__ void rlx_im2col(const P p) {
+  WINDOW
+  long long C = p.iv[7], K = C * KH * KW, PP = Ho * Wo;
+  GRID_LOOP(i, p.n) {
+    long long kk = i % K, t = i / K, col = t % PP, n = t / PP;
+    long long kj = kk % KW, r = kk / KW, ki = r % KH, c = r / KH;
+    long long y = (col / Wo) * SH + ki - PH, x = (col % Wo) * SW + kj - PW;
+    F(1)[i] = (y >= 0 && y < H && x >= 0 && x < W) ? F(0)[((n * C + c) * H + y) * W + x] : 0.0f;
+  }
+}
+extern "C" __global__ void rlx_col2im(const P p) {
+  WINDOW
+  long long C = p.iv[7], K = C * KH * KW, PP = Ho * Wo;
+  GRID_LOOP(i, p.n) {
+    long long x = i % W, t = i / W, y = t % H, nc = t / H, n = nc / C, c = nc % C;
+    float acc = 0.0f;
+    for (long long ki = 0; ki < KH; ++ki) {
+      long long a = y + PH - ki;
+      if (a < 0 || a % SH != 0 || a / SH >= Ho) continue;
+      for (long long kj = 0; kj < KW; ++kj) {
+        long long b = x + PW - kj;
+        if (b < 0 || b % SW != 0 || b / SW >= Wo) continue;
+        acc += F(0)[(n * PP + (a / SH) * Wo + b / SW) * K + (c * KH + ki) * KW + kj];
+      }
+    }
+    F(1)[i] = acc;
+  }
+}
+/* The first maximal element (row-major, NaN counts as maximal) of window (oy, ox) of plane
+   `img`, as an index into the plane; -1 for a window wholly in the padding. */
+__device__ long long pool_argmax(const float* img, const P& p, long long oy, long long ox) {
+  WINDOW
+  (void)Ho; (void)Wo;
+  long long y0 = max(oy * SH - PH, 0LL), y1 = min(oy * SH - PH + KH, H);
+  long long x0 = max(ox * SW - PW, 0LL), x1 = min(ox * SW - PW + KW, W);
+  if (y1 <= y0 || x1 <= x0) return -1;
+  long long at = y0 * W + x0;
+  float best = img[at];
+  if (RX_ISNAN(best)) return at;
+  for (long long y = y0; y < y1; ++y)
+    for (long long x = x0; x < x1; ++x) {
+      float v = img[y * W + x];
+      if (RX_ISNAN(v)) return y * W + x;
+      if (v > best) { best = v; at = y * W + x; }
+    }
+  return at;
+}
+extern "C" __global__ void rlx_pool2d(const P p) {
+  WINDOW
+  GRID_LOOP(i, p.n) {
+    long long ox = i % Wo, t = i / Wo, oy = t % Ho, nc = t / Ho;
+    const float* img = F(0) + nc * H * W;
+    if (p.iv[6]) {
+      long long at = pool_argmax(img, p, oy, ox);
+      F(1)[i] = at < 0 ? (-RX_INF) : img[at];
+    } else {
+      long long y0 = max(oy * SH - PH, 0LL), y1 = min(oy * SH - PH + KH, H);
+      long long x0 = max(ox * SW - PW, 0LL), x1 = min(ox * SW - PW + KW, W);
+      float s = 0.0f;
+      for (long long y = y0; y < y1; ++y)
+        for (long long x = x0; x < x1; ++x) s += img[y * W + x];
+      F(1)[i] = s * p.fv[0];
+    }
+  }
+}
+/* ptr0 x, ptr1 g (N, C, Ho, Wo), ptr2 dx: each input element gathers from the windows holding it. */
+extern "C" __global__ void rlx_pool2d_grad(const P p) {
+  WINDOW
+  GRID_LOOP(i, p.n) {
+    long long x = i % W, t = i / W, y = t % H, nc = t / H;
+    const float* img = F(0) + nc * H * W;
+    const float* g = F(1) + nc * Ho * Wo;
+    long long oy0 = max((y + PH - KH + SH) / SH, 0LL), oy1 = min((y + PH) / SH, Ho - 1);
+    long long ox0 = max((x + PW - KW + SW) / SW, 0LL), ox1 = min((x + PW) / SW, Wo - 1);
+    if (y + PH - KH + 1 <= 0) oy0 = 0;
+    if (x + PW - KW + 1 <= 0) ox0 = 0;
+    float acc = 0.0f;
+    for (long long oy = oy0; oy <= oy1; ++oy) {
+      if (y < oy * SH - PH || y >= oy * SH - PH + KH) continue;
+      for (long long ox = ox0; ox <= ox1; ++ox) {
+        if (x < ox * SW - PW || x >= ox * SW - PW + KW) continue;
+        if (p.iv[6]) { if (pool_argmax(img, p, oy, ox) == y * W + x) acc += g[oy * Wo + ox]; }
+        else acc += g[oy * Wo + ox] * p.fv[0];
+      }
+    }
+    F(2)[i] = acc;
+  }
+}
+/* ---- dropout, log1p ---- */
+extern "C" __global__ void rlx_dropout(const P p) {
+  unsigned long long sw = ((unsigned long long)(unsigned int)I(1)[0] << 32) | (unsigned long long)(unsigned int)I(1)[1];
+  GRID_LOOP(i, p.n) {
+    unsigned long long z = (sw * 0x9E3779B97F4A7C15ull) ^ (unsigned long long)i;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    float u = (float)(z >> 40) * (1.0f / 16777216.0f);
+    F(2)[i] = u >= p.fv[0] ? F(0)[i] * p.fv[1] : 0.0f;
+  }
+}
+extern "C" __global__ void rlx_log1p(const P p) {
+  GRID_LOOP(i, p.n) { F(1)[i] = log1pf(F(0)[i]); }
+}
+/* ---- attention: one warp per query row. iv: units, heads, L, S, E, Ev, causal?, offset;
+   fv[0] scale. Element offsets of row `r` of head `j` in unit `u` of tensor X (st[X]):
+   u*st[X][0] + j*st[X][1] + r*st[X][2] + st[X][3]; X: 0 q, 1 k, 2 v, 3 out / g, 4..6 dq dk dv.
+   ptr0 q, ptr1 k, ptr2 v (all the packed qkv when packed), ptr3 out (forward result),
+   ptr4 g, ptr5 the gradient output. Ev <= 256 (8 values per lane). ---- */
+__device__ __forceinline__ long long att_at(const P& p, int x, long long u, long long j, long long r) {
+  return u * p.st[x][0] + j * p.st[x][1] + r * p.st[x][2] + p.st[x][3];
+}
+__device__ __forceinline__ float att_dot(const float* a, const float* b, long long e, int lane) {
+  float s = 0.0f;
+  for (long long d = lane; d < e; d += 32) s += a[d] * b[d];
+  return warp_sum(s);
+}
+extern "C" __global__ void rlx_attention(const P p) {
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); row < p.n; row += warps) {
+    long long u = row / (H * L), rem = row - u * H * L, j = rem / L, i = rem - j * L;
+    const float* q = F(0) + att_at(p, 0, u, j, i);
+    long long last = S - 1;
+    if (p.iv[6]) last = min(last, i + p.iv[7]);
+    float m = (-RX_INF), l = 0.0f, acc[8];
+    for (int t = 0; t < 8; ++t) acc[t] = 0.0f;
+    for (long long k = 0; k <= last; ++k) {
+      float s = att_dot(q, F(1) + att_at(p, 1, u, j, k), E, lane) * p.fv[0];
+      float mn = rx_max(m, s);
+      float corr = expf(m - mn), w = expf(s - mn);
+      l = l * corr + w;
+      const float* v = F(2) + att_at(p, 2, u, j, k);
+      for (int t = 0; t < 8; ++t) { long long d = lane + 32 * t; if (d < Ev) acc[t] = acc[t] * corr + w * v[d]; }
+      m = mn;
+    }
+    float* o = F(3) + att_at(p, 3, u, j, i);
+    for (int t = 0; t < 8; ++t) { long long d = lane + 32 * t; if (d < Ev) o[d] = acc[t] / l; }
+  }
+}
+extern "C" __global__ void rlx_attention_grad(const P p) {
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  float sc = p.fv[0];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long row = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); row < p.n; row += warps) {
+    long long u = row / (H * L), rem = row - u * H * L, j = rem / L, i = rem - j * L;
+    const float* q = F(0) + att_at(p, 0, u, j, i);
+    const float* g = F(4) + att_at(p, 3, u, j, i);
+    long long last = S - 1;
+    if (p.iv[6]) last = min(last, i + p.iv[7]);
+    float m = (-RX_INF), l = 0.0f;
+    for (long long k = 0; k <= last; ++k) {
+      float s = att_dot(q, F(1) + att_at(p, 1, u, j, k), E, lane) * sc;
+      float mn = rx_max(m, s);
+      l = l * expf(m - mn) + expf(s - mn);
+      m = mn;
+    }
+    float D = att_dot(g, F(3) + att_at(p, 3, u, j, i), Ev, lane);
+    float dq[8];
+    for (int t = 0; t < 8; ++t) dq[t] = 0.0f;
+    for (long long k = 0; k <= last; ++k) {
+      const float* kk = F(1) + att_at(p, 1, u, j, k);
+      const float* v = F(2) + att_at(p, 2, u, j, k);
+      float pr = expf(att_dot(q, kk, E, lane) * sc - m) / l;
+      float ds = pr * (att_dot(g, v, Ev, lane) - D) * sc;
+      float* dk = F(5) + att_at(p, 5, u, j, k);
+      float* dv = F(5) + att_at(p, 6, u, j, k);
+      for (int t = 0; t < 8; ++t) {
+        long long d = lane + 32 * t;
+        if (d < E) { dq[t] += ds * kk[d]; atomicAdd(dk + d, ds * q[d]); }
+        if (d < Ev) atomicAdd(dv + d, pr * g[d]);
+      }
+    }
+    float* dqo = F(5) + att_at(p, 4, u, j, i);
+    for (int t = 0; t < 8; ++t) { long long d = lane + 32 * t; if (d < E) dqo[d] = dq[t]; }
+  }
+}
+/* ---- the training update. ctrl (ptr to struct Ctrl) carries the decisions between kernels. ---- */
+struct Ctrl { double sq1; double sq2; float go; float noskip; float scale; float micro; };
+/* Sum of squares of n floats (ptr0) added to ((double*)ptr1)[iv[0]]. */
+extern "C" __global__ void rlx_sumsq(const P p) {
+  __shared__ double sh[32];
+  double acc = 0.0;
+  GRID_LOOP(i, p.n) { double v = (double)F(0)[i]; acc += v * v; }
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  if (lane == 0) sh[w] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0.0;
+    for (int k = 0; k < (int)((blockDim.x + 31) >> 5); ++k) t += sh[k];
+    atomicAdd(((double*)p.ptr[1]) + p.iv[0], t);
+  }
+}
+/* One thread. ptr0 ctrl, ptr1 stats, ptr2 loss. iv[0] phase, iv[1] skip_nonfinite,
+   iv[2] accumulate, iv[3] need_norm, iv[4] norm from sq1, iv[5] clip on; fv[0] clip. */
+extern "C" __global__ void rlx_update_ctrl(const P p) {
+  Ctrl* c = (Ctrl*)p.ptr[0];
+  float* st = F(1);
+  long long k = p.iv[2];
+  switch ((int)p.iv[0]) {
+    case 0: {
+      st[3] = 0.0f;
+      c->go = 1.0f; c->noskip = 1.0f; c->scale = 1.0f; c->micro = st[2];
+      if (p.iv[1]) {
+        float loss = F(2)[0];
+        if (!(RX_FINITE(loss) && RX_FINITE(c->sq1))) { st[1] += 1.0f; c->go = 0.0f; c->noskip = 0.0f; }
+      }
+      break;
+    }
+    case 1: {
+      if (c->go != 0.0f && k > 1) {
+        long long micro = (long long)c->micro;
+        if (micro + 1 < k) { st[2] = (float)(micro + 1); c->go = 0.0f; }
+        else { st[2] = 0.0f; c->scale = 1.0f / (float)k; }
+      }
+      break;
+    }
+    case 2: {
+      if (c->go == 0.0f) break;
+      if (!p.iv[3]) { st[0] = RX_NAN; break; }
+      double total = p.iv[4] ? c->sq1 : c->sq2;
+      float norm = (float)(sqrt(total) * (double)c->scale);
+      st[0] = norm;
+      if (p.iv[1] && !RX_FINITE(norm)) { st[1] += 1.0f; c->go = 0.0f; c->noskip = 0.0f; break; }
+      if (p.iv[5]) { float coef = p.fv[0] / (norm + 1e-6f); if (coef < 1.0f) c->scale *= coef; }
+      break;
+    }
+    default:
+      if (c->go != 0.0f) st[3] = 1.0f;
+  }
+}
+/* Gradient accumulation: ptr0 g, ptr1 acc, ptr2 ctrl. */
+extern "C" __global__ void rlx_accumulate(const P p) {
+  const Ctrl* c = (const Ctrl*)p.ptr[2];
+  if (c->go == 0.0f) return;
+  bool first = c->micro == 0.0f;
+  GRID_LOOP(i, p.n) { F(1)[i] = first ? F(0)[i] : F(1)[i] + F(0)[i]; }
+}
+/* Buffer updates when the run was not skipped: ptr0 src, ptr1 dst, ptr2 ctrl. */
+extern "C" __global__ void rlx_copy_unless_skipped(const P p) {
+  const Ctrl* c = (const Ctrl*)p.ptr[2];
+  if (c->noskip == 0.0f) return;
+  GRID_LOOP(i, p.n) { F(1)[i] = F(0)[i]; }
+}
+/* One parameter's rule. ptr0 p, ptr1 g, ptr2 state0, ptr3 state1, ptr4 step (i32), ptr5 started
+   (i32 or 0), ptr6 hyper row (14 floats), ptr7 ctrl; iv[0] rule (0 sgd, 1 adam, 2 adamw,
+   3 rmsprop, 4 adagrad). The step count is read here and incremented by rlx_update_finish. */
+extern "C" __global__ void rlx_update(const P p) {
+  const Ctrl* c = (const Ctrl*)p.ptr[7];
+  if (c->go == 0.0f) return;
+  const float* h = F(6);
+  float lr = h[0], wd = h[1], mom = h[2], nesterov = h[4], b1 = h[5], b2 = h[6], eps = h[7];
+  float alpha = h[8], lr_decay = h[9], c_alpha = h[10], c_damp = h[11], c1 = h[12], c2 = h[13];
+  float scale = c->scale;
+  int step = I(4)[0] + 1;
+  int rule = (int)p.iv[0];
+  float* w = F(0); const float* g = F(1); float* s0 = F(2); float* s1 = F(3);
+  bool first = p.ptr[5] != 0 && I(5)[0] == 0;
+  float t = (float)(step > 1 ? step : 1);
+  float bc1 = 1.0f - powf(b1, t);
+  float inv_bc2_sqrt = 1.0f / sqrtf(1.0f - powf(b2, t));
+  float clr = lr / (1.0f + (float)(step - 1) * lr_decay);
+  GRID_LOOP(i, p.n) {
+    float pi = w[i];
+    float gs = scale == 1.0f ? g[i] : g[i] * scale;
+    if (rule == 1 || rule == 2) {
+      bool adamw = rule == 2;
+      float pd = pi * (adamw ? 1.0f - lr * wd : 1.0f);
+      float gi = (adamw || wd == 0.0f) ? gs : gs + wd * pd;
+      float mi = b1 * s0[i] + c1 * gi;
+      float vi = b2 * s1[i] + c2 * gi * gi;
+      s0[i] = mi; s1[i] = vi;
+      w[i] = pd - (lr / bc1) * mi / (sqrtf(vi) * inv_bc2_sqrt + eps);
+      continue;
+    }
+    float gi = wd != 0.0f ? gs + wd * pi : gs;
+    if (rule == 0) {
+      if (mom == 0.0f) { w[i] = pi - lr * gi; continue; }
+      float b = first ? gi : mom * s0[i] + c_damp * gi;
+      s0[i] = b;
+      float d = nesterov != 0.0f ? gi + mom * b : b;
+      w[i] = pi - lr * d;
+    } else if (rule == 3) {
+      float s = alpha * s0[i] + c_alpha * gi * gi;
+      s0[i] = s;
+      float avg = sqrtf(s) + eps;
+      if (mom > 0.0f) { float b = mom * s1[i] + gi / avg; s1[i] = b; w[i] = pi - lr * b; }
+      else w[i] = pi - lr * (gi / avg);
+    } else {
+      float s = s0[i] + gi * gi;
+      s0[i] = s;
+      w[i] = pi - clr * (gi / (sqrtf(s) + eps));
+    }
+  }
+}
+/* One thread, up to 5 parameters: ptr0 ctrl; for i < iv[0]: ptr[1+3i] step, ptr[2+3i] started
+   (or 0), ptr[3+3i] hyper row. Counts the update and marks SGD momentum as started. */
+extern "C" __global__ void rlx_update_finish(const P p) {
+  const Ctrl* c = (const Ctrl*)p.ptr[0];
+  if (c->go == 0.0f) return;
+  for (int i = 0; i < (int)p.iv[0]; ++i) {
+    I(1 + 3 * i)[0] += 1;
+    if (p.ptr[2 + 3 * i] != 0 && F(3 + 3 * i)[2] != 0.0f) I(2 + 3 * i)[0] = 1;
+  }
+}
+"#;
+
+/// Bit-exact float literal.
+fn lit(v: f32) -> String {
+    format!("__int_as_float({:#x})", v.to_bits() as i32)
+}
+
+fn unary_expr(u: UnaryOp, a: &str) -> String {
+    match u {
+        UnaryOp::Neg => format!("(-{a})"),
+        UnaryOp::Relu => format!("rx_relu({a})"),
+        UnaryOp::Tanh => format!("tanhf({a})"),
+        UnaryOp::Sigmoid => format!("rx_sigmoid({a})"),
+        UnaryOp::Exp => format!("expf({a})"),
+        UnaryOp::Log => format!("logf({a})"),
+        UnaryOp::Sqrt => format!("sqrtf({a})"),
+        UnaryOp::PowScalar(2.0) => format!("({a} * {a})"),
+        UnaryOp::PowScalar(p) => format!("powf({a}, {})", lit(p)),
+        UnaryOp::Gelu => format!("rx_gelu({a})"),
+        UnaryOp::GeluTanh => format!("rx_gelu_tanh({a})"),
+        UnaryOp::GeluDeriv => format!("rx_gelu_deriv({a})"),
+        UnaryOp::GeluTanhDeriv => format!("rx_gelu_tanh_deriv({a})"),
+    }
+}
+
+fn binary_expr(b: BinaryOp, x: &str, y: &str) -> String {
+    let cmp = |o: &str| format!("(({x} {o} {y}) ? 1.0f : 0.0f)");
+    match b {
+        BinaryOp::Add => format!("({x} + {y})"),
+        BinaryOp::Sub => format!("({x} - {y})"),
+        BinaryOp::Mul => format!("({x} * {y})"),
+        BinaryOp::Div => format!("({x} / {y})"),
+        BinaryOp::FloorDiv => format!("rx_floor_div({x}, {y})"),
+        BinaryOp::Mod => format!("rx_rem({x}, {y})"),
+        BinaryOp::Lt => cmp("<"),
+        BinaryOp::Le => cmp("<="),
+        BinaryOp::Gt => cmp(">"),
+        BinaryOp::Ge => cmp(">="),
+        BinaryOp::Eq => cmp("=="),
+        BinaryOp::Ne => cmp("!="),
+    }
+}
+
+/// A kernel evaluating `f` elementwise: operands `0..n_inputs` are the inputs, operand
+/// `n_inputs` the output; every register is one float32 local.
+pub fn fused_kernel(name: &str, f: &Fused) -> String {
+    let mut body = String::new();
+    for k in 0..f.n_inputs {
+        body.push_str(&format!("    float r{k} = F({k})[off(p, {k}, i)];\n"));
+    }
+    let r = |i: u16| format!("r{i}");
+    for (s, step) in f.steps.iter().enumerate() {
+        let out = f.n_inputs + s;
+        let e = match *step {
+            FusedStep::Unary(u, a) => unary_expr(u, &r(a)),
+            FusedStep::Binary(b, x, y) => binary_expr(b, &r(x), &r(y)),
+            FusedStep::Where(c, x, y) => format!("({} != 0.0f ? {} : {})", r(c), r(x), r(y)),
+        };
+        body.push_str(&format!("    float r{out} = {e};\n"));
+    }
+    let last = f.n_inputs + f.steps.len() - 1;
+    let o = f.n_inputs;
+    format!(
+        "extern \"C\" __global__ void {name}(const P p) {{\n  GRID_LOOP(i, p.n) {{\n{body}    F({o})[off(p, {o}, i)] = r{last};\n  }}\n}}\n"
+    )
+}
+
+/// A stable 64-bit FNV-1a hash (names kernels and keys the disk cache).
+pub fn hash(s: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in s.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rlx_ir::Shape;
+
+    #[test]
+    fn fused_kernel_reads_inputs_and_writes_the_last_register() {
+        let f = Fused {
+            shape: Shape::new([4]),
+            n_inputs: 2,
+            steps: vec![
+                FusedStep::Binary(BinaryOp::Add, 0, 1),
+                FusedStep::Unary(UnaryOp::Relu, 2),
+                FusedStep::Unary(UnaryOp::PowScalar(3.0), 3),
+            ],
+        };
+        let src = fused_kernel("k1", &f);
+        assert!(src.contains("float r2 = (r0 + r1);"), "{src}");
+        assert!(src.contains("float r3 = rx_relu(r2);"), "{src}");
+        assert!(
+            src.contains("powf(r3, __int_as_float(0x40400000))"),
+            "{src}"
+        );
+        assert!(src.contains("F(2)[off(p, 2, i)] = r4;"), "{src}");
+    }
+
+    /// Every kernel compiles for Hopper where NVRTC is installed (no GPU needed); elsewhere
+    /// the test says it was skipped.
+    #[test]
+    fn the_kernel_library_and_a_fused_kernel_compile_with_nvrtc() {
+        if !crate::driver::nvrtc_available() {
+            eprintln!("SKIPPED: NVRTC not found (set RLX_CUDA_LIB_DIR to check the CUDA C)");
+            return;
+        }
+        let f = Fused {
+            shape: Shape::new([4]),
+            n_inputs: 3,
+            steps: vec![
+                FusedStep::Binary(BinaryOp::FloorDiv, 0, 1),
+                FusedStep::Unary(UnaryOp::GeluTanhDeriv, 3),
+                FusedStep::Where(2, 4, 0),
+                FusedStep::Unary(UnaryOp::PowScalar(1.5), 5),
+            ],
+        };
+        let src = format!("{PRELUDE}{LIBRARY}{}", fused_kernel("k0", &f));
+        let ptx = crate::driver::compile_only(&src, "sm_90").unwrap();
+        for name in [
+            "rlx_copy32",
+            "rlx_attention_grad",
+            "rlx_im2col",
+            "rlx_update",
+            "k0",
+        ] {
+            assert!(ptx.contains(name), "{name} missing from the PTX");
+        }
+    }
+
+    #[test]
+    fn every_op_has_an_expression_and_hash_is_stable() {
+        for b in [
+            BinaryOp::Add,
+            BinaryOp::FloorDiv,
+            BinaryOp::Mod,
+            BinaryOp::Ne,
+            BinaryOp::Le,
+        ] {
+            assert!(!binary_expr(b, "a", "b").is_empty());
+        }
+        assert_eq!(unary_expr(UnaryOp::PowScalar(2.0), "x"), "(x * x)");
+        assert_eq!(hash("abc"), hash("abc"));
+        assert_ne!(hash("abc"), hash("abd"));
+        assert_eq!(lit(1.0), "__int_as_float(0x3f800000)");
+    }
+}

@@ -1,0 +1,250 @@
+"""The CUDA backend against the CPU backend: forward results, gradients, training steps (every
+optimizer, clipping, accumulation, skipped steps), the digits MLP and the tiny GPT, KV-cached
+generation, prefetch, copies instead of views, and bad inputs. Skipped with the reason where
+``"cuda"`` is not in ``rlx.devices()`` (no driver, no GPU or a library missing); the op tables of
+``test_ops.py`` run on CUDA with ``RLX_TEST_DEVICE=cuda``."""
+
+import numpy as np
+import pytest
+
+import rlx
+from conftest import specs as _specs
+from models import MLP, ce_loss
+
+CUDA = "cuda" in rlx.devices()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no usable CUDA device here (rlx.devices() has no 'cuda')")
+
+
+def test_cuda_is_listed_only_where_usable_and_otherwise_a_device_error():
+    devs = rlx.devices()
+    if CUDA:
+        assert "cuda:0" in devs
+        return
+    assert not any(d.startswith("cuda") for d in devs)
+    for device in ["cuda", "cuda:0", "cuda:3"]:
+        with pytest.raises(rlx.DeviceError, match="not available: .*(driver|GPU|NVRTC|cuBLAS)") as info:
+            rlx.compile(lambda m, x: x * 2.0, rlx.nn.Module(), {"x": rlx.InputSpec((2,))}, device=device)
+        assert "cpu" in str(info.value)  # the devices that are available
+
+
+def test_malformed_cuda_names_are_device_errors():
+    for device in ["cuda:", "cuda:x", "cuda:-1", "cuda: 0"]:
+        with pytest.raises(rlx.DeviceError):
+            rlx.compile(lambda m, x: x * 2.0, rlx.nn.Module(), {"x": rlx.InputSpec((2,))}, device=device)
+
+
+def _pair(make):
+    """The same model twice (same seed): one for cpu, one for cuda."""
+    rlx.seed(0)
+    a = make()
+    rlx.seed(0)
+    b = make()
+    return a, b
+
+
+def _data(n=64, d=32, c=10, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((n, d)).astype(np.float32), rng.integers(0, c, n).astype(np.int32)
+
+
+@needs_cuda
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop", "adagrad"])
+def test_mlp_training_matches_cpu(opt):
+    make_opt = {
+        "sgd": lambda: rlx.optim.SGD(lr=0.1),
+        "momentum": lambda: rlx.optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
+        "nesterov": lambda: rlx.optim.SGD(lr=0.05, momentum=0.9, nesterov=True),
+        "adam": lambda: rlx.optim.Adam(lr=1e-2, weight_decay=1e-3),
+        "adamw": lambda: rlx.optim.AdamW(lr=1e-2),
+        "rmsprop": lambda: rlx.optim.RMSprop(lr=1e-3, momentum=0.5),
+        "adagrad": lambda: rlx.optim.Adagrad(lr=1e-2, lr_decay=0.01),
+    }[opt]
+    cpu_m, gpu_m = _pair(lambda: MLP(32, 64, 10))
+    x, y = _data()
+    specs = _specs({"x": x, "y": y})
+    s_cpu = rlx.compile_train_step(ce_loss, cpu_m, make_opt(), specs, device="cpu")
+    s_gpu = rlx.compile_train_step(ce_loss, gpu_m, make_opt(), specs, device="cuda")
+    for i in range(5):
+        xb, yb = _data(seed=i)
+        l_cpu, l_gpu = s_cpu(x=xb, y=yb), s_gpu(x=xb, y=yb)
+        np.testing.assert_allclose(l_gpu, l_cpu, rtol=1e-4, atol=1e-5, err_msg=f"loss at step {i}")
+    for k, g in s_cpu.grads.items():
+        np.testing.assert_allclose(s_gpu.grads[k], g, rtol=1e-3, atol=1e-5, err_msg=k)
+    for k, p in cpu_m.parameters().items():
+        np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=1e-5, err_msg=k)
+
+
+@needs_cuda
+def test_clipping_accumulation_and_skipped_steps_match_cpu():
+    cpu_m, gpu_m = _pair(lambda: MLP(32, 16, 10))
+    x, y = _data()
+    kw = dict(clip_grad_norm=0.5, accumulate=2, skip_nonfinite=True)
+    s_cpu = rlx.compile_train_step(ce_loss, cpu_m, rlx.optim.Adam(lr=1e-2), _specs({"x": x, "y": y}), device="cpu", **kw)
+    s_gpu = rlx.compile_train_step(ce_loss, gpu_m, rlx.optim.Adam(lr=1e-2), _specs({"x": x, "y": y}), device="cuda", **kw)
+    for i in range(6):
+        xb, yb = _data(seed=i)
+        if i == 3:
+            xb[0, 0] = np.nan
+        l_cpu, l_gpu = s_cpu(x=xb, y=yb), s_gpu(x=xb, y=yb)
+        if i != 3:
+            np.testing.assert_allclose(l_gpu, l_cpu, rtol=1e-4, atol=1e-5)
+        assert s_gpu.skipped == s_cpu.skipped
+        if i != 3:
+            np.testing.assert_allclose(s_gpu.grad_norm, s_cpu.grad_norm, rtol=1e-4, equal_nan=True)
+    assert s_gpu.skipped == 1
+    for k, p in cpu_m.parameters().items():
+        np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=1e-5, err_msg=k)
+
+
+@needs_cuda
+def test_changing_the_learning_rate_between_steps_takes_effect():
+    cpu_m, gpu_m = _pair(lambda: MLP(32, 16, 10))
+    x, y = _data()
+    o_cpu, o_gpu = rlx.optim.SGD(lr=0.1), rlx.optim.SGD(lr=0.1)
+    s_cpu = rlx.compile_train_step(ce_loss, cpu_m, o_cpu, _specs({"x": x, "y": y}), device="cpu")
+    s_gpu = rlx.compile_train_step(ce_loss, gpu_m, o_gpu, _specs({"x": x, "y": y}), device="cuda")
+    for i, lr in enumerate([0.1, 0.0, 0.5]):
+        o_cpu.lr = o_gpu.lr = lr
+        np.testing.assert_allclose(s_gpu(x=x, y=y), s_cpu(x=x, y=y), rtol=1e-4, err_msg=f"step {i}")
+    for k, p in cpu_m.parameters().items():
+        np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=1e-5)
+
+
+@needs_cuda
+def test_parameters_and_grads_are_copies_not_views():
+    rlx.seed(0)
+    m = MLP(32, 16, 10)
+    x, y = _data()
+    opt = rlx.optim.SGD(lr=0.1, momentum=0.9)
+    step = rlx.compile_train_step(ce_loss, m, opt, _specs({"x": x, "y": y}), device="cuda")
+    step(x=x, y=y)
+    w = m.fc1.weight.numpy()
+    with pytest.raises(ValueError):
+        w[...] = 0.0  # a read-only copy: writes could not reach the device
+    g1 = step.grads["fc1.weight"].copy()
+    step(x=x * 2.0, y=y)
+    assert not np.array_equal(step.grads["fc1.weight"], g1), "grads are re-read after each step"
+    state = opt.state("fc1.weight")
+    assert np.abs(state["momentum_buffer"]).sum() > 0
+    assert not any(v.flags.writeable for v in state.values())
+    fn = rlx.compile(lambda m, x: m(x), m, _specs({"x": x}), device="cuda")
+    fn.bind("x", x)
+    v = fn.view("x")
+    np.testing.assert_array_equal(v, x)
+    assert not v.flags.writeable
+    fn.write_rows("x", 0, np.zeros((2, 32), np.float32))
+    np.testing.assert_array_equal(fn.view("x")[:2], 0.0)
+    np.testing.assert_array_equal(v[:2], x[:2])  # the earlier copy is a snapshot
+
+
+@needs_cuda
+def test_gpt_training_and_cached_generation_match_cpu():
+    V, D, H, L, T, B = 32, 32, 2, 2, 16, 4
+    cpu_m, gpu_m = _pair(lambda: rlx.models.GPT(vocab=V, dim=D, heads=H, layers=L, seq_len=T))
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, V, (B, T)).astype(np.int32)
+    tgt = np.roll(idx, -1, axis=1)
+
+    def loss(m, idx, tgt):
+        logits = m(idx)
+        return rlx.cross_entropy(logits.reshape(B * T, V), tgt.reshape(B * T))
+
+    specs = _specs({"idx": idx, "tgt": tgt})
+    s_cpu = rlx.compile_train_step(loss, cpu_m, rlx.optim.AdamW(lr=3e-3), specs, device="cpu")
+    s_gpu = rlx.compile_train_step(loss, gpu_m, rlx.optim.AdamW(lr=3e-3), specs, device="cuda")
+    for i in range(5):
+        np.testing.assert_allclose(s_gpu(idx=idx, tgt=tgt), s_cpu(idx=idx, tgt=tgt), rtol=2e-4, atol=1e-5,
+                                   err_msg=f"step {i}")
+    for k, p in cpu_m.parameters().items():
+        np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=2e-5, err_msg=k)
+    # KV-cached decoding on cuda matches the full-prefix logits on cuda and on cpu.
+    full = rlx.compile(lambda m, idx: m(idx), gpu_m, {"idx": rlx.InputSpec((1, T), "int32")}, device="cuda")
+    ref = full(idx=idx[:1])
+    gen = rlx.models.Generator(gpu_m, device="cuda")
+    for t in range(T):
+        np.testing.assert_allclose(gen.step(idx[0, t]), ref[:, t], atol=1e-4, err_msg=f"position {t}")
+    cpu_full = rlx.compile(lambda m, idx: m(idx), cpu_m, {"idx": rlx.InputSpec((1, T), "int32")})
+    np.testing.assert_allclose(ref, cpu_full(idx=idx[:1]), atol=1e-4)
+
+
+@needs_cuda
+def test_prefetch_matches_direct_calls():
+    cpu_m, gpu_m = _pair(lambda: MLP(32, 16, 10))
+    x, y = _data()
+    s_cpu = rlx.compile_train_step(ce_loss, cpu_m, rlx.optim.SGD(lr=0.1), _specs({"x": x, "y": y}), device="cpu")
+    s_gpu = rlx.compile_train_step(ce_loss, gpu_m, rlx.optim.SGD(lr=0.1), _specs({"x": x, "y": y}), device="cuda")
+    batches = [_data(seed=i) for i in range(5)]
+    s_gpu.prefetch(x=batches[0][0], y=batches[0][1])
+    for i, (xb, yb) in enumerate(batches):
+        if i + 1 < len(batches):
+            s_gpu.prefetch(x=batches[i + 1][0], y=batches[i + 1][1])
+        np.testing.assert_allclose(s_gpu(), s_cpu(x=xb, y=yb), rtol=1e-4, err_msg=f"batch {i}")
+
+
+@needs_cuda
+def test_bad_labels_and_ids_raise_input_errors():
+    rlx.seed(0)
+    m = MLP(32, 16, 10)
+    x, y = _data()
+    step = rlx.compile_train_step(ce_loss, m, rlx.optim.SGD(lr=0.1), _specs({"x": x, "y": y}), device="cuda")
+    bad = y.copy()
+    bad[3] = 10
+    before = m.fc1.weight.numpy()
+    with pytest.raises(rlx.InputError, match="out of range"):
+        step(x=x, y=bad)
+    np.testing.assert_array_equal(m.fc1.weight.numpy(), before)
+    assert np.isfinite(step(x=x, y=y))
+
+
+@needs_cuda
+def test_int_ops_and_layout_ops_match_cpu():
+    a = np.array([7, -7, 7, -7, 0, 5, -(2**31), 2**31 - 1, -1, 3], dtype=np.int32)
+    b = np.array([2, 2, -2, -2, 3, 7, -1, -1, 5, -(2**31)], dtype=np.int32)
+    xs = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+
+    def f(a, b, x):
+        return (a // b, a % b, a / b, (a < b), rlx.where(a > b, a, b), x.transpose(2, 0, 1) * 1.0,
+                x.sum(axis=(0, 2)), x.max(axis=1), x.mean(), rlx.softmax(x, axis=1))
+
+    arrays = {"a": a, "b": b, "x": xs}
+    specs = _specs(arrays)
+    out_cpu = rlx.compile(lambda m, **t: f(**t), rlx.nn.Module(), specs, device="cpu")(**arrays)
+    out_gpu = rlx.compile(lambda m, **t: f(**t), rlx.nn.Module(), specs, device="cuda")(**arrays)
+    for i, (c, g) in enumerate(zip(out_cpu, out_gpu)):
+        np.testing.assert_allclose(g, c, rtol=1e-5, atol=1e-6, err_msg=f"output {i}")
+    with pytest.raises(rlx.RlxError, match="division by zero"):
+        rlx.compile(lambda m, a, b: a // b, rlx.nn.Module(), {"a": specs["a"], "b": specs["b"]},
+                    device="cuda")(a=a, b=np.zeros_like(b))
+
+
+@needs_cuda
+def test_attention_log1p_ignored_labels_and_dropout_match_cpu():
+    from conftest import run_grads
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 3, 8, 16)).astype(np.float32) for _ in range(3))
+    z = rng.standard_normal((6, 5)).astype(np.float32)
+    y = rng.integers(0, 5, 6).astype(np.int32)
+    y[1] = -100  # ignored row
+
+    def loss(m, y):
+        a = rlx.scaled_dot_product_attention(m.q, m.k, m.v, causal=True)
+        return (a * a).mean() + rlx.cross_entropy(m.z, y) + rlx.log1p(rlx.relu(m.z)).sum() * 0.1
+
+    params = {"q": q, "k": k, "v": v, "z": z}
+    l_cpu, g_cpu = run_grads(loss, params, {"y": y}, device="cpu")
+    l_gpu, g_gpu = run_grads(loss, params, {"y": y}, device="cuda")
+    np.testing.assert_allclose(l_gpu, l_cpu, rtol=1e-5, atol=1e-6)
+    for name, g in g_cpu.items():
+        np.testing.assert_allclose(g_gpu[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+
+    def drop(m, x):
+        return rlx.dropout(x, 0.3)
+
+    outs = []
+    for device in ["cpu", "cuda"]:
+        rlx.seed(0)
+        fn = rlx.compile(drop, rlx.nn.Module(), _specs({"x": z}), device=device)
+        outs.append(fn(x=z))
+    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6)  # the same mask on both devices
+    assert 0 < np.count_nonzero(outs[0] == 0) < z.size
