@@ -70,6 +70,9 @@ TARGETS = {"mlp64.rss_mb": ("<=", 0.4 * 392)}
 MLP_SIZES = (64, 256, 256, 10)
 GPT = dict(vocab=256, dim=128, heads=4, layers=2, mlp=4, seq=64, batch=16, lr=1e-3, wd=0.01,
            std=0.02, ln_eps=1e-5)
+# A larger GPT for the fusion benchmark (issue 11: "one larger GPT"): d256, 8 heads, 4 blocks,
+# T128, B8. Run only when asked for (benches/fusion_ab.sh), not in the default table.
+GPT_LARGE = dict(dim=256, heads=8, layers=4, seq=128, batch=8)
 BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 
 
@@ -247,7 +250,8 @@ def child_mlp(fw: str, batch: int, steps: int) -> dict:
 def gpt_rlx():
     import rlx
     rlx.seed(0)
-    model = rlx.models.GPT()
+    model = rlx.models.GPT(vocab=GPT["vocab"], dim=GPT["dim"], heads=GPT["heads"], layers=GPT["layers"],
+                           seq_len=GPT["seq"], mlp_ratio=GPT["mlp"])
     opt = rlx.optim.AdamW(lr=GPT["lr"], weight_decay=GPT["wd"])
     holder = {}
     B, T = GPT["batch"], GPT["seq"]
@@ -421,6 +425,9 @@ def child_main(fw: str, workload: str, args) -> None:
     if workload in ("mlp64", "mlp512"):
         res = child_mlp(fw, int(workload[3:]), args.steps)
     elif workload == "gpt":
+        res = child_gpt(fw, args.steps)
+    elif workload == "gpt_large":
+        GPT.update(GPT_LARGE)
         res = child_gpt(fw, args.steps)
     elif workload == "sgemm":
         res = child_sgemm(fw, args.repeats, args.min_time)

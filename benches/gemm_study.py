@@ -44,6 +44,8 @@ SHAPES = [
     ("mlp512 l2 dW", 256, 512, 256, True, False),
 ]
 ROUNDS, CALLS = 5, 50
+if os.environ.get("ONLY"):  # e.g. ONLY=dW: the shapes whose label contains it
+    SHAPES = [s for s in SHAPES if os.environ["ONLY"] in s[0]]
 
 
 def stored(m: int, k: int, n: int, ta: bool, tb: bool, rng):

@@ -206,9 +206,10 @@ def test_matmul_epilogues_match_the_unfused_program(monkeypatch, rows, k, n, bat
         assert "matmul_epilogue" in program_ops(fused[2])
 
 
-def test_a_large_epilogue_runs_in_parallel_blocks_and_a_batched_product_whole(monkeypatch):
-    # 512 x 128 @ 128 x 256: over the parallel threshold, several blocks; then a batched
-    # product of two 3-D operands (computed whole, then the epilogue).
+def test_large_and_batched_epilogues_match_the_unfused_program(monkeypatch):
+    # 512 x 128 @ 128 x 256: over the parallel threshold (the product computed whole by the
+    # threaded GEMM, then the epilogue in parallel tiles); and a batched product of two 3-D
+    # operands (not one tall GEMM).
     rng = np.random.default_rng(1)
     arrays = {"w": rng.standard_normal((128, 256)).astype(np.float32) * 0.1,
               "b": rng.standard_normal(256).astype(np.float32),
@@ -313,3 +314,44 @@ def test_attention_errors_and_queries_that_see_no_key():
 def _raw_attention(*xs, heads=None):
     t = _trace_of(*xs)
     return rlx.Tensor(t, t.graph.attention([_as_tensor(x, t)._id for x in xs], 1.0, None, heads))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 400), n=st.integers(1, 70), lead=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_sums_of_products_match_the_unfused_program(monkeypatch, rows, n, lead, seed):
+    # Gradients of parameters broadcast against (rows, n) — a row (n,), a (1, n) and a column
+    # (rows, 1) — are sums of products: one fused_sum_to each, the expression never stored.
+    rng = np.random.default_rng(seed)
+    xs = (2, rows, n) if lead else (rows, n)
+    arrays = {"row": rng.standard_normal(n).astype(np.float32),
+              "row2": rng.standard_normal((1, n)).astype(np.float32),
+              "col": rng.standard_normal((rows, 1)).astype(np.float32)}
+    inputs = {"x": rng.standard_normal(xs).astype(np.float32), "y": rng.standard_normal(xs).astype(np.float32)}
+
+    def fn(m, x, y):
+        return ((x * m.row + m.row2) * rlx.tanh(y * m.col)).sum() * 0.5
+
+    fused = loss_and_grads(monkeypatch, True, fn, arrays, inputs)
+    plain = loss_and_grads(monkeypatch, False, fn, arrays, inputs)
+    assert_same(fused[:2], plain[:2], rtol=2e-4, atol=2e-4)
+    assert "fused_sum_to" in program_ops(fused[2]) and "fused_sum_to" not in program_ops(plain[2])
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 300), n=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_layer_norm_gradient_plus_a_residual_gradient_is_one_op(monkeypatch, rows, n, seed):
+    # h feeds a layer norm and, beside it, the loss directly (a residual stream): its gradient
+    # normalize_grad(h, g) + (the other path's gradient) is one normalize_grad_add.
+    rng = np.random.default_rng(seed)
+    arrays = {"a": rng.standard_normal((n, n)).astype(np.float32),
+              "w": rng.standard_normal((n, n)).astype(np.float32) * 0.3}
+    inputs = {"x": rng.standard_normal((rows, n)).astype(np.float32), "u": rng.standard_normal((rows, n)).astype(np.float32)}
+
+    def fn(m, x, u):
+        h = x @ m.a  # its gradient is read by the product's backward: stored
+        return (rlx.layer_norm(h) @ m.w * u).sum() + (rlx.tanh(rlx.layer_norm(h, eps=1e-3)) @ m.w).sum() * 0.5
+
+    fused = loss_and_grads(monkeypatch, True, fn, arrays, inputs)
+    plain = loss_and_grads(monkeypatch, False, fn, arrays, inputs)
+    assert_same(fused[:2], plain[:2], rtol=2e-4, atol=2e-4)
+    assert "normalize_grad_add" in program_ops(fused[2]) and "normalize_grad_add" not in program_ops(plain[2])

@@ -644,7 +644,12 @@ def scaled_dot_product_attention(
     q: Any, k: Any, v: Any, causal: bool = False, *, causal_align: str = "top_left"
 ) -> Tensor:
     """``softmax(q @ k^T / sqrt(d) [+ causal mask]) @ v`` over (..., Tq, d) queries and
-    (..., Tk, d) keys/values.
+    (..., Tk, d) keys/values (``v`` may have its own last dim).
+
+    float32 q, k, v with the same leading dims run as one fused ``attention`` instruction (and
+    one ``attention_grad`` in the backward pass): the scores of one (batch, head) block at a
+    time, never the whole (..., Tq, Tk) tensor. Other inputs (broadcast leading dims, empty
+    axes, other dtypes) are computed from primitive ops.
 
     ``causal=True`` lets query ``i`` see keys ``j`` with ``j <= i + offset``. With the default
     ``causal_align="top_left"`` the offset is 0, as PyTorch's ``is_causal=True`` (query 0 sees

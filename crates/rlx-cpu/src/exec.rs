@@ -177,6 +177,10 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             let srcs: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
             fused::fused(e, &srcs, unsafe { b.get_mut(out) })
         }
+        Op::FusedSumTo { expr, .. } => {
+            let srcs: Vec<(&[f32], &[usize])> = (0..ins.len()).map(|i| (f(i), sh(i))).collect();
+            fused::fused_sum_to(expr, &srcs, unsafe { b.get_mut(out) }, od)
+        }
         Op::MatMulEpilogue {
             trans_a,
             trans_b,
@@ -356,6 +360,12 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
         Op::Normalize { eps } => nn::normalize(f(0), last(sh(0)), *eps, unsafe { b.get_mut(out) }),
         Op::NormalizeGrad { eps } => {
             nn::normalize_grad(f(0), f(1), last(sh(0)), *eps, unsafe { b.get_mut(out) })
+        }
+        Op::NormalizeGradAdd { eps } => {
+            let acc = Some(f(2));
+            nn::normalize_grad_add(f(0), f(1), acc, last(sh(0)), *eps, unsafe {
+                b.get_mut(out)
+            })
         }
         Op::Slice { axis, start, .. } => match out.dtype {
             DType::F32 => layout::slice(f(0), sh(0), *axis, *start, unsafe { b.get_mut(out) }),

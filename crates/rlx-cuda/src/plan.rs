@@ -774,6 +774,56 @@ impl Builder {
                 fins.extend(ins[2..].iter().map(|t| (at(t), t.shape.dims().to_vec())));
                 self.fused_at((**epilogue).clone(), &fins, at(out), out.numel())
             }
+            Op::FusedSumTo { expr, .. } => {
+                // The expression goes to the product buffer, then is summed down from there.
+                let xd = expr.shape.dims().to_vec();
+                let total = expr.shape.numel();
+                self.plan.product_bytes = self.plan.product_bytes.max(total * 4);
+                let prod = Loc {
+                    buf: PRODUCT,
+                    offset: 0,
+                };
+                let fins: Vec<(Loc, Vec<usize>)> = ins
+                    .iter()
+                    .map(|t| (at(t), t.shape.dims().to_vec()))
+                    .collect();
+                self.fused_at((**expr).clone(), &fins, prod, total)?;
+                let lead = xd.len() - od.len();
+                let axes: Vec<usize> = (0..xd.len())
+                    .filter(|&d| d < lead || (od[d - lead] == 1 && xd[d] != 1))
+                    .collect();
+                self.reduce_at(ReduceOp::Sum, prod, &xd, &axes, out)
+            }
+            Op::NormalizeGradAdd { eps } => {
+                // normalize_grad into the product buffer, then `+ acc` into `out`.
+                let width = sh(0).last().copied().unwrap_or(1);
+                if width == 0 || out.numel() == 0 {
+                    return Ok(());
+                }
+                let rows = out.numel() / width;
+                self.plan.product_bytes = self.plan.product_bytes.max(out.numel() * 4);
+                let prod = Loc {
+                    buf: PRODUCT,
+                    offset: 0,
+                };
+                let mut p = P::sized(rows);
+                p.iv[0] = width as i64;
+                p.fv[0] = *eps;
+                self.launch(
+                    Kernel::Library("rlx_normalize_grad"),
+                    grid_for(rows, 8),
+                    THREADS,
+                    p,
+                    vec![(0, at(&ins[0])), (1, at(&ins[1])), (2, prod)],
+                );
+                let add = Fused {
+                    shape: out.shape.clone(),
+                    n_inputs: 2,
+                    steps: vec![FusedStep::Binary(BinaryOp::Add, 0, 1)],
+                };
+                let fins = [(prod, od.clone()), (at(&ins[2]), sh(2))];
+                self.fused_at(add, &fins, at(out), out.numel())
+            }
             Op::Log1p => {
                 let n = out.numel();
                 let ops = [(at(&ins[0]), vec![1]), (at(out), vec![1])];
@@ -1026,7 +1076,18 @@ impl Builder {
     }
 
     fn reduce(&mut self, r: ReduceOp, x: &TRef, axes: &[usize], out: &TRef) -> Result<()> {
-        let xd = x.shape.dims();
+        self.reduce_at(r, at(x), x.shape.dims(), axes, out)
+    }
+
+    /// `reduce` of an operand given by place and dims.
+    fn reduce_at(
+        &mut self,
+        r: ReduceOp,
+        xl: Loc,
+        xd: &[usize],
+        axes: &[usize],
+        out: &TRef,
+    ) -> Result<()> {
         let n = out.numel();
         if n == 0 {
             return Ok(());
@@ -1056,7 +1117,7 @@ impl Builder {
                 (colblocks * chunks) as u32,
                 THREADS,
                 p,
-                vec![(0, at(x)), (1, at(out))],
+                vec![(0, xl), (1, at(out))],
             );
             return Ok(());
         }
@@ -1109,7 +1170,7 @@ impl Builder {
             n.min(1 << 16) as u32,
             block,
             p,
-            vec![(0, at(x)), (1, at(out))],
+            vec![(0, xl), (1, at(out))],
         );
         Ok(())
     }

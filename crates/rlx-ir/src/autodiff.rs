@@ -200,7 +200,10 @@ fn vjp(
     let shape = |g: &Graph, id: NodeId| g.node(id).shape.clone();
     Ok(match op {
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => vec![],
-        Op::Fused(_) | Op::MatMulEpilogue { .. } => {
+        Op::Fused(_)
+        | Op::MatMulEpilogue { .. }
+        | Op::FusedSumTo { .. }
+        | Op::NormalizeGradAdd { .. } => {
             return Err(Error::Graph(
                 "[fused] fused expressions are made after differentiation and have no gradient"
                     .into(),

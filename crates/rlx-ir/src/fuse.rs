@@ -13,7 +13,7 @@
 //! value of the same size read through a reshape is the same values in the same order. Inputs
 //! of the full size are reshaped (an alias) to the result's shape; a smaller broadcast input is
 //! allowed where the dims it spans end both shapes alike (a bias over the last dim).
-use crate::{DType, Fused, FusedStep, Graph, NodeId, Op, UnaryOp};
+use crate::{BinaryOp, DType, Fused, FusedStep, Graph, NodeId, Op, UnaryOp};
 use std::collections::{BTreeSet, HashMap};
 
 /// Steps one fused expression may hold; past it, inputs are materialised instead.
@@ -31,6 +31,12 @@ fn elementwise(g: &Graph, id: NodeId) -> bool {
     let n = g.node(id);
     let f32_ins = n.inputs.iter().all(|&i| g.node(i).dtype == DType::F32);
     n.dtype == DType::F32 && f32_ins && matches!(n.op, Op::Unary(_) | Op::Binary(_) | Op::Where)
+}
+
+/// A float32 `SumTo`, which may sum an expression without storing it.
+fn sums(g: &Graph, id: NodeId) -> bool {
+    let n = g.node(id);
+    matches!(n.op, Op::SumTo { .. }) && n.dtype == DType::F32
 }
 
 /// Cheap enough to compute again in every expression that reads it.
@@ -90,17 +96,22 @@ pub fn fuse(graph: &Graph) -> Graph {
             let Some(cs) = through(p) else {
                 return false;
             };
+            // Summed directly (not through a reshape): the sum's expression computes it.
+            let summed = cs.len() == 1 && sums(graph, cs[0]) && graph.node(cs[0]).inputs[0] == p;
             !cs.is_empty()
-                && cs.iter().all(|&c| {
-                    elementwise(graph, c) && graph.node(c).shape.numel() == node.shape.numel()
-                })
+                && (summed
+                    || cs.iter().all(|&c| {
+                        elementwise(graph, c) && graph.node(c).shape.numel() == node.shape.numel()
+                    }))
                 && (cs.len() == 1 || cheap(&node.op))
         })
         .collect();
     // Materialised elementwise nodes, each the root of one expression. Processed from the last
     // down, so a root added because an expression grew too large is still handled.
+    // A sum whose input is computed inline is the root of that input's expression.
+    let summed_root = |id: NodeId| sums(graph, id) && inline[graph.node(id).inputs[0]];
     let mut roots: BTreeSet<NodeId> = (0..n)
-        .filter(|&id| live[id] && elementwise(graph, id) && !inline[id])
+        .filter(|&id| live[id] && ((elementwise(graph, id) && !inline[id]) || summed_root(id)))
         .collect();
     let mut pending: std::collections::BinaryHeap<NodeId> = roots.iter().copied().collect();
     let mut exprs: HashMap<NodeId, Expr> = HashMap::new();
@@ -108,7 +119,13 @@ pub fn fuse(graph: &Graph) -> Graph {
         if exprs.contains_key(&root) {
             continue;
         }
-        let (expr, spilled) = build(graph, root, &inline, &roots);
+        let (expr, spilled) = if summed_root(root) {
+            let (mut e, spilled) = build(graph, graph.node(root).inputs[0], &inline, &roots);
+            e.sum_to = Some(graph.node(root).shape.clone());
+            (e, spilled)
+        } else {
+            build(graph, root, &inline, &roots)
+        };
         for s in spilled {
             if roots.insert(s) {
                 pending.push(s);
@@ -125,7 +142,7 @@ pub fn fuse(graph: &Graph) -> Graph {
         }
     }
     let mut absorbed = vec![false; n];
-    for e in exprs.values_mut() {
+    for e in exprs.values_mut().filter(|e| e.sum_to.is_none()) {
         let root = *e.nodes.last().expect("an expression computes its root");
         e.epilogue_of = e.inputs.iter().position(|&i| {
             let m = unalias(graph, i);
@@ -140,6 +157,26 @@ pub fn fuse(graph: &Graph) -> Graph {
         });
         if let Some(k) = e.epilogue_of {
             absorbed[unalias(graph, e.inputs[k])] = true;
+            continue;
+        }
+        // `a + normalize_grad(x, g)`, both of the sum's shape: one `NormalizeGradAdd`.
+        let one_add = e.fused.n_inputs == 2
+            && matches!(e.fused.steps[..], [FusedStep::Binary(BinaryOp::Add, 0, 1)]);
+        if one_add
+            && e.inputs
+                .iter()
+                .all(|&i| graph.node(i).shape == e.fused.shape)
+        {
+            e.norm_grad_of = e.inputs.iter().position(|&i| {
+                matches!(graph.node(i).op, Op::NormalizeGrad { .. })
+                    && !is_output[i]
+                    && !absorbed[i]
+                    && readers[&i] == 1
+                    && consumers[i] == [root]
+            });
+            if let Some(k) = e.norm_grad_of {
+                absorbed[e.inputs[k]] = true;
+            }
         }
     }
     emit(graph, &live, &inline, &absorbed, &exprs)
@@ -152,6 +189,10 @@ struct Expr {
     inputs: Vec<NodeId>,
     nodes: Vec<NodeId>,
     epilogue_of: Option<usize>,
+    /// The input that is a `NormalizeGrad` this expression (one add) absorbs, if any.
+    norm_grad_of: Option<usize>,
+    /// `Some(shape)`: the expression is summed down to `shape` (a `SumTo` root).
+    sum_to: Option<crate::Shape>,
 }
 
 /// The node a chain of reshapes starting at `id` reads.
@@ -294,6 +335,8 @@ fn build(
             inputs: b.inputs,
             nodes,
             epilogue_of: None,
+            norm_grad_of: None,
+            sum_to: None,
         },
         b.spilled,
     )
@@ -327,12 +370,14 @@ fn emit(
             Some(e)
                 if e.fused.steps.len() > 1
                     || e.epilogue_of.is_some()
+                    || e.norm_grad_of.is_some()
+                    || e.sum_to.is_some()
                     || needs_reshape(graph, &e.fused, &e.inputs) =>
             {
                 let fused = &e.fused;
                 let mut ins: Vec<NodeId> = Vec::with_capacity(e.inputs.len() + 1);
                 for (k, i) in e.inputs.iter().enumerate() {
-                    if Some(k) == e.epilogue_of {
+                    if Some(k) == e.epilogue_of || Some(k) == e.norm_grad_of {
                         continue;
                     }
                     let x = graph.node(*i);
@@ -351,14 +396,38 @@ fn emit(
                         },
                     );
                 }
-                match e.epilogue_of {
-                    None => out.push(
+                if let Some(k) = e.norm_grad_of {
+                    let ng = graph.node(e.inputs[k]);
+                    let Op::NormalizeGrad { eps } = ng.op else {
+                        unreachable!("absorbed as a normalize_grad")
+                    };
+                    let other = mapped(&e.inputs[1 - k]);
+                    let new = out.push(
+                        Op::NormalizeGradAdd { eps },
+                        vec![mapped(&ng.inputs[0]), mapped(&ng.inputs[1]), other],
+                        node.shape.clone(),
+                        DType::F32,
+                    );
+                    map[id] = Some(new);
+                    continue;
+                }
+                match (e.epilogue_of, &e.sum_to) {
+                    (_, Some(shape)) => out.push(
+                        Op::FusedSumTo {
+                            expr: std::sync::Arc::new(fused.clone()),
+                            shape: shape.clone(),
+                        },
+                        ins,
+                        node.shape.clone(),
+                        DType::F32,
+                    ),
+                    (None, None) => out.push(
                         Op::Fused(std::sync::Arc::new(fused.clone())),
                         ins,
                         node.shape.clone(),
                         DType::F32,
                     ),
-                    Some(k) => {
+                    (Some(k), None) => {
                         let mm = graph.node(unalias(graph, e.inputs[k]));
                         let Op::MatMul { trans_a, trans_b } = mm.op else {
                             unreachable!("an epilogue reads a matmul")
@@ -442,6 +511,7 @@ pub fn summary(graph: &Graph) -> (usize, usize) {
         .filter_map(|n| match &n.op {
             Op::Fused(f) => Some(f.steps.len()),
             Op::MatMulEpilogue { epilogue, .. } => Some(epilogue.steps.len()),
+            Op::FusedSumTo { expr, .. } => Some(expr.steps.len()),
             _ => None,
         })
         .fold((0, 0), |(k, s), steps| (k + 1, s + steps))

@@ -163,6 +163,20 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             fused(name, f, &shapes)?;
             Ok((f.shape.clone(), DType::F32))
         }
+        Op::FusedSumTo { expr, shape } => {
+            let shapes: Vec<&Shape> = ins.iter().map(|x| &x.shape).collect();
+            for i in 0..ins.len() {
+                float(i)?;
+            }
+            fused(name, expr, &shapes)?;
+            if broadcast(name, &expr.shape, shape)? != expr.shape {
+                return Err(Error::shape(
+                    name,
+                    format!("cannot sum {} down to {shape}", expr.shape),
+                ));
+            }
+            Ok((shape.clone(), DType::F32))
+        }
         Op::MatMulEpilogue {
             trans_a,
             trans_b,
@@ -262,7 +276,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             out.extend_from_slice(&g.0[ids.rank()..]);
             Ok((Shape(out), DType::F32))
         }
-        Op::Normalize { .. } | Op::NormalizeGrad { .. } => {
+        Op::Normalize { .. } | Op::NormalizeGrad { .. } | Op::NormalizeGradAdd { .. } => {
             float(0)?;
             let s = &ins[0].shape;
             if s.rank() < 1 || s.0[s.rank() - 1] == 0 {
@@ -271,12 +285,13 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                     format!("needs a non-empty last axis, got {s}"),
                 ));
             }
-            if ins.len() == 2 {
-                float(1)?;
-                if ins[1].shape != *s {
+            for (i, x) in ins.iter().enumerate().skip(1) {
+                float(i)?;
+                if x.shape != *s {
+                    let what = if i == 1 { "gradient" } else { "addend" };
                     return Err(Error::shape(
                         name,
-                        format!("gradient {} must match input {s}", ins[1].shape),
+                        format!("{what} {} must match input {s}", x.shape),
                     ));
                 }
             }

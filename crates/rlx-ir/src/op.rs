@@ -148,6 +148,12 @@ pub enum Op {
     NormalizeGrad {
         eps: f32,
     },
+    /// `NormalizeGrad` plus a tensor of the same shape: inputs `(x, g, acc)`, output
+    /// `normalize_grad(x, g) + acc` (made by `fuse` from a gradient sum, e.g. the residual
+    /// stream's; no VJP).
+    NormalizeGradAdd {
+        eps: f32,
+    },
     /// `x[..., start:end, ...]` along `axis`.
     Slice {
         axis: usize,
@@ -200,6 +206,13 @@ pub enum Op {
         trans_a: bool,
         trans_b: bool,
         epilogue: Arc<Fused>,
+    },
+    /// `SumTo { shape }` of a fused elementwise expression (made by `fuse`; no VJP): the
+    /// expression (inputs as for `Fused`, result of `expr.shape`) is summed down to `shape`
+    /// (numpy broadcasting in reverse) without being stored.
+    FusedSumTo {
+        expr: Arc<Fused>,
+        shape: Shape,
     },
     /// A chain of float32 elementwise ops evaluated in one pass (made by `fuse`, after
     /// autodiff; it has no VJP).
@@ -379,6 +392,7 @@ impl Op {
             Op::ScatterAdd { .. } => "scatter_add",
             Op::Normalize { .. } => "normalize",
             Op::NormalizeGrad { .. } => "normalize_grad",
+            Op::NormalizeGradAdd { .. } => "normalize_grad_add",
             Op::Slice { .. } => "slice",
             Op::Pad { .. } => "pad",
             Op::Concat { .. } => "concat",
@@ -393,6 +407,7 @@ impl Op {
             Op::Log1p => "log1p",
             Op::StopGradient => "stop_gradient",
             Op::MatMulEpilogue { .. } => "matmul_epilogue",
+            Op::FusedSumTo { .. } => "fused_sum_to",
             Op::Attention { .. } => "attention",
             Op::AttentionGrad { .. } => "attention_grad",
         }
@@ -403,6 +418,7 @@ impl Op {
         Some(match self {
             Op::Concat { .. } | Op::Fused(_) => return None,
             Op::MatMulEpilogue { epilogue, .. } => 1 + epilogue.n_inputs,
+            Op::FusedSumTo { expr, .. } => expr.n_inputs,
             Op::Attention { heads, .. } => {
                 if heads.is_some() {
                     1
@@ -427,7 +443,7 @@ impl Op {
             | Op::NormalizeGrad { .. }
             | Op::Pool2dGrad { .. }
             | Op::Dropout { .. } => 2,
-            Op::SoftmaxCrossEntropyGrad | Op::Where => 3,
+            Op::SoftmaxCrossEntropyGrad | Op::Where | Op::NormalizeGradAdd { .. } => 3,
             _ => 1,
         })
     }

@@ -82,6 +82,7 @@ macro_rules! conformance_tests {
             compile_rejects_bad_programs,
             data_parallel_phases,
             vision_ops_match_references,
+            fused_instructions_match_reference,
         );
     };
     (@each $make:expr; $($check:ident),* $(,)?) => {
@@ -643,4 +644,279 @@ pub fn compile_rejects_bad_programs(backend: &Arc<dyn Backend>) {
         backend.compile(&elsewhere, &lens).is_err(),
         "a reference into a buffer the program is not given"
     );
+}
+
+/// Naive attention of one block in f64: (out, dq, dk, dv) for row-major q (l x e), k (s x e),
+/// v (s x ev) and output gradient g (l x ev).
+#[allow(clippy::too_many_arguments)]
+fn attention_ref(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    g: &[f64],
+    (l, s, e, ev): (usize, usize, usize, usize),
+    scale: f64,
+    causal: Option<i64>,
+) -> [Vec<f64>; 4] {
+    let mut p = vec![0.0; l * s];
+    for i in 0..l {
+        let vis = causal.map_or(s as i64, |o| (i as i64 + o + 1).clamp(0, s as i64)) as usize;
+        let sc: Vec<f64> = (0..vis)
+            .map(|j| (0..e).map(|c| q[i * e + c] * k[j * e + c]).sum::<f64>() * scale)
+            .collect();
+        let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+        for j in 0..vis {
+            p[i * s + j] = (sc[j] - m).exp() / z;
+        }
+    }
+    let mm = |a: &dyn Fn(usize, usize) -> f64, b: &dyn Fn(usize, usize) -> f64, r, c, n| {
+        let mut o = vec![0.0; r * c];
+        for i in 0..r {
+            for j in 0..c {
+                o[i * c + j] = (0..n).map(|t| a(i, t) * b(t, j)).sum();
+            }
+        }
+        o
+    };
+    let out = mm(&|i, j| p[i * s + j], &|j, c| v[j * ev + c], l, ev, s);
+    let dv = mm(&|j, i| p[i * s + j], &|i, c| g[i * ev + c], s, ev, l);
+    let dp = mm(&|i, c| g[i * ev + c], &|c, j| v[j * ev + c], l, s, ev);
+    let mut ds = vec![0.0; l * s];
+    for i in 0..l {
+        let d: f64 = (0..s).map(|j| p[i * s + j] * dp[i * s + j]).sum();
+        for j in 0..s {
+            ds[i * s + j] = p[i * s + j] * (dp[i * s + j] - d) * scale;
+        }
+    }
+    let dq = mm(&|i, j| ds[i * s + j], &|j, c| k[j * e + c], l, e, s);
+    let dk = mm(&|j, i| ds[i * s + j], &|i, c| q[i * e + c], s, e, l);
+    [out, dq, dk, dv]
+}
+
+/// The instructions the fusion pass makes (`Attention`/`AttentionGrad` in both layouts,
+/// `MatMulEpilogue`, `FusedSumTo`, `NormalizeGradAdd`) against naive float64 references.
+pub fn fused_instructions_match_reference(backend: &Arc<dyn Backend>) {
+    use rlx_ir::{Fused, FusedStep};
+    let data = |n: usize, seed: f64| -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f64 * 0.61 + seed).sin()) as f32)
+            .collect()
+    };
+    let wide = |x: &[f32]| -> Vec<f64> { x.iter().map(|&v| v as f64).collect() };
+    let run = |g: &Graph, feeds: &[(&str, &[f32])]| -> Vec<Vec<f32>> {
+        let params = Arc::new(Store::new(backend.as_ref(), &[]).unwrap());
+        let exe = Executable::new(backend.clone(), g, params, None).unwrap();
+        let bytes: Vec<(&str, Vec<u8>)> = feeds.iter().map(|(n, v)| (*n, f32s(v))).collect();
+        let refs: Vec<(&str, &[u8])> = bytes.iter().map(|(n, b)| (*n, b.as_slice())).collect();
+        let outs: Vec<usize> = (0..g.outputs().len()).collect();
+        exe.run(&refs, None, &outs)
+            .unwrap()
+            .iter()
+            .map(|b| from_bytes(b))
+            .collect()
+    };
+    // Separate layout: 2 blocks, L=3, S=4, E=2, Ev=3, key j visible to query i when j <= i+1.
+    let (u, l, s, e, ev, scale, causal) = (2, 3, 4, 2, 3, 0.6f32, Some(1));
+    let (q, k, v, gy) = (
+        data(u * l * e, 0.1),
+        data(u * s * e, 0.9),
+        data(u * s * ev, 1.7),
+        data(u * l * ev, 2.5),
+    );
+    let mut g = Graph::new();
+    let f = DType::F32;
+    let qi = g.input("q", Shape::new([u, l, e]), f).unwrap();
+    let ki = g.input("k", Shape::new([u, s, e]), f).unwrap();
+    let vi = g.input("v", Shape::new([u, s, ev]), f).unwrap();
+    let gi = g.input("g", Shape::new([u, l, ev]), f).unwrap();
+    let attrs = |grad: bool, heads: Option<usize>| {
+        if grad {
+            Op::AttentionGrad {
+                scale,
+                causal,
+                heads,
+            }
+        } else {
+            Op::Attention {
+                scale,
+                causal,
+                heads,
+            }
+        }
+    };
+    let o = g.add(attrs(false, None), &[qi, ki, vi]).unwrap();
+    let d = g.add(attrs(true, None), &[qi, ki, vi, o, gi]).unwrap();
+    g.set_outputs(vec![o, d]).unwrap();
+    let got = run(&g, &[("q", &q), ("k", &k), ("v", &v), ("g", &gy)]);
+    let mut want = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+    for b in 0..u {
+        let r = attention_ref(
+            &wide(&q[b * l * e..][..l * e]),
+            &wide(&k[b * s * e..][..s * e]),
+            &wide(&v[b * s * ev..][..s * ev]),
+            &wide(&gy[b * l * ev..][..l * ev]),
+            (l, s, e, ev),
+            scale as f64,
+            causal,
+        );
+        for (w, x) in want.iter_mut().zip(r) {
+            w.extend(x);
+        }
+    }
+    close(&got[0], &want[0], "attention");
+    let flat: Vec<f64> = want[1..].concat();
+    close(&got[1], &flat, "attention_grad [dq | dk | dv]");
+
+    // Packed layout: qkv (B=2, T=4, 3 * H=2 * E=2), causal offset 0.
+    let (b, t, h, e) = (2, 4, 2, 2);
+    let qkv = data(b * t * 3 * h * e, 0.3);
+    let gy = data(b * t * h * e, 1.1);
+    let mut g = Graph::new();
+    let xi = g.input("qkv", Shape::new([b, t, 3 * h * e]), f).unwrap();
+    let gi = g.input("g", Shape::new([b, t, h * e]), f).unwrap();
+    let causal = Some(0);
+    let packed = |grad: bool| {
+        let heads = Some(h);
+        if grad {
+            Op::AttentionGrad {
+                scale,
+                causal,
+                heads,
+            }
+        } else {
+            Op::Attention {
+                scale,
+                causal,
+                heads,
+            }
+        }
+    };
+    let o = g.add(packed(false), &[xi]).unwrap();
+    let d = g.add(packed(true), &[xi, o, gi]).unwrap();
+    g.set_outputs(vec![o, d]).unwrap();
+    let got = run(&g, &[("qkv", &qkv), ("g", &gy)]);
+    let (mut want_o, mut want_d) = (vec![0.0; b * t * h * e], vec![0.0; qkv.len()]);
+    let w3 = 3 * h * e;
+    for bi in 0..b {
+        for j in 0..h {
+            let cut = |x: &[f32], width: usize, col: usize| -> Vec<f64> {
+                (0..t)
+                    .flat_map(|ti| (0..e).map(move |c| (ti, c)))
+                    .map(|(ti, c)| x[(bi * t + ti) * width + col + c] as f64)
+                    .collect()
+            };
+            let r = attention_ref(
+                &cut(&qkv, w3, j * e),
+                &cut(&qkv, w3, (h + j) * e),
+                &cut(&qkv, w3, (2 * h + j) * e),
+                &cut(&gy, h * e, j * e),
+                (t, t, e, e),
+                scale as f64,
+                causal,
+            );
+            for ti in 0..t {
+                for c in 0..e {
+                    want_o[(bi * t + ti) * h * e + j * e + c] = r[0][ti * e + c];
+                    for (part, x) in r[1..].iter().enumerate() {
+                        want_d[(bi * t + ti) * w3 + (part * h + j) * e + c] = x[ti * e + c];
+                    }
+                }
+            }
+        }
+    }
+    close(&got[0], &want_o, "packed attention");
+    close(&got[1], &want_d, "packed attention_grad");
+
+    // relu(a @ b^T + bias) as one MatMulEpilogue; sum_to((x * y), [3]) as one FusedSumTo;
+    // normalize_grad(x, y) + z as one NormalizeGradAdd.
+    let (m, kk, n) = (5, 4, 3);
+    let (a, bm, bias) = (data(m * kk, 0.2), data(n * kk, 1.3), data(n, 2.1));
+    let (x, y, z) = (data(4 * n, 0.4), data(4 * n, 1.9), data(4 * n, 2.8));
+    let mut g = Graph::new();
+    let ai = g.input("a", Shape::new([m, kk]), f).unwrap();
+    let bi = g.input("b", Shape::new([n, kk]), f).unwrap();
+    let ci = g.input("bias", Shape::new([n]), f).unwrap();
+    let xi = g.input("x", Shape::new([4, n]), f).unwrap();
+    let yi = g.input("y", Shape::new([4, n]), f).unwrap();
+    let zi = g.input("z", Shape::new([4, n]), f).unwrap();
+    let epilogue = Arc::new(Fused {
+        shape: Shape::new([m, n]),
+        n_inputs: 2,
+        steps: vec![
+            FusedStep::Binary(BinaryOp::Add, 0, 1),
+            FusedStep::Unary(UnaryOp::Relu, 2),
+        ],
+    });
+    let mm = g
+        .add(
+            Op::MatMulEpilogue {
+                trans_a: false,
+                trans_b: true,
+                epilogue,
+            },
+            &[ai, bi, ci],
+        )
+        .unwrap();
+    let expr = Arc::new(Fused {
+        shape: Shape::new([4, n]),
+        n_inputs: 2,
+        steps: vec![FusedStep::Binary(BinaryOp::Mul, 0, 1)],
+    });
+    let st = g
+        .add(
+            Op::FusedSumTo {
+                expr,
+                shape: Shape::new([n]),
+            },
+            &[xi, yi],
+        )
+        .unwrap();
+    let na = g
+        .add(Op::NormalizeGradAdd { eps: 1e-5 }, &[xi, yi, zi])
+        .unwrap();
+    g.set_outputs(vec![mm, st, na]).unwrap();
+    let got = run(
+        &g,
+        &[
+            ("a", &a),
+            ("b", &bm),
+            ("bias", &bias),
+            ("x", &x),
+            ("y", &y),
+            ("z", &z),
+        ],
+    );
+    let want_mm: Vec<f64> = (0..m * n)
+        .map(|o| {
+            let (i, j) = (o / n, o % n);
+            let dot: f64 = (0..kk)
+                .map(|p| a[i * kk + p] as f64 * bm[j * kk + p] as f64)
+                .sum();
+            (dot + bias[j] as f64).max(0.0)
+        })
+        .collect();
+    close(&got[0], &want_mm, "matmul_epilogue");
+    let want_st: Vec<f64> = (0..n)
+        .map(|j| {
+            (0..4)
+                .map(|i| x[i * n + j] as f64 * y[i * n + j] as f64)
+                .sum()
+        })
+        .collect();
+    close(&got[1], &want_st, "fused_sum_to");
+    let mut want_na = Vec::new();
+    for i in 0..4 {
+        let (xr, gr) = (wide(&x[i * n..][..n]), wide(&y[i * n..][..n]));
+        let mean = xr.iter().sum::<f64>() / n as f64;
+        let var = xr.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
+        let rstd = 1.0 / (var + 1e-5).sqrt();
+        let xhat: Vec<f64> = xr.iter().map(|v| (v - mean) * rstd).collect();
+        let mg = gr.iter().sum::<f64>() / n as f64;
+        let mgx = gr.iter().zip(&xhat).map(|(a, b)| a * b).sum::<f64>() / n as f64;
+        for c in 0..n {
+            want_na.push(rstd * (gr[c] - mg - xhat[c] * mgx) + z[i * n + c] as f64);
+        }
+    }
+    close(&got[2], &want_na, "normalize_grad_add");
 }

@@ -10,6 +10,7 @@ use std::fmt::Write;
 fn op_name(op: &Op) -> String {
     match op {
         Op::Fused(f) => format!("fused[{f}]"),
+        Op::FusedSumTo { expr, .. } => format!("fused_sum_to[{expr}]"),
         Op::MatMul { trans_a, trans_b } => format!(
             "matmul{}{}",
             if *trans_a { "[a^T]" } else { "" },

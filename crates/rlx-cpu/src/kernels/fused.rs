@@ -26,15 +26,21 @@ pub fn fused(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32]) {
     fused_shaped(f, f.shape.dims(), ins, out)
 }
 
-/// Output rows of one block of a matmul epilogue: the product block and the epilogue's
-/// registers stay in L2.
+/// Elements of one block of a (single-threaded) matmul epilogue's product: 128 KB, in cache
+/// while the epilogue reads it.
 const EPI_BLOCK: usize = 32 * 1024;
 
-/// `out = f(a @ b, xs..)` (see `rlx_ir::Op::MatMulEpilogue`). A product that is one tall GEMM
-/// (`a` not transposed, `b` shared by every batch) whose other operands are full-size, scalars
-/// or rows of its width runs block by block: each block of rows is multiplied into a per-thread
-/// scratch and the epilogue writes `out` from it while it is in cache. Other products are
-/// computed whole first.
+thread_local! {
+    /// A matmul epilogue's product (a block of it, or all of it when it is computed whole).
+    static PRODUCT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `out = f(a @ b, xs..)` (see `rlx_ir::Op::MatMulEpilogue`). A small product (one thread) that
+/// is one tall GEMM (`a` not transposed, `b` shared by every batch) whose other operands are
+/// full-size, scalars or rows of its width runs block by block: each block of rows is
+/// multiplied into a scratch and the epilogue writes `out` from it while it is in cache. Other
+/// products are computed whole into a per-thread scratch (never the arena), then the epilogue
+/// runs over it in parallel tiles.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul_epilogue(
     f: &Fused,
@@ -61,7 +67,12 @@ pub fn matmul_epilogue(
     let last = f.shape.dims().last().copied().unwrap_or(1);
     let row_like =
         |d: &[usize]| last == n && d.last() == Some(&n) && d[..d.len() - 1].iter().all(|&v| v == 1);
-    let blocked = !ta
+    let parallel = rows * n * k >= PAR_FLOPS;
+    // Large products are shared between threads by the GEMM itself (its own fine-grained
+    // blocking balances the cores; fixed row blocks with one GEMM each stall on the slowest
+    // core and pack `b` again per block), then the epilogue runs over it in parallel tiles.
+    let blocked = !parallel
+        && !ta
         && b_batch == 1
         && n > 0
         && rows == a_batch * m
@@ -82,11 +93,17 @@ pub fn matmul_epilogue(
             (0..r).map(|i| at(pa, i).max(at(pb, i))).collect()
         };
         od.extend([m, n]);
-        let mut product = vec![0.0; out.len()];
-        super::matmul::matmul(a, ad, ta, b, bd, tb, &mut product, &od);
-        let mut ins: Vec<(&[f32], &[usize])> = vec![(&product, f.shape.dims())];
-        ins.extend_from_slice(xs);
-        return fused(f, &ins, out);
+        return PRODUCT.with(|p| {
+            let mut p = p.borrow_mut();
+            if p.len() < out.len() {
+                p.resize(out.len(), 0.0);
+            }
+            let product = &mut p[..out.len()];
+            super::matmul::matmul(a, ad, ta, b, bd, tb, product, &od);
+            let mut ins: Vec<(&[f32], &[usize])> = vec![(product, f.shape.dims())];
+            ins.extend_from_slice(xs);
+            fused(f, &ins, out)
+        });
     }
     let bv = if tb {
         View {
@@ -127,15 +144,87 @@ pub fn matmul_epilogue(
         }
         fused_shaped(f, &rn, &ins, o);
     };
-    if rows * n * k >= PAR_FLOPS {
-        out.par_chunks_mut(block_rows * n)
-            .enumerate()
-            .for_each_init(Vec::new, |p, c| one(c, p));
-    } else {
-        let mut p = Vec::new();
+    PRODUCT.with(|p| {
+        let p = &mut p.borrow_mut();
         out.chunks_mut(block_rows * n)
             .enumerate()
-            .for_each(|c| one(c, &mut p));
+            .for_each(|c| one(c, p))
+    });
+}
+
+/// Rows of one block of a fused sum (each block is evaluated, then added into a partial sum).
+const SUM_BLOCK: usize = 16 * 1024;
+
+/// `out (od) = sum_to(f(ins..), od)` (see `rlx_ir::Op::FusedSumTo`). When `od` is the trailing
+/// dims of the expression's shape (the leading ones summed away: a bias gradient) and every
+/// input is full-size, a scalar or a row of that width, blocks of rows are evaluated into a
+/// per-thread scratch and added into per-block partial sums, so the expression is never stored;
+/// otherwise it is evaluated whole, then summed.
+pub fn fused_sum_to(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32], od: &[usize]) {
+    let xd = f.shape.dims();
+    let total = f.shape.numel();
+    let trimmed: &[usize] = {
+        let lead = od.iter().take_while(|&&d| d == 1).count();
+        &od[lead..]
+    };
+    let n = trimmed.iter().product::<usize>().max(1);
+    let rows_sum = trimmed.len() <= xd.len()
+        && xd[xd.len() - trimmed.len()..] == *trimmed
+        && total > 0
+        && ins.iter().all(|(x, d)| {
+            x.len() == 1
+                || x.len() == total
+                || (x.len() == n
+                    && d.iter()
+                        .rev()
+                        .zip(trimmed.iter().rev())
+                        .all(|(a, b)| a == b))
+        });
+    if !rows_sum {
+        let mut whole = vec![0.0; total];
+        fused(f, ins, &mut whole);
+        return super::reduce::sum_to(&whole, xd, out, od);
+    }
+    let rows = total / n;
+    let block_rows = (SUM_BLOCK / n).clamp(1, rows);
+    let blocks = rows.div_ceil(block_rows);
+    let part = |c: usize, scratch: &mut Vec<f32>| -> Vec<f32> {
+        let r0 = c * block_rows;
+        let r = block_rows.min(rows - r0);
+        scratch.resize(r * n, 0.0);
+        let rn = [r, n];
+        let nd = [n];
+        let sub: Vec<(&[f32], &[usize])> = ins
+            .iter()
+            .map(|(x, _)| -> (&[f32], &[usize]) {
+                if x.len() == 1 {
+                    (x, &[1])
+                } else if x.len() == total {
+                    (&x[r0 * n..(r0 + r) * n], &rn)
+                } else {
+                    (x, &nd)
+                }
+            })
+            .collect();
+        fused_shaped(f, &rn, &sub, scratch);
+        let mut acc = vec![0.0f32; n];
+        for row in scratch.chunks(n) {
+            acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
+        }
+        acc
+    };
+    let partials: Vec<Vec<f32>> = if total >= PAR_MIN {
+        (0..blocks)
+            .into_par_iter()
+            .map_init(Vec::new, |s, c| part(c, s))
+            .collect()
+    } else {
+        let mut s = Vec::new();
+        (0..blocks).map(|c| part(c, &mut s)).collect()
+    };
+    out.fill(0.0);
+    for p in partials {
+        out.iter_mut().zip(&p).for_each(|(o, &v)| *o += v);
     }
 }
 
@@ -235,22 +324,35 @@ fn eval(f: &Fused, ins: &[Src], out: &mut [f32], scratch: &mut [f32]) {
         match *step {
             FusedStep::Unary(u, a) => unary(u, reg(a), dst),
             FusedStep::Binary(b, x, y) => binary(b, reg(x), reg(y), dst),
-            FusedStep::Where(c, x, y) => {
-                let (c, x, y) = (reg(c), reg(x), reg(y));
-                for (j, o) in dst.iter_mut().enumerate() {
-                    *o = if at(c, j) != 0.0 { at(x, j) } else { at(y, j) };
-                }
-            }
+            FusedStep::Where(c, x, y) => select(reg(c), reg(x), reg(y), dst),
         }
     }
 }
 
-#[inline(always)]
-fn at(s: Src, j: usize) -> f32 {
-    match s {
-        Src::Slice(v) => v[j],
-        Src::Scalar(v) => v,
-    }
+/// `dst = c != 0 ? x : y` as one tight (branch-free) loop per operand kind.
+fn select(c: Src, x: Src, y: Src, dst: &mut [f32]) {
+    let pick = |c: f32, x: f32, y: f32| if c != 0.0 { x } else { y };
+    crate::isa::dispatch(|| match (c, x, y) {
+        (Src::Scalar(c), x, y) => match if c != 0.0 { x } else { y } {
+            Src::Slice(v) => dst.copy_from_slice(&v[..dst.len()]),
+            Src::Scalar(v) => dst.fill(v),
+        },
+        (Src::Slice(c), Src::Scalar(x), Src::Slice(y)) => dst
+            .iter_mut()
+            .zip(c.iter().zip(y))
+            .for_each(|(o, (&c, &y))| *o = pick(c, x, y)),
+        (Src::Slice(c), Src::Slice(x), Src::Scalar(y)) => dst
+            .iter_mut()
+            .zip(c.iter().zip(x))
+            .for_each(|(o, (&c, &x))| *o = pick(c, x, y)),
+        (Src::Slice(c), Src::Slice(x), Src::Slice(y)) => dst
+            .iter_mut()
+            .zip(c.iter().zip(x.iter().zip(y)))
+            .for_each(|(o, (&c, (&x, &y)))| *o = pick(c, x, y)),
+        (Src::Slice(c), Src::Scalar(x), Src::Scalar(y)) => {
+            dst.iter_mut().zip(c).for_each(|(o, &c)| *o = pick(c, x, y))
+        }
+    })
 }
 
 /// `dst = f(a)` as one tight loop per op.
@@ -387,6 +489,65 @@ mod tests {
                 assert!(
                     (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
                     "{batch}x{m}x{k}x{n} ta={ta} tb={tb}: {i}: {x} vs {y}"
+                );
+            }
+        }
+    }
+
+    /// Sums of `r0 * r1 + r2` down to trailing dims (blocks with a tail, parallel) and down to
+    /// other shapes (evaluated whole), against a naive sum.
+    #[test]
+    fn fused_sum_to_matches_naive() {
+        let f = |shape: &[usize]| Fused {
+            shape: Shape::new(shape.to_vec()),
+            n_inputs: 3,
+            steps: vec![
+                FusedStep::Binary(BinaryOp::Mul, 0, 1),
+                FusedStep::Binary(BinaryOp::Add, 3, 2),
+            ],
+        };
+        for (xd, od) in [
+            (vec![3000usize, 37usize], vec![37usize]),
+            (vec![40, 64, 130], vec![1, 130]),
+            (vec![5, 7, 3], vec![7, 3]),
+            (vec![6, 4], vec![6, 1]),
+            (vec![2, 3, 4], vec![]),
+        ] {
+            let total: usize = xd.iter().product();
+            let n = *xd.last().unwrap();
+            let a = data(total, 0.2);
+            let b = data(total, 1.4);
+            let row = data(n, 2.2);
+            let mut want = vec![0.0f64; od.iter().product::<usize>().max(1)];
+            let on: usize = want.len();
+            for i in 0..total {
+                let v = a[i] as f64 * b[i] as f64 + row[i % n] as f64;
+                // Output index: the trailing dims of `od` that are not 1, right-aligned.
+                let mut idx = 0;
+                let mut rest = i;
+                let mut stride = 1;
+                for (k, &d) in xd.iter().enumerate().rev() {
+                    let c = rest % d;
+                    rest /= d;
+                    let j = k as isize - (xd.len() - od.len()) as isize;
+                    if j >= 0 && od[j as usize] != 1 {
+                        idx += c * stride;
+                        stride *= d;
+                    }
+                }
+                want[idx % on] += v;
+            }
+            let mut out = vec![0.0; on];
+            fused_sum_to(
+                &f(&xd),
+                &[(&a, &xd), (&b, &xd), (&row, &[n])],
+                &mut out,
+                &od,
+            );
+            for (x, y) in out.iter().zip(&want) {
+                assert!(
+                    (*x as f64 - y).abs() <= 1e-3 * (1.0 + y.abs()),
+                    "{xd:?} -> {od:?}: {x} vs {y}"
                 );
             }
         }

@@ -258,8 +258,24 @@ pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
 /// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` per row.
 #[inline(always)]
 pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f32]) {
+    normalize_grad_add(x, g, None, width, eps, out)
+}
+
+/// One row of `normalize_grad_add`: its index, the row of `x` and of `g`, and its output.
+type Row<'a, 'b> = (usize, ((&'a [f32], &'a [f32]), &'b mut [f32]));
+
+/// `normalize_grad(x, g) + acc` (`acc` of the same shape) in one pass: each row's result gets
+/// `acc` added while it is in cache (the fusion pass's `NormalizeGradAdd`).
+pub fn normalize_grad_add(
+    x: &[f32],
+    g: &[f32],
+    acc: Option<&[f32]>,
+    width: usize,
+    eps: f32,
+    out: &mut [f32],
+) {
     let n = width as f32;
-    let row = |((row, gr), o): ((&[f32], &[f32]), &mut [f32])| {
+    let row = |(i, ((row, gr), o)): Row| {
         let (mean, rstd) = row_stats(row, eps);
         // o holds xhat * g first, to sum it vectorised.
         for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
@@ -269,17 +285,23 @@ pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f
         for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
             *o = rstd * (gv - mg - (v - mean) * rstd * mgx);
         }
+        if let Some(acc) = acc {
+            let a = &acc[i * width..(i + 1) * width];
+            o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
+        }
     };
     if out.len() >= PAR_MIN {
         x.par_chunks(width)
             .zip(g.par_chunks(width))
             .zip(out.par_chunks_mut(width))
+            .enumerate()
             .for_each(|r| crate::isa::dispatch(|| row(r)));
     } else {
         crate::isa::dispatch(|| {
             x.chunks(width)
                 .zip(g.chunks(width))
                 .zip(out.chunks_mut(width))
+                .enumerate()
                 .for_each(row)
         });
     }
