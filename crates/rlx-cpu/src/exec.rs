@@ -1,8 +1,7 @@
 //! Runs a lowered program on the host: checks every range once, then dispatches each instruction.
 use crate::kernels;
-use crate::mem::{overlaps, Bases};
+use crate::mem::Bases;
 use rlx_ir::{BinaryOp, DType, Error, Op, Result};
-use rlx_runtime::backend::check_range;
 use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
 
 pub struct CpuProgram {
@@ -48,28 +47,7 @@ impl CpuProgram {
     /// Checks that every tensor lies inside its buffer and that no instruction's output overlaps
     /// one of its inputs — the invariants `mem::Bases` relies on to hand out slices.
     pub fn new(program: &Program, lens: &[usize]) -> Result<CpuProgram> {
-        for instr in &program.instrs {
-            let (reads, writes): (Vec<&TRef>, Vec<&TRef>) = match instr {
-                Instr::Op { ins, out, op } => {
-                    check_kernel(op, ins, out)?;
-                    (ins.iter().collect(), vec![out])
-                }
-                Instr::Update(plan) => crate::train::operands(plan),
-            };
-            for t in reads.iter().chain(&writes) {
-                let len = lens.get(t.buf as usize).copied().unwrap_or(0);
-                check_range("program", t.offset, t.bytes(), len)?;
-            }
-            for (i, w) in writes.iter().enumerate() {
-                let clash = reads.iter().any(|r| overlaps(w, r))
-                    || writes[i + 1..].iter().any(|o| overlaps(w, o));
-                if clash && w.bytes() > 0 {
-                    return Err(Error::Internal(format!(
-                        "an instruction writes over its own operand: {instr:?}"
-                    )));
-                }
-            }
-        }
+        rlx_runtime::validate::validate(program, lens, "cpu")?;
         let profile = std::env::var("RLX_PROFILE")
             .is_ok_and(|v| v == "1")
             .then(Default::default);
@@ -78,35 +56,6 @@ impl CpuProgram {
             lens: lens.to_vec(),
             profile,
         })
-    }
-}
-
-/// Rejects kernels the CPU backend does not have for these dtypes, at compile time.
-fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
-    let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
-    let ok = match op {
-        Op::Binary(_)
-        | Op::BroadcastTo { .. }
-        | Op::Transpose { .. }
-        | Op::Cast { .. }
-        | Op::Slice { .. }
-        | Op::Pad { .. }
-        | Op::Concat { .. } => true,
-        Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
-        Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
-        Op::Where => ins[1].dtype == out.dtype,
-        Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
-        Op::Dropout { .. } => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
-        _ => all_f32,
-    };
-    if ok {
-        Ok(())
-    } else {
-        let dts: Vec<&str> = ins.iter().map(|t| t.dtype.name()).collect();
-        Err(Error::unsupported(
-            op.name(),
-            format!("the cpu backend has no kernel for dtypes {dts:?}"),
-        ))
     }
 }
 

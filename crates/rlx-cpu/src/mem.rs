@@ -233,8 +233,3 @@ impl Bases {
 pub trait Elem: Copy + Send + Sync + 'static {}
 impl Elem for f32 {}
 impl Elem for i32 {}
-
-/// Whether two references' byte ranges overlap (same buffer only).
-pub fn overlaps(a: &TRef, b: &TRef) -> bool {
-    a.buf == b.buf && a.offset < b.offset + b.bytes() && b.offset < a.offset + a.bytes()
-}

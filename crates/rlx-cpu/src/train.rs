@@ -2,31 +2,10 @@
 //! tensor of the update plan.
 use crate::kernels::optim::{self, Hyper, Options, ParamSlot};
 use crate::mem::Bases;
-use rlx_runtime::{hyper_col, Error, OptimHyper, Result, TRef, UpdatePlan};
-
-/// (read, written) tensors of an update, for the range and overlap checks of `CpuProgram::new`.
-pub fn operands(plan: &UpdatePlan) -> (Vec<&TRef>, Vec<&TRef>) {
-    let mut reads = vec![&plan.loss];
-    let mut writes = vec![&plan.stats];
-    reads.extend(plan.hyper.iter());
-    for p in &plan.params {
-        reads.push(&p.grad);
-        writes.push(&p.param);
-        writes.extend(p.acc.iter());
-        writes.extend(p.state.iter());
-        writes.push(&p.step);
-        writes.extend(p.started.iter());
-    }
-    for (src, dst) in &plan.buffer_updates {
-        reads.push(src);
-        writes.push(dst);
-    }
-    // Two parameters may share one gradient tensor; reads may overlap each other.
-    (reads, writes)
-}
+use rlx_runtime::{hyper_col, Error, OptimHyper, Result, UpdatePlan};
 
 /// # Safety
-/// `CpuProgram::new` must have checked `operands(plan)`: every tensor inside its buffer, the
+/// `CpuProgram::new` must have validated the program (`rlx_runtime::validate`) over `plan.operands()`: every tensor inside its buffer, the
 /// written tensors disjoint from each other and from every read tensor.
 pub unsafe fn run(b: &Bases, plan: &UpdatePlan, run_hyper: Option<&OptimHyper>) -> Result<()> {
     // SAFETY (every `get`/`get_mut` below): the caller's contract; each written tensor is taken

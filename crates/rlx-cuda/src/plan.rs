@@ -4,7 +4,6 @@
 //! outputs overlapping inputs, dtypes). No GPU is touched here, so it is unit-tested in CI.
 use crate::source::{self, MAX_OPS, MAX_RANK};
 use rlx_ir::{BinaryOp, DType, Error, Fused, FusedStep, Op, ReduceOp, Result, Shape, UnaryOp};
-use rlx_runtime::backend::check_range;
 use rlx_runtime::{hyper_col, Instr, OptimRule, Program, TRef, UpdatePlan};
 
 /// The launch record every kernel takes (the layout of `struct P` in [`source::PRELUDE`]).
@@ -242,87 +241,9 @@ fn iterate(p: &mut P, dims: &[usize], strides: &[Vec<i64>], what: &str) -> Resul
     Ok(())
 }
 
-fn overlaps(a: &TRef, b: &TRef) -> bool {
-    a.buf == b.buf
-        && a.bytes() > 0
-        && b.bytes() > 0
-        && a.offset < b.offset + b.bytes()
-        && b.offset < a.offset + a.bytes()
-}
-
-/// (read, written) tensors of an update.
-fn update_operands(plan: &UpdatePlan) -> (Vec<&TRef>, Vec<&TRef>) {
-    let mut reads = vec![&plan.loss];
-    let mut writes = vec![&plan.stats];
-    reads.extend(plan.hyper.iter());
-    for p in &plan.params {
-        reads.push(&p.grad);
-        writes.push(&p.param);
-        writes.extend(p.acc.iter());
-        writes.extend(p.state.iter());
-        writes.push(&p.step);
-        writes.extend(p.started.iter());
-    }
-    for (src, dst) in &plan.buffer_updates {
-        reads.push(src);
-        writes.push(dst);
-    }
-    (reads, writes)
-}
-
-/// Rejects kernels the backend does not have for these dtypes (the CPU backend's set).
-fn check_kernel(op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
-    let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
-    let ok = match op {
-        Op::Binary(_)
-        | Op::BroadcastTo { .. }
-        | Op::Transpose { .. }
-        | Op::Cast { .. }
-        | Op::Slice { .. }
-        | Op::Pad { .. }
-        | Op::Concat { .. } => true,
-        Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
-        Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
-        Op::Where => ins[1].dtype == out.dtype,
-        Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
-        Op::Dropout { .. } => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
-        _ => all_f32,
-    };
-    if ok {
-        Ok(())
-    } else {
-        let dts: Vec<&str> = ins.iter().map(|t| t.dtype.name()).collect();
-        Err(Error::unsupported(
-            op.name(),
-            format!("the cuda backend has no kernel for dtypes {dts:?}"),
-        ))
-    }
-}
-
 /// Checks `program` against buffers of `lens` bytes and lowers it.
 pub fn plan(program: &Program, lens: &[usize]) -> Result<Plan> {
-    for instr in &program.instrs {
-        let (reads, writes): (Vec<&TRef>, Vec<&TRef>) = match instr {
-            Instr::Op { ins, out, op } => {
-                check_kernel(op, ins, out)?;
-                (ins.iter().collect(), vec![out])
-            }
-            Instr::Update(plan) => update_operands(plan),
-        };
-        for t in reads.iter().chain(&writes) {
-            let len = lens.get(t.buf as usize).copied().unwrap_or(0);
-            check_range("program", t.offset, t.bytes(), len)?;
-        }
-        for (i, w) in writes.iter().enumerate() {
-            let clash = reads.iter().any(|r| overlaps(w, r))
-                || writes[i + 1..].iter().any(|o| overlaps(w, o));
-            if clash {
-                return Err(Error::Internal(format!(
-                    "an instruction writes over its own operand: {instr:?}"
-                )));
-            }
-        }
-    }
+    rlx_runtime::validate::validate(program, lens, "cuda")?;
     let mut b = Builder {
         plan: Plan {
             scratch_bytes: ROWS_AT,

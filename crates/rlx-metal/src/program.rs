@@ -7,7 +7,6 @@
 use crate::kernels::{self, BinaryOp as KBin, Gemm, UnaryOp as KUn};
 use crate::{MetalBuffer, MetalDevice};
 use rlx_ir::{BinaryOp, DType, Error, Op, Result, UnaryOp};
-use rlx_runtime::backend::check_range;
 use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
 
 enum Step {
@@ -30,10 +29,6 @@ pub struct MetalProgram {
     device: MetalDevice,
     steps: Vec<Step>,
     lens: Vec<usize>,
-}
-
-fn overlaps(a: &TRef, b: &TRef) -> bool {
-    a.buf == b.buf && a.offset < b.offset + b.bytes() && b.offset < a.offset + a.bytes()
 }
 
 fn unsupported(what: String) -> Error {
@@ -129,20 +124,12 @@ fn lower_matmul(ta: bool, tb: bool, a: &TRef, b: &TRef, out: &TRef) -> Result<St
 
 impl MetalProgram {
     pub fn new(device: MetalDevice, program: &Program, lens: &[usize]) -> Result<Self> {
+        rlx_runtime::validate::validate(program, lens, "metal")?;
         let mut steps = Vec::new();
         for instr in &program.instrs {
             let Instr::Op { op, ins, out } = instr else {
                 return Err(unsupported("the training update".into()));
             };
-            for t in ins.iter().chain([out]) {
-                let len = lens.get(t.buf as usize).copied().unwrap_or(0);
-                check_range("program", t.offset, t.bytes(), len)?;
-            }
-            if out.bytes() > 0 && ins.iter().any(|i| overlaps(out, i)) {
-                return Err(Error::Internal(format!(
-                    "an instruction writes over its own operand: {instr:?}"
-                )));
-            }
             steps.push(lower(op, ins, out)?);
         }
         Ok(Self {

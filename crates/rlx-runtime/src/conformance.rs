@@ -10,23 +10,22 @@ use std::sync::Arc;
 
 pub use crate::conformance_vision::vision_ops_match_references;
 
-fn f32s(v: &[f32]) -> Vec<u8> {
+pub(crate) fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-fn from_bytes(b: &[u8]) -> Vec<f32> {
+pub(crate) fn from_bytes(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
 
-fn close(got: &[f32], want: &[f64], what: &str) {
+/// `got` equals the float64 reference `want` within float32 tolerance (NaN where it is NaN).
+pub(crate) fn close(got: &[f32], want: &[f64], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (*g as f64 - w).abs() <= 1e-5 + 1e-4 * w.abs(),
-            "{what}[{i}]: got {g}, want {w}"
-        );
+        let ok = (g.is_nan() && w.is_nan()) || (*g as f64 - w).abs() <= 1e-5 + 1e-4 * w.abs();
+        assert!(ok, "{what}[{i}]: got {g}, want {w}");
     }
 }
 

@@ -1,27 +1,10 @@
 //! Conformance check of the vision and regularisation ops (im2col / col2im, pooling and its
 //! VJP, dropout, log1p, stop_gradient, cross-entropy's ignored label) against float64
 //! references written from each op's definition in `rlx_ir::Op`.
+use crate::conformance::{close, f32s, from_bytes};
 use crate::{Backend, Executable, Store};
 use rlx_ir::{dropout_keep, DType, Graph, NodeId, Op, Shape, Window};
 use std::sync::Arc;
-
-fn f32s(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn from_bytes(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-fn close(got: &[f32], want: &[f64], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let ok = (g.is_nan() && w.is_nan()) || (*g as f64 - w).abs() <= 1e-5 + 1e-4 * w.abs();
-        assert!(ok, "{what}[{i}]: got {g}, want {w}");
-    }
-}
 
 const N: usize = 2;
 const C: usize = 3;

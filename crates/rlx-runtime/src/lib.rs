@@ -14,6 +14,7 @@ pub mod lower;
 pub mod program;
 pub mod store;
 pub mod train;
+pub mod validate;
 
 pub use backend::{Backend, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, HostBytes};
 pub use executable::{Executable, InputSlot, MemoryReport, OptimizerSetup, Phase};

@@ -1,0 +1,100 @@
+//! The checks every backend makes of a program when it compiles it: each tensor lies inside its
+//! buffer, no instruction writes over one of its own operands (nor two of its outputs over each
+//! other), and the kernel set has each op for its operands' dtypes. Kernels then rely on these
+//! (the CPU backend hands out slices on the strength of them).
+use crate::backend::check_range;
+use crate::{Error, Instr, Program, Result, TRef, UpdatePlan};
+use rlx_ir::{DType, Op};
+
+/// Whether two tensors share a byte (an empty tensor shares none).
+pub fn overlaps(a: &TRef, b: &TRef) -> bool {
+    a.buf == b.buf
+        && a.bytes() > 0
+        && b.bytes() > 0
+        && a.offset < b.offset + b.bytes()
+        && b.offset < a.offset + a.bytes()
+}
+
+impl UpdatePlan {
+    /// The tensors the update reads and those it writes. Two parameters may share one gradient
+    /// tensor, so reads may overlap each other.
+    pub fn operands(&self) -> (Vec<&TRef>, Vec<&TRef>) {
+        let mut reads = vec![&self.loss];
+        let mut writes = vec![&self.stats];
+        reads.extend(self.hyper.iter());
+        for p in &self.params {
+            reads.push(&p.grad);
+            writes.push(&p.param);
+            writes.extend(p.acc.iter());
+            writes.extend(p.state.iter());
+            writes.push(&p.step);
+            writes.extend(p.started.iter());
+        }
+        for (src, dst) in &self.buffer_updates {
+            reads.push(src);
+            writes.push(dst);
+        }
+        (reads, writes)
+    }
+}
+
+impl Instr {
+    /// The tensors the instruction reads and those it writes.
+    pub fn operands(&self) -> (Vec<&TRef>, Vec<&TRef>) {
+        match self {
+            Instr::Op { ins, out, .. } => (ins.iter().collect(), vec![out]),
+            Instr::Update(plan) => plan.operands(),
+        }
+    }
+}
+
+/// Whether the kernel set (the same on every backend) has `op` for these operand dtypes.
+pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
+    let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
+    match op {
+        Op::Binary(_)
+        | Op::BroadcastTo { .. }
+        | Op::Transpose { .. }
+        | Op::Cast { .. }
+        | Op::Slice { .. }
+        | Op::Pad { .. }
+        | Op::Concat { .. } => true,
+        Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
+        Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
+        Op::Where => ins[1].dtype == out.dtype,
+        Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
+        Op::Dropout { .. } => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
+        _ => all_f32,
+    }
+}
+
+/// Runs every check over buffers of `lens` bytes (indexed by [`crate::Buf`]); `backend` names
+/// the backend in the error for a missing kernel.
+pub fn validate(program: &Program, lens: &[usize], backend: &str) -> Result<()> {
+    for instr in &program.instrs {
+        if let Instr::Op { op, ins, out } = instr {
+            if !has_kernel(op, ins, out) {
+                let dts: Vec<&str> = ins.iter().map(|t| t.dtype.name()).collect();
+                return Err(Error::unsupported(
+                    op.name(),
+                    format!("the {backend} backend has no kernel for dtypes {dts:?}"),
+                ));
+            }
+        }
+        let (reads, writes) = instr.operands();
+        for t in reads.iter().chain(&writes) {
+            let len = lens.get(t.buf as usize).copied().unwrap_or(0);
+            check_range("program", t.offset, t.bytes(), len)?;
+        }
+        for (i, w) in writes.iter().enumerate() {
+            let clash = reads.iter().any(|r| overlaps(w, r))
+                || writes[i + 1..].iter().any(|o| overlaps(w, o));
+            if clash {
+                return Err(Error::Internal(format!(
+                    "an instruction writes over its own operand: {instr:?}"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
