@@ -244,6 +244,7 @@ fn iterate(p: &mut P, dims: &[usize], strides: &[Vec<i64>], what: &str) -> Resul
 /// Checks `program` against buffers of `lens` bytes and lowers it.
 pub fn plan(program: &Program, lens: &[usize]) -> Result<Plan> {
     rlx_runtime::validate::validate(program, lens, "cuda")?;
+    rlx_runtime::validate::dtypes(program, "cuda", &[DType::F32, DType::I32])?;
     let mut b = Builder {
         plan: Plan {
             scratch_bytes: ROWS_AT,
