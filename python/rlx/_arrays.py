@@ -59,9 +59,11 @@ def dtype_name(d: Any) -> str | None:
     """The rlx name of a numpy dtype (or anything ``np.dtype`` takes, or an rlx name), or None."""
     if isinstance(d, str) and d in DTYPES:
         return d
+    if d is None:
+        return None  # np.dtype(None) would be float64
     try:
         nd = np.dtype(d)
-    except TypeError:
+    except (TypeError, ValueError, KeyError, SyntaxError):
         return None
     if nd.name == "bfloat16":
         return "bfloat16"

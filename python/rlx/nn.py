@@ -369,7 +369,7 @@ def to_dtype(arr: np.ndarray, dtype: str) -> np.ndarray:
     float32, which can round twice); numpy's own conversions are correct for the others."""
     if dtype == "bfloat16" and arr.dtype == np.float64:
         arr = _round_odd_f32(arr)
-    return np.ascontiguousarray(arr, dtype=_NP[dtype])
+    return contiguous(arr, _NP[dtype])
 
 
 #: safetensors dtype names -> rlx's, and the bytes per element of each.

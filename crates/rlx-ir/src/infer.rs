@@ -709,6 +709,39 @@ mod tests {
     }
 
     #[test]
+    fn new_dtypes_move_and_cast_but_do_not_compute() {
+        let mut g = Graph::new();
+        let h = g.input("h", Shape::new([2, 3]), DType::F16).unwrap();
+        let m = g.input("m", Shape::new([2, 1]), DType::Bool).unwrap();
+        let t = g.add(Op::Transpose { perm: vec![1, 0] }, &[h]).unwrap();
+        assert_eq!(g.node(t).dtype, DType::F16);
+        let c = g.add(Op::Concat { axis: 0 }, &[h, h]).unwrap();
+        assert_eq!(g.node(c).shape, Shape::new([4, 3]));
+        let w = g.add(Op::Where, &[m, h, h]).unwrap();
+        assert_eq!(g.node(w).dtype, DType::F16);
+        let f = g.add(Op::Cast { to: DType::F32 }, &[h]).unwrap();
+        assert_eq!(g.node(f).dtype, DType::F32);
+        let mm = Op::MatMul {
+            trans_a: false,
+            trans_b: true,
+        };
+        let e = g.add(mm, &[h, h]).unwrap_err();
+        assert!(matches!(e, Error::DType { .. }));
+        assert_eq!(
+            e.to_string(),
+            "[matmul] float16 x float16 is not supported yet; cast to float32 with .astype('float32')"
+        );
+        let e = g.add(Op::Binary(BinaryOp::Add), &[f, h]).unwrap_err();
+        assert!(e.to_string().starts_with("[add] float32 x float16 is not supported yet"), "{e}");
+        let i = g.input("i", Shape::new([2]), DType::I64).unwrap();
+        let e = g.add(Op::Binary(BinaryOp::Mul), &[i, i]).unwrap_err();
+        assert!(e.to_string().ends_with("cast to int32 with .astype('int32')"), "{e}");
+        let x = g.input("x", Shape::new([2, 3]), DType::F32).unwrap();
+        let e = g.add(Op::SoftmaxCrossEntropy, &[x, i]).unwrap_err();
+        assert!(e.to_string().contains("got int64; cast them with .astype('int32')"), "{e}");
+    }
+
+    #[test]
     fn dtype_mismatch_is_a_dtype_error() {
         let mut g = Graph::new();
         let a = g.input("a", Shape::new([3]), DType::F32).unwrap();
