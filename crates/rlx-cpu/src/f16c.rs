@@ -2,7 +2,6 @@
 //! kernel when the AVX2 kernels are chosen (`crate::isa`) and the CPU has F16C. The `unsafe` of
 //! calling that target-feature code and of its unaligned vector loads and stores lives here.
 //! The portable conversions in `kernels/cast.rs` give the same bits (tested over every float16).
-use rayon::prelude::*;
 
 /// Whether casts use F16C in this process: the AVX2 kernel set is chosen and the CPU has F16C.
 pub fn in_use() -> bool {
@@ -17,52 +16,55 @@ pub fn in_use() -> bool {
     }
 }
 
-/// Runs `f` over matching chunks of `src` and `out`, in parallel when large.
-fn chunked<S: Sync, D: Send>(src: &[S], out: &mut [D], f: impl Fn(&[S], &mut [D]) + Sync) {
-    let n = out.len();
-    if n >= crate::kernels::PAR_MIN {
-        let per = n.div_ceil(rayon::current_num_threads() * 4).next_multiple_of(8);
-        out.par_chunks_mut(per)
-            .zip(src.par_chunks(per))
-            .for_each(|(o, s)| f(s, o));
-    } else {
-        f(src, out)
-    }
-}
-
 /// float32 -> float16 bits (round to nearest even) with F16C; `false` (nothing written) when
 /// F16C is not in use.
 pub fn f32_to_f16(src: &[f32], out: &mut [u16]) -> bool {
     assert_eq!(src.len(), out.len());
-    if !in_use() {
-        return false;
-    }
     #[cfg(target_arch = "x86_64")]
-    chunked(src, out, |s, o| {
-        // SAFETY: `in_use()` returned true, so this CPU has F16C and AVX (AVX2 implies AVX).
-        unsafe { hw::f32_to_f16(s, o) }
-    });
-    true
+    if in_use() {
+        hw::chunked(src, out, |s, o| {
+            // SAFETY: `in_use()` returned true, so this CPU has F16C and AVX (AVX2 implies AVX).
+            unsafe { hw::f32_to_f16(s, o) }
+        });
+        return true;
+    }
+    false
 }
 
 /// float16 bits -> float32 with F16C; `false` (nothing written) when F16C is not in use.
 pub fn f16_to_f32(src: &[u16], out: &mut [f32]) -> bool {
     assert_eq!(src.len(), out.len());
-    if !in_use() {
-        return false;
-    }
     #[cfg(target_arch = "x86_64")]
-    chunked(src, out, |s, o| {
-        // SAFETY: as in `f32_to_f16`.
-        unsafe { hw::f16_to_f32(s, o) }
-    });
-    true
+    if in_use() {
+        hw::chunked(src, out, |s, o| {
+            // SAFETY: as in `f32_to_f16`.
+            unsafe { hw::f16_to_f32(s, o) }
+        });
+        return true;
+    }
+    false
 }
 
 #[cfg(target_arch = "x86_64")]
 mod hw {
     use crate::kernels::cast;
+    use rayon::prelude::*;
     use std::arch::x86_64::*;
+
+    /// Runs `f` over matching chunks of `src` and `out`, in parallel when large.
+    pub fn chunked<S: Sync, D: Send>(src: &[S], out: &mut [D], f: impl Fn(&[S], &mut [D]) + Sync) {
+        let n = out.len();
+        if n >= crate::kernels::PAR_MIN {
+            let per = n
+                .div_ceil(rayon::current_num_threads() * 4)
+                .next_multiple_of(8);
+            out.par_chunks_mut(per)
+                .zip(src.par_chunks(per))
+                .for_each(|(o, s)| f(s, o));
+        } else {
+            f(src, out)
+        }
+    }
 
     /// # Safety
     /// The CPU must support F16C and AVX; `s` and `o` have the same length.
@@ -136,12 +138,20 @@ mod tests {
         let mut xs: Vec<f32> = Vec::new();
         for &f in &hw_out {
             let b = f.to_bits();
-            xs.extend([f, f32::from_bits(b.wrapping_add(1)), f32::from_bits(b.wrapping_sub(1))]);
+            xs.extend([
+                f,
+                f32::from_bits(b.wrapping_add(1)),
+                f32::from_bits(b.wrapping_sub(1)),
+            ]);
         }
         for w in hw_out.windows(2) {
             let mid = ((w[0] as f64 + w[1] as f64) / 2.0) as f32;
             let b = mid.to_bits();
-            xs.extend([mid, f32::from_bits(b + 1), f32::from_bits(b.wrapping_sub(1))]);
+            xs.extend([
+                mid,
+                f32::from_bits(b + 1),
+                f32::from_bits(b.wrapping_sub(1)),
+            ]);
         }
         let mut z: u32 = 0x1234_5678;
         for _ in 0..1 << 20 {

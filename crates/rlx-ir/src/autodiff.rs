@@ -620,7 +620,11 @@ mod tests {
         // dx = cast_f32(cast_bf16(gy)): the path through int64 adds nothing.
         assert!(matches!(dx.op, Op::Cast { to: DType::F32 }), "{:?}", dx.op);
         let inner = bw.node(dx.inputs[0]);
-        assert!(matches!(inner.op, Op::Cast { to: DType::BF16 }), "{:?}", inner.op);
+        assert!(
+            matches!(inner.op, Op::Cast { to: DType::BF16 }),
+            "{:?}",
+            inner.op
+        );
     }
 
     /// Slices of one tensor get one concat for their gradient, with zeros in the gaps.

@@ -25,7 +25,10 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((ins[0].shape.clone(), DType::F32))
         }
         Op::Binary(b) => {
-            if ins.iter().any(|x| !matches!(x.dtype, DType::F32 | DType::I32)) {
+            if ins
+                .iter()
+                .any(|x| !matches!(x.dtype, DType::F32 | DType::I32))
+            {
                 return Err(unsupported(name, ins));
             }
             if ins[0].dtype != ins[1].dtype {
@@ -732,13 +735,25 @@ mod tests {
             "[matmul] float16 x float16 is not supported yet; cast to float32 with .astype('float32')"
         );
         let e = g.add(Op::Binary(BinaryOp::Add), &[f, h]).unwrap_err();
-        assert!(e.to_string().starts_with("[add] float32 x float16 is not supported yet"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("[add] float32 x float16 is not supported yet"),
+            "{e}"
+        );
         let i = g.input("i", Shape::new([2]), DType::I64).unwrap();
         let e = g.add(Op::Binary(BinaryOp::Mul), &[i, i]).unwrap_err();
-        assert!(e.to_string().ends_with("cast to int32 with .astype('int32')"), "{e}");
+        assert!(
+            e.to_string()
+                .ends_with("cast to int32 with .astype('int32')"),
+            "{e}"
+        );
         let x = g.input("x", Shape::new([2, 3]), DType::F32).unwrap();
         let e = g.add(Op::SoftmaxCrossEntropy, &[x, i]).unwrap_err();
-        assert!(e.to_string().contains("got int64; cast them with .astype('int32')"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("got int64; cast them with .astype('int32')"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -428,7 +428,10 @@ mod tests {
         let mut back = load(&path, None).unwrap();
         back.sort_by_key(|t| DType::ALL.iter().position(|d| *d == t.dtype));
         for (k, t) in back.iter().enumerate() {
-            assert_eq!((t.dtype, &t.data, &t.shape), (DType::ALL[k], &datas[k], &vec![3]));
+            assert_eq!(
+                (t.dtype, &t.data, &t.shape),
+                (DType::ALL[k], &datas[k], &vec![3])
+            );
         }
         // A wrong byte count for the dtype is refused at save.
         let short = [0u8; 5];

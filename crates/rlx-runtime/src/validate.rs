@@ -64,7 +64,8 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
         Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
         Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
         Op::Where => {
-            matches!(ins[0].dtype, DType::F32 | DType::I32 | DType::Bool) && ins[1].dtype == out.dtype
+            matches!(ins[0].dtype, DType::F32 | DType::I32 | DType::Bool)
+                && ins[1].dtype == out.dtype
         }
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
         Op::Dropout { .. } => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
@@ -77,7 +78,11 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
 pub fn dtypes(program: &Program, backend: &str, allowed: &[DType]) -> Result<()> {
     for instr in &program.instrs {
         let (reads, writes) = instr.operands();
-        if let Some(t) = reads.iter().chain(&writes).find(|t| !allowed.contains(&t.dtype)) {
+        if let Some(t) = reads
+            .iter()
+            .chain(&writes)
+            .find(|t| !allowed.contains(&t.dtype))
+        {
             let what = match instr {
                 Instr::Op { op, .. } => op.name(),
                 Instr::Update(_) => "optimizer update",

@@ -12,6 +12,9 @@
 //! float16 <-> float32 uses the CPU's F16C instructions when it has them (see `crate::f16c`,
 //! chosen with the AVX2 kernels; `RLX_CPU_ISA=portable` keeps this file's code); the two give
 //! identical bits, which the tests check over every float16 and many float32 values.
+//! bfloat16 has no hardware path: AVX512-BF16's `vcvtneps2bf16` treats subnormal inputs as zero
+//! and flushes subnormal results (numpy, ml_dtypes and PyTorch keep them), and the portable
+//! rounding is a few integer operations that the AVX2 build vectorises to memory speed anyway.
 use super::par_zip;
 use std::cmp::Ordering;
 
@@ -197,40 +200,69 @@ pub fn cast(src: Src<'_>, dst: Dst<'_>) {
     }
 }
 
+/// One destination's loop for a source read through `$wide` (element -> `Wide`): each pair
+/// gets its own monomorphised, parallel loop (the `Wide` match folds away after inlining).
+macro_rules! into_dst {
+    ($s:expr, $wide:expr, $dst:expr) => {{
+        let wide = $wide;
+        match $dst {
+            Dst::F32(d) => par_zip(d, $s, |o, &x| {
+                *o = match wide(x) {
+                    Wide::F(v) => v as f32,
+                    Wide::I(v) => v as f32,
+                }
+            }),
+            Dst::F64(d) => par_zip(d, $s, |o, &x| {
+                *o = match wide(x) {
+                    Wide::F(v) => v,
+                    Wide::I(v) => v as f64,
+                }
+            }),
+            Dst::F16(d) => par_zip(d, $s, |o, &x| {
+                *o = match wide(x) {
+                    Wide::F(v) => f64_to_f16(v),
+                    Wide::I(v) => i64_to_f16(v),
+                }
+            }),
+            Dst::BF16(d) => par_zip(d, $s, |o, &x| {
+                *o = match wide(x) {
+                    Wide::F(v) => f64_to_bf16(v),
+                    Wide::I(v) => i64_to_bf16(v),
+                }
+            }),
+            Dst::I32(d) => par_zip(d, $s, |o, &x| {
+                *o = match wide(x) {
+                    Wide::F(v) => v as i32,
+                    Wide::I(v) => v as i32,
+                }
+            }),
+            Dst::I64(d) => par_zip(d, $s, |o, &x| {
+                *o = match wide(x) {
+                    Wide::F(v) => v as i64,
+                    Wide::I(v) => v,
+                }
+            }),
+            Dst::Bool(d) => par_zip(d, $s, |o, &x| {
+                *o = match wide(x) {
+                    Wide::F(v) => (v != 0.0) as u8,
+                    Wide::I(v) => (v != 0) as u8,
+                }
+            }),
+        }
+    }};
+}
+
 /// Every other pair, through one widened value per element (exact for each source dtype; the
 /// narrowing step rounds once, see the module comment).
 fn generic(src: Src<'_>, dst: Dst<'_>) {
-    let wide = |i: usize| -> Wide {
-        match &src {
-            Src::F32(s) => Wide::F(s[i] as f64),
-            Src::F16(s) => Wide::F(f16_to_f32(s[i]) as f64),
-            Src::BF16(s) => Wide::F(bf16_to_f32(s[i]) as f64),
-            Src::F64(s) => Wide::F(s[i]),
-            Src::I32(s) => Wide::I(s[i] as i64),
-            Src::I64(s) => Wide::I(s[i]),
-            Src::Bool(s) => Wide::I((s[i] != 0) as i64),
-        }
-    };
-    macro_rules! fill {
-        ($d:expr, $f:expr, $i:expr) => {{
-            let f = $f;
-            let i = $i;
-            for (k, o) in $d.iter_mut().enumerate() {
-                *o = match wide(k) {
-                    Wide::F(x) => f(x),
-                    Wide::I(x) => i(x),
-                };
-            }
-        }};
-    }
-    match dst {
-        Dst::F32(d) => fill!(d, |x: f64| x as f32, |x: i64| x as f32),
-        Dst::F64(d) => fill!(d, |x: f64| x, |x: i64| x as f64),
-        Dst::F16(d) => fill!(d, f64_to_f16, i64_to_f16),
-        Dst::BF16(d) => fill!(d, f64_to_bf16, i64_to_bf16),
-        Dst::I32(d) => fill!(d, |x: f64| x as i32, |x: i64| x as i32),
-        Dst::I64(d) => fill!(d, |x: f64| x as i64, |x: i64| x),
-        Dst::Bool(d) => fill!(d, |x: f64| (x != 0.0) as u8, |x: i64| (x != 0) as u8),
+    match src {
+        Src::F32(s) => into_dst!(s, |x: f32| Wide::F(x as f64), dst),
+        Src::F16(s) => into_dst!(s, |x: u16| Wide::F(f16_to_f32(x) as f64), dst),
+        Src::BF16(s) => into_dst!(s, |x: u16| Wide::F(bf16_to_f32(x) as f64), dst),
+        Src::F64(s) => into_dst!(s, |x: f64| Wide::F(x), dst),
+        Src::I32(s) => into_dst!(s, |x: i32| Wide::I(x as i64), dst),
+        Src::I64(s) => into_dst!(s, |x: i64| Wide::I(x), dst),
+        Src::Bool(s) => into_dst!(s, |x: u8| Wide::I((x != 0) as i64), dst),
     }
 }
 
@@ -319,12 +351,20 @@ mod tests {
     #[test]
     fn wide_sources_round_once() {
         let x = 1.0 + 2f64.powi(-11) + 2f64.powi(-40);
-        assert_eq!(f32_to_f16(x as f32), 0x3c00, "double rounding would give 1.0");
+        assert_eq!(
+            f32_to_f16(x as f32),
+            0x3c00,
+            "double rounding would give 1.0"
+        );
         assert_eq!(f64_to_f16(x), 0x3c01);
         let y = 1.0 + 2f64.powi(-8) + 2f64.powi(-40);
         assert_eq!(f64_to_bf16(y), 0x3f81);
         assert_eq!(f64_to_bf16(-y), 0xbf81);
-        assert_eq!(f64_to_bf16(1.0 + 2f64.powi(-8)), 0x3f80, "an exact tie goes to even");
+        assert_eq!(
+            f64_to_bf16(1.0 + 2f64.powi(-8)),
+            0x3f80,
+            "an exact tie goes to even"
+        );
         let n: i64 = (1 << 30) + (1 << 22) + 1;
         assert_eq!(i64_to_bf16(n), 0x4e81);
         assert_eq!(i64_to_bf16(-n), 0xce81);

@@ -123,11 +123,10 @@ pub(super) fn index_limit(graph: &Graph, id: usize) -> Option<(i64, &'static str
     };
     for (n, node) in graph.nodes().iter().enumerate().skip(id + 1) {
         match &node.op {
-            Op::Reshape { .. } | Op::Cast { to: DType::I32 | DType::I64 }
-                if sources.contains(&node.inputs[0]) =>
-            {
-                sources.push(n)
-            }
+            Op::Reshape { .. }
+            | Op::Cast {
+                to: DType::I32 | DType::I64,
+            } if sources.contains(&node.inputs[0]) => sources.push(n),
             Op::SoftmaxCrossEntropy if sources.contains(&node.inputs[1]) => {
                 tighten(graph.node(node.inputs[0]).shape.dims()[1], "label")
             }
