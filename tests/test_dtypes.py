@@ -102,6 +102,17 @@ def test_views_of_resident_inputs_have_the_dtype(dtype):
     np.testing.assert_array_equal(fn(), want.astype(np.float64))
 
 
+def test_prefetched_batches_and_dynamic_shapes_take_every_dtype():
+    specs = {d: ((None, 3), d) for d in DTYPES}
+    fn = rlx.compile(lambda m, **xs: tuple(xs[d].T for d in DTYPES), rlx.nn.Module(), specs)
+    for rows, seed in [(2, 0), (5, 1), (2, 2)]:
+        batch = {d: sample(d, (rows, 3), seed) for d in DTYPES}
+        fn.prefetch(**batch)
+        outs = fn()
+        for d, o in zip(DTYPES, outs):
+            same(o, batch[d].T.copy())
+
+
 def test_input_specs_and_feeds_check_dtypes():
     assert rlx.InputSpec((2,), np.float16).dtype == "float16"
     assert rlx.InputSpec((2,), ml_dtypes.bfloat16).dtype == "bfloat16"

@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _check, _rlx
 from ._arrays import _NP, convert, dtype_name, parse_dtype
+from ._arrays import raw as bits
 from ._tensor import Tensor, Trace
 from ._vision import RNG_INPUT, new_rng_key
 from .errors import DTypeError, InputError, RlxError, ShapeError, UnsupportedError
@@ -433,7 +434,7 @@ def _join_ranks(model: Module, device: str) -> Any:
         if raw is None:
             raise UnsupportedError(f"[compile_train_step] distributed=True needs weights the host can see (the CPU); "
                                    f"'{device}' is not supported yet")
-        comm.broadcast_(np.frombuffer(raw, dtype=_NP[dtype]))
+        comm.broadcast_(bits(np.frombuffer(raw, dtype=_NP[dtype])))  # bool / bfloat16 as plain bits
     return comm
 
 

@@ -1394,6 +1394,29 @@ mod tests {
         );
     }
 
+    /// Tensors of dtypes other than float32 / int32 (even in a cast or a transpose) are a
+    /// `DTypeError` at compile naming the op and the dtype, never a wrong kernel.
+    #[test]
+    fn other_dtypes_are_refused_at_compile() {
+        let mut half = t(64, &[2, 3]);
+        half.dtype = DType::F16;
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Cast { to: DType::F16 },
+                ins: vec![t(0, &[2, 3])],
+                out: half,
+            }],
+        };
+        let e = plan(&prog, &[256]).unwrap_err();
+        assert!(matches!(e, rlx_ir::Error::DType { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("[cast] the cuda backend supports only float32 and int32 tensors")
+                && msg.contains("float16"),
+            "{msg}"
+        );
+    }
+
     #[test]
     fn broadcast_add_is_one_fused_launch_with_a_strided_operand() {
         let prog = Program {
