@@ -5,6 +5,7 @@ float32/int32 so far; int64 labels and ids; model.to and dtype= on layers; preci
 
 import json
 import os
+import pickle
 import struct
 import subprocess
 import sys
@@ -318,6 +319,9 @@ def test_layers_take_a_dtype_and_compiling_them_names_the_parameter():
     assert rlx.nn.LayerNorm(4, dtype="float64").bias.numpy().dtype == np.float64
     assert rlx.nn.Conv2d(1, 2, 3, dtype="float16").weight.dtype == "float16"
     assert "dtype=bfloat16" in repr(lin.weight)
+    copy = pickle.loads(pickle.dumps(lin))
+    assert copy.weight.dtype == "bfloat16"
+    same(copy.weight.numpy(), lin.weight.numpy())
     spec = {"x": rlx.InputSpec((1, 3))}
     with pytest.raises(rlx.DTypeError, match=r"^\[compile\] parameter 'weight' is bfloat16: computing in bfloat16 is "
                                              r"not supported yet; convert the model with model.to\('float32'\)"):

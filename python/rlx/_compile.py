@@ -37,7 +37,7 @@ class InputSpec:
         InputSpec(shape=(None, 64), dtype='float32')
     """
 
-    def __init__(self, shape: Sequence[int | None], dtype: str = "float32") -> None:
+    def __init__(self, shape: Sequence[int | None], dtype: Any = "float32") -> None:
         if isinstance(shape, (list, tuple)) and any(d is None for d in shape):
             fixed = _check.shape("InputSpec", [0 if d is None else d for d in shape])
             self.shape: tuple[Any, ...] = tuple(None if d is None else f for d, f in zip(shape, fixed))
