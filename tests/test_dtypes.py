@@ -374,6 +374,16 @@ def test_integer_and_bool_buffers_live_in_the_weight_store():
     assert net.ids.numpy().dtype == np.int64  # a view of the store
     sd = net.state_dict()
     assert sd["ids"].dtype == np.int64 and sd["keep"].dtype == np.bool_
+    # Training leaves integer and bool buffers alone: no optimizer state, no update.
+    opt = rlx.optim.Adam(0.1)
+    step = rlx.compile_train_step(lambda m, x: (m(x) * m(x)).mean(), net, opt, {"x": rlx.InputSpec((3, 2))})
+    before = net.emb.weight.numpy().copy()
+    step(x=x)
+    assert not np.array_equal(net.emb.weight.numpy(), before)
+    np.testing.assert_array_equal(net.ids.numpy(), [5, 0, 3])
+    assert set(opt.state_dict()["state"]) == {"emb.weight"}
+    with pytest.raises(rlx.InputError, match=r"'ids' has no optimizer state \(only float32 tensors are trained\)"):
+        opt.state("ids")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@
 //! identical bits, which the tests check over every float16 and many float32 values.
 //! bfloat16 has no hardware path: AVX512-BF16's `vcvtneps2bf16` treats subnormal inputs as zero
 //! and flushes subnormal results (numpy, ml_dtypes and PyTorch keep them), and the portable
-//! rounding is a few integer operations that the AVX2 build vectorises to memory speed anyway.
+//! rounding is a few integer operations per element, which the AVX2 build vectorises.
 use super::par_zip;
 use std::cmp::Ordering;
 
