@@ -71,16 +71,8 @@ impl PyExecutable {
                 ))
             }
         };
-        let mut held = Vec::with_capacity(feeds.len());
-        for (k, v) in feeds.iter() {
-            let name: String = k.extract()?;
-            let bytes = Bytes::get(&v, &name)?;
-            held.push((name, bytes));
-        }
-        let views: Vec<(&str, &[u8])> = held
-            .iter()
-            .map(|(n, b)| (n.as_str(), b.as_slice()))
-            .collect();
+        let held = held_feeds(feeds)?;
+        let views = feed_views(&held);
         let hyper = hyper.map(
             |(lr, momentum, weight_decay, beta1, beta2, eps)| OptimHyper {
                 lr,
@@ -103,16 +95,8 @@ impl PyExecutable {
     /// may change or reuse its arrays at once; see `Executable::prefetch`). No Python object is
     /// kept.
     fn prefetch(&self, py: Python<'_>, feeds: &Bound<'_, PyDict>) -> PyResult<()> {
-        let mut held = Vec::with_capacity(feeds.len());
-        for (k, v) in feeds.iter() {
-            let name: String = k.extract()?;
-            let bytes = Bytes::get(&v, &name)?;
-            held.push((name, bytes));
-        }
-        let views: Vec<(&str, &[u8])> = held
-            .iter()
-            .map(|(n, b)| (n.as_str(), b.as_slice()))
-            .collect();
+        let held = held_feeds(feeds)?;
+        let views = feed_views(&held);
         native(py, || self.exe.prefetch(&views))
     }
 
@@ -242,4 +226,23 @@ impl PyExecutable {
             .ok_or_else(|| to_py(py, Error::Graph("output buffer missing".into())))?;
         Ok(ArenaView::new(buf.clone(), t.offset, t.bytes()))
     }
+}
+
+/// The buffers of a feeds dict (held, so the arrays stay put until they are dropped).
+fn held_feeds(feeds: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Bytes)>> {
+    feeds
+        .iter()
+        .map(|(k, v)| {
+            let name: String = k.extract()?;
+            let bytes = Bytes::get(&v, &name)?;
+            Ok((name, bytes))
+        })
+        .collect()
+}
+
+/// (name, bytes) views of held feeds, as the runtime takes them.
+fn feed_views(held: &[(String, Bytes)]) -> Vec<(&str, &[u8])> {
+    held.iter()
+        .map(|(n, b)| (n.as_str(), b.as_slice()))
+        .collect()
 }
