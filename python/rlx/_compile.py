@@ -207,9 +207,10 @@ class _Compiled:
         return var
 
     def prefetch(self, **arrays: Any) -> None:
-        """Takes a snapshot of the batch (a copy of each array, made now) and queues its copy
-        into a free input buffer on the copy engine, then returns without waiting for that copy.
-        Calls made without arrays consume prefetched batches in order, each waiting only for
+        """Takes a snapshot of the batch (a copy of each array, made now) for a later call made
+        without arrays. On the CPU the snapshot is written straight into a free input buffer; on
+        a GPU it is copied to the device on the copy engine, and this returns without waiting
+        for that copy. Calls made without arrays consume prefetched batches in order, each waiting only for
         its own copy. Two batches may wait; a third prefetch raises ``RlxError``. Because the
         batch is copied at the call, the arrays may be changed or reused right away: the step
         sees the values they had when ``prefetch`` was called.
@@ -218,7 +219,7 @@ class _Compiled:
 
             step.prefetch(x=xs[0], y=ys[0])
             for i in range(1, n):
-                step.prefetch(x=xs[i], y=ys[i])   # copied while the step below runs
+                step.prefetch(x=xs[i], y=ys[i])   # on a GPU, copied while the step below runs
                 loss = step()                      # consumes batch i - 1
             loss = step()
         """
