@@ -14,7 +14,7 @@ pub mod program;
 #[cfg(target_vendor = "apple")]
 pub mod sys;
 
-pub use backend::MetalBackend;
+pub use backend::{HostUpdate, MetalBackend};
 pub use buffer::MetalBuffer;
 pub use copy::MetalCopyEngine;
 

@@ -2,10 +2,11 @@
 //! the plan the GPU backends share (`rlx_runtime::gpu_plan`, with the training update kept for
 //! the host); its fused expressions become one MSL library (compiled once per distinct source).
 //! A run patches each step's operands to GPU addresses, encodes the kernel launches in order on
-//! the compute queue and waits; the update runs in place on the host with the CPU backend's
-//! kernels over the same shared memory, between the launches before and after it. Failures
+//! the compute queue and waits; the update runs in place on the host (the backend's `HostUpdate`,
+//! the CPU backend's kernels) over the same shared memory, between the launches before and after it. Failures
 //! kernels flag (bad label, bad id, integer division by zero) come back as the CPU backend
 //! reports them.
+use crate::backend::HostUpdate;
 use crate::gpu::{Dispatch, GpuLibrary};
 use crate::kernels::{self, Gemm};
 use crate::{MetalBuffer, MetalDevice};
@@ -23,6 +24,7 @@ pub const TARGET: Target = Target {
 /// A program lowered to kernel launches.
 pub struct MetalProgram {
     device: MetalDevice,
+    host_update: HostUpdate,
     plan: Plan,
     /// The fused kernels of this program (`rlx_fused_{i}` for `plan.fused[i]`).
     fused: Option<Arc<dyn GpuLibrary>>,
@@ -35,7 +37,12 @@ pub struct MetalProgram {
 }
 
 impl MetalProgram {
-    pub fn new(device: MetalDevice, program: &Program, lens: &[usize]) -> Result<Self> {
+    pub fn new(
+        device: MetalDevice,
+        program: &Program,
+        lens: &[usize],
+        host_update: HostUpdate,
+    ) -> Result<Self> {
         let plan = gpu_plan::plan(program, lens, TARGET)?;
         let fused = if plan.fused.is_empty() {
             None
@@ -81,6 +88,7 @@ impl MetalProgram {
         let product = device.alloc(plan.product_bytes)?;
         Ok(Self {
             device,
+            host_update,
             plan,
             fused,
             lens: lens.to_vec(),
@@ -259,7 +267,7 @@ impl Compiled for MetalProgram {
                     flush(&mut pending)?;
                     // SAFETY: the caller's contract (nothing else touches the buffers during
                     // the run) is the one `host_update` needs; no GPU work is in flight.
-                    unsafe { rlx_cpu::host_update(buffers, &self.lens, u, hyper)? };
+                    unsafe { (self.host_update)(buffers, &self.lens, u, hyper)? };
                 }
                 Step::HyperRow { .. } => {
                     return Err(Error::Internal(

@@ -319,14 +319,16 @@ fn bad_kernel_source_is_a_device_error() {
 #[test]
 fn backend_passes_the_copy_engine_conformance_check() {
     let Some(dev) = device() else { return };
-    let backend: Arc<dyn rlx_runtime::Backend> = Arc::new(crate::MetalBackend::new(dev));
+    let backend: Arc<dyn rlx_runtime::Backend> =
+        Arc::new(crate::MetalBackend::new(dev, rlx_cpu::host_update));
     rlx_runtime::conformance::copy_engine_contract(&backend);
 }
 
 #[test]
 fn backend_passes_the_compile_checks_conformance() {
     let Some(dev) = device() else { return };
-    let backend: Arc<dyn rlx_runtime::Backend> = Arc::new(crate::MetalBackend::new(dev));
+    let backend: Arc<dyn rlx_runtime::Backend> =
+        Arc::new(crate::MetalBackend::new(dev, rlx_cpu::host_update));
     rlx_runtime::conformance::compile_rejects_bad_programs(&backend);
 }
 
@@ -350,7 +352,7 @@ fn run_on(backend: &dyn rlx_runtime::Backend, program: &Program, init: &[f32]) -
 fn elementwise_programs_match_the_cpu_backend() {
     use rlx_ir::{BinaryOp as B, DType, Op, Shape, UnaryOp as U};
     let Some(dev) = device() else { return };
-    let metal = crate::MetalBackend::new(dev);
+    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
     let n = 300;
     let t = |slot: usize| TRef {
         buf: Buf::Arena,
@@ -391,7 +393,7 @@ fn elementwise_programs_match_the_cpu_backend() {
 fn attention_beyond_the_kernels_head_size_is_refused_by_name() {
     use rlx_ir::{DType, Op, Shape};
     let Some(dev) = device() else { return };
-    let metal = crate::MetalBackend::new(dev);
+    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
     let t = |offset: usize| TRef {
         buf: Buf::Arena,
         offset,
@@ -431,7 +433,7 @@ type MatMulCase = (
 fn matmul_programs_match_the_cpu_backend() {
     use rlx_ir::{DType, Op, Shape};
     let Some(dev) = device() else { return };
-    let metal = crate::MetalBackend::new(dev);
+    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
     let cases: [MatMulCase; 4] = [
         (&[5, 7], &[7, 6], &[5, 6], false, false),
         (&[7, 5], &[6, 7], &[5, 6], true, true),

@@ -9,7 +9,10 @@ fn make() -> Result<Arc<dyn Backend>, String> {
         return Err("no C++ compiler to build the MSL kernels for the host".into());
     }
     let device = rlx_metal::MetalDevice::host().map_err(|e| e.to_string())?;
-    Ok(Arc::new(rlx_metal::MetalBackend::new(device)))
+    Ok(Arc::new(rlx_metal::MetalBackend::new(
+        device,
+        rlx_cpu::host_update,
+    )))
 }
 
 rlx_runtime::conformance_tests!(skip_unless: make());

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 fn backend() -> Arc<dyn rlx_runtime::Backend> {
     let device = rlx_metal::MetalDevice::system().expect("a Metal device");
-    Arc::new(rlx_metal::MetalBackend::new(device))
+    Arc::new(rlx_metal::MetalBackend::new(device, rlx_cpu::host_update))
 }
 
 rlx_runtime::conformance_tests!(backend());

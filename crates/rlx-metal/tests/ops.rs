@@ -14,7 +14,10 @@ fn metal() -> Option<Arc<dyn Backend>> {
         Some(rlx_metal::MetalDevice::host().expect("host-emulated Metal device"))
     });
     match dev {
-        Some(d) => Some(Arc::new(rlx_metal::MetalBackend::new(d.clone()))),
+        Some(d) => Some(Arc::new(rlx_metal::MetalBackend::new(
+            d.clone(),
+            rlx_cpu::host_update,
+        ))),
         None => {
             eprintln!("SKIPPED: no C++ compiler to build the MSL kernels for the host");
             None
