@@ -184,9 +184,7 @@ impl Bases {
             let base = match b.as_any().downcast_ref::<CpuBuffer>() {
                 Some(cpu) => cpu.base(),
                 None => match b.host_ptr() {
-                    Some(p) if (p.as_ptr() as usize) % std::mem::align_of::<f32>() == 0 => {
-                        p.as_ptr()
-                    }
+                    Some(p) if p.as_ptr().cast::<f32>().is_aligned() => p.as_ptr(),
                     _ => {
                         return Err(Error::Device(
                             "the cpu kernels were given a buffer the host cannot address".into(),
