@@ -84,8 +84,9 @@ impl MetalProgram {
                 _ => {}
             }
         }
-        let scratch = device.alloc(plan.scratch_bytes)?;
-        let product = device.alloc(plan.product_bytes)?;
+        // (never empty: Metal has no zero-length buffers)
+        let scratch = device.alloc(plan.scratch_bytes.max(16))?;
+        let product = device.alloc(plan.product_bytes.max(16))?;
         Ok(Self {
             device,
             host_update,
@@ -159,6 +160,13 @@ impl Compiled for MetalProgram {
         for (i, &len) in self.lens.iter().enumerate() {
             if len == 0 {
                 continue;
+            }
+            if i >= gpu_plan::SCRATCH {
+                return Err(Error::Internal(format!(
+                    "[metal] a program over {} buffers (at most {})",
+                    self.lens.len(),
+                    gpu_plan::SCRATCH
+                )));
             }
             let b = buffers.get(i).ok_or_else(|| {
                 Error::Internal(format!(

@@ -173,9 +173,9 @@ kernel void rlx_softmax(constant P& p [[buffer(0)]], uint r [[thread_position_in
     long len = p.iv[0];
     long inner = p.iv[1];
     long o = r / inner;
-    long in = r - o * inner;
-    device const float* x = F(0) + o * len * inner + in;
-    device float* y = F(1) + o * len * inner + in;
+    long inn = r - o * inner;
+    device const float* x = F(0) + o * len * inner + inn;
+    device float* y = F(1) + o * len * inner + inn;
     float m = -RX_INF;
     for (long j = 0; j < len; ++j) m = rx_max(m, x[j * inner]);
     if (m == -RX_INF) m = 0.0f;
