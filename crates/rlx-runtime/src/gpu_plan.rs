@@ -1518,6 +1518,50 @@ mod tests {
     }
 
     #[test]
+    fn a_host_update_target_keeps_the_update_as_one_step() {
+        let i32_at = |offset: usize| TRef {
+            dtype: DType::I32,
+            ..t(offset, &[1])
+        };
+        let update = UpdatePlan {
+            rule: OptimRule::Adam,
+            params: vec![crate::UpdateParam {
+                param: t(0, &[8]),
+                grad: t(64, &[8]),
+                acc: None,
+                state: vec![t(128, &[8]), t(192, &[8])],
+                step: i32_at(256),
+                started: None,
+                row: 0,
+            }],
+            hyper: None,
+            loss: t(320, &[1]),
+            stats: t(384, &[4]),
+            clip: Some(1.0),
+            accumulate: 1,
+            skip_nonfinite: true,
+            buffer_updates: vec![],
+        };
+        let prog = Program {
+            instrs: vec![Instr::Update(Box::new(update.clone()))],
+        };
+        let host = Target {
+            backend: "metal",
+            host_update: true,
+        };
+        let pl = plan(&prog, &[512], host).unwrap();
+        assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
+        let device = plan(&prog, &[512], Target::CUDA).unwrap();
+        assert!(device.steps.iter().any(|s| matches!(
+            s,
+            Step::Launch {
+                kernel: Kernel::Library("rlx_update"),
+                ..
+            }
+        )));
+    }
+
+    #[test]
     fn leading_axis_sums_are_column_reductions_and_others_general() {
         let red = |axes: Vec<usize>, op: ReduceOp, out: &[usize]| {
             let prog = Program {
