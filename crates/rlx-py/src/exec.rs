@@ -8,8 +8,7 @@ use crate::store::PyStore;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 use rlx_ir::Error;
-use rlx_runtime::{Executable, HostBytes, OptimHyper, OptimizerSetup, Phase};
-use std::sync::Arc;
+use rlx_runtime::{Executable, OptimHyper, OptimizerSetup, Phase};
 
 /// An input slot as Python sees it: (name, shape, dtype, bound).
 type SlotInfo = (String, Vec<usize>, &'static str, bool);
@@ -100,9 +99,9 @@ impl PyExecutable {
         Ok(outs.iter().map(|o| PyByteArray::new(py, o)).collect())
     }
 
-    /// Snapshots a batch (a copy of each array, taken now without the GIL, so the caller may
-    /// change or reuse its arrays at once) and queues its copy into a free staging set on the
-    /// copy engine; returns without waiting for that copy. No Python object is kept.
+    /// Snapshots a batch for a later run without feeds (taken now without the GIL, so the caller
+    /// may change or reuse its arrays at once; see `Executable::prefetch`). No Python object is
+    /// kept.
     fn prefetch(&self, py: Python<'_>, feeds: &Bound<'_, PyDict>) -> PyResult<()> {
         let mut held = Vec::with_capacity(feeds.len());
         for (k, v) in feeds.iter() {
@@ -114,13 +113,7 @@ impl PyExecutable {
             .iter()
             .map(|(n, b)| (n.as_str(), b.as_slice()))
             .collect();
-        native(py, || {
-            let owned: Vec<(String, Arc<dyn HostBytes>)> = views
-                .iter()
-                .map(|(n, b)| (n.to_string(), Arc::new(b.to_vec()) as Arc<dyn HostBytes>))
-                .collect();
-            self.exe.prefetch(owned)
-        })
+        native(py, || self.exe.prefetch(&views))
     }
 
     /// A readable listing of the lowered program (ops, shapes, buffer offsets).

@@ -166,15 +166,14 @@ pub fn prefetch_consumes_batches_in_order(backend: &Arc<dyn Backend>) {
     g.set_outputs(vec![y]).unwrap();
     let params = Arc::new(Store::new(backend.as_ref(), &[]).unwrap());
     let exe = Executable::new(backend.clone(), &g, params, None).unwrap();
-    let batch = |v: f32| -> Vec<(String, Arc<dyn HostBytes>)> {
-        vec![("x".into(), Arc::new(f32s(&[v; 4])))]
-    };
-    exe.prefetch(batch(1.0)).unwrap();
-    exe.prefetch(batch(2.0)).unwrap();
-    assert!(
-        exe.prefetch(batch(3.0)).is_err(),
-        "a third prefetch while two wait"
-    );
+    let batch = |v: f32| f32s(&[v; 4]);
+    let prefetch = |v: f32| exe.prefetch(&[("x", &batch(v))]);
+    // The batch is a snapshot: the caller's bytes may change as soon as prefetch returns.
+    let mut reused = batch(1.0);
+    exe.prefetch(&[("x", &reused)]).unwrap();
+    reused.fill(0);
+    prefetch(2.0).unwrap();
+    assert!(prefetch(3.0).is_err(), "a third prefetch while two wait");
     // Explicit feeds bypass the queue.
     close(
         &from_bytes(&exe.run(&[("x", &f32s(&[5.0; 4]))], None, &[0]).unwrap()[0]),
@@ -186,7 +185,7 @@ pub fn prefetch_consumes_batches_in_order(backend: &Arc<dyn Backend>) {
         &[2.0; 4],
         "first prefetched batch",
     );
-    exe.prefetch(batch(3.0)).unwrap();
+    prefetch(3.0).unwrap();
     close(
         &from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]),
         &[4.0; 4],
