@@ -373,7 +373,13 @@ mod tests {
     #[test]
     fn overlapping_moves_are_memmove() {
         let len = 3 * 4096 + 37;
-        for (src, dst, n) in [(0, 3, 9000), (3, 0, 9000), (5, 4101, 8000), (4101, 5, 8000), (1, 2, len - 2)] {
+        for (src, dst, n) in [
+            (0, 3, 9000),
+            (3, 0, 9000),
+            (5, 4101, 8000),
+            (4101, 5, 8000),
+            (1, 2, len - 2),
+        ] {
             let (b, mut model) = filled(len);
             b.copy_from(dst, &b, src, n).unwrap();
             model.copy_within(src..src + n, dst);
