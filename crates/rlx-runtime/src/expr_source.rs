@@ -89,11 +89,7 @@ impl Dialect {
             };
             body.push_str(&format!("    float r{out} = {e};\n"));
         }
-        let last = if f.steps.is_empty() {
-            "r0".to_string()
-        } else {
-            format!("r{}", f.n_inputs + f.steps.len() - 1)
-        };
+        let last = format!("r{}", (f.n_inputs + f.steps.len()).saturating_sub(1));
         (body, last)
     }
 }
