@@ -470,3 +470,53 @@ fn matmul_programs_match_the_cpu_backend() {
         close(&got, &want, 1e-4);
     }
 }
+
+#[test]
+fn fused_programs_with_broadcast_operands_match_the_cpu_backend() {
+    use rlx_ir::{BinaryOp as B, DType, Fused, FusedStep as S, Op, Shape, UnaryOp as U};
+    let Some(dev) = device() else { return };
+    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    // out[4, 6, 5] from a [4, 6, 5], b [6, 1] (strided broadcast) and a scalar c
+    let f = Fused {
+        shape: Shape::new([4, 6, 5]),
+        n_inputs: 3,
+        steps: vec![
+            S::Binary(B::Mul, 0, 1),         // r3 = a * b
+            S::Unary(U::GeluTanh, 3),        // r4
+            S::Binary(B::Gt, 0, 2),          // r5 = a > c
+            S::Binary(B::FloorDiv, 4, 1),    // r6 = r4 // b
+            S::Where(5, 6, 3),               // r7 = a > c ? r6 : r3
+            S::Unary(U::PowScalar(-2.5), 1), // r8 = b^-2.5 (NaN for b < 0)
+            S::Binary(B::Mod, 7, 8),         // r9 = r7 mod r8
+            S::Binary(B::Add, 9, 0),         // r10
+        ],
+    };
+    let (na, nb) = (120, 6);
+    let program = Program {
+        instrs: vec![Instr::Op {
+            op: Op::Fused(Arc::new(f)),
+            ins: vec![r(0, &[4, 6, 5]), r(na, &[6, 1]), r(na + nb, &[])],
+            out: r(na + nb + 1, &[4, 6, 5]),
+        }],
+    };
+    let mut init = data(na + nb + 1, 31);
+    init.resize(2 * na + nb + 1, 0.0);
+    let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+    let got = run_on(&metal, &program, &init);
+    assert!(want[na + nb + 1..]
+        .iter()
+        .any(|x| x.is_finite() && *x != 0.0));
+    assert!(want[na + nb + 1..].iter().any(|x| x.is_nan()));
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g.is_nan() && w.is_nan()) || (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "element {i}: metal {g}, cpu {w}"
+        );
+    }
+}
