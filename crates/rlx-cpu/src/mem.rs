@@ -263,23 +263,31 @@ impl Bases {
     pub fn new(buffers: &[&dyn rlx_runtime::DeviceBuffer], expected: &[usize]) -> Result<Bases> {
         let mut bufs = Vec::with_capacity(buffers.len());
         for (i, b) in buffers.iter().enumerate() {
-            let Some(cpu) = b.as_any().downcast_ref::<CpuBuffer>() else {
-                if b.is_empty() {
-                    // An absent buffer: no tensor has bytes in it, but empty tensors may still
-                    // point at it, and an empty slice needs an aligned, non-null pointer.
-                    bufs.push((dangling(), 0));
-                    continue;
-                }
-                return Err(Error::Device(
-                    "the cpu backend was given a buffer of another device".into(),
-                ));
+            if b.is_empty() {
+                // An absent buffer: no tensor has bytes in it, but empty tensors may still
+                // point at it, and an empty slice needs an aligned, non-null pointer.
+                bufs.push((dangling(), 0));
+                continue;
+            }
+            // The CPU backend's own buffers, or any other host-visible one (the Metal backend's
+            // shared-storage arena: the host-side update runs these kernels over it).
+            let base = match b.as_any().downcast_ref::<CpuBuffer>() {
+                Some(cpu) => cpu.base(),
+                None => match b.host_ptr() {
+                    Some(p) if p.as_ptr().cast::<f32>().is_aligned() => p.as_ptr(),
+                    _ => {
+                        return Err(Error::Device(
+                            "the cpu kernels were given a buffer the host cannot address".into(),
+                        ))
+                    }
+                },
             };
-            if expected.get(i).is_some_and(|&e| e != cpu.len) {
+            if expected.get(i).is_some_and(|&e| e != b.len()) {
                 return Err(Error::Device(format!(
                     "buffer {i} changed size since the program was compiled"
                 )));
             }
-            bufs.push((cpu.base(), cpu.len));
+            bufs.push((base, b.len()));
         }
         if bufs.len() < expected.iter().filter(|&&l| l > 0).count() {
             return Err(Error::Device(
