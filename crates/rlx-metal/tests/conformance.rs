@@ -16,11 +16,3 @@ fn make() -> Result<Arc<dyn Backend>, String> {
 }
 
 rlx_runtime::conformance_tests!(skip_unless: make());
-
-#[test]
-fn fused_instructions_match_reference() {
-    match make() {
-        Ok(b) => rlx_runtime::conformance::fused_instructions_match_reference(&b),
-        Err(why) => eprintln!("SKIPPED fused_instructions_match_reference: {why}"),
-    }
-}
