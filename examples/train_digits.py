@@ -67,6 +67,8 @@ def main() -> None:
         if sched is not None and progress_state.get("scheduler"):
             sched.load_state_dict(progress_state["scheduler"])
         say(f"resumed from {args.resume} after epoch {first_epoch}")
+        if first_epoch >= args.epochs:
+            say(f"the checkpoint has finished all {args.epochs} epochs: evaluating only (raise --epochs to train on)")
     t0 = time.perf_counter()
     # One step for every batch size (None): the last, smaller batch compiles its own executable on
     # first use; all share the weights and the Adam state.
@@ -103,13 +105,15 @@ def main() -> None:
     predict = rlx.compile(lambda m, x: m(x), model, {"x": rlx.InputSpec(xte.shape)}, device=args.device)
     acc = float((predict(x=xte).argmax(axis=1) == yte).mean())
     full = [dt for n, dt in times if n == args.batch // world][1:]  # the first call also compiled
-    mem = step.memory()
     say(f"test accuracy: {acc:.4f}" + (f" ({world} ranks)" if world > 1 else ""))
     if full:
-        say(f"median step: {statistics.median(full) * 1e3:.3f} ms (batch {args.batch // world} per rank); "
+        per = f"batch {args.batch // world} per rank" if world > 1 else f"batch {args.batch}"
+        say(f"median step: {statistics.median(full) * 1e3:.3f} ms ({per}); "
             f"compile + first step {times[0][1] * 1e3 + compile_s * 1e3:.1f} ms")
-    say(f"arena: {mem['arena_bytes']:,} bytes planned vs {mem['naive_bytes']:,} naive "
-        f"({mem['arena_bytes'] / mem['naive_bytes']:.0%}); weights {mem['param_bytes']:,} bytes")
+    if times:  # (each batch size compiles at its first step: with no step, nothing was compiled)
+        mem = step.memory()
+        say(f"arena: {mem['arena_bytes']:,} bytes planned vs {mem['naive_bytes']:,} naive "
+            f"({mem['arena_bytes'] / mem['naive_bytes']:.0%}); weights {mem['param_bytes']:,} bytes")
     if args.save:
         model.save(args.save)
         say(f"saved weights to {args.save}")

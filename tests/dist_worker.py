@@ -6,6 +6,7 @@ usage: dist_worker.py SCENARIO OUT_DIR, with SCENARIO one of
   raise                      rank 1 raises at its third step (the others must not hang)
   die                        rank 1 exits abruptly at its third step
   save                       rank 0 writes the model and optimizer; the others must see the files
+  mismatch                   rank 1 builds a wider hidden layer: compiling must raise on every rank
 """
 
 import os
@@ -39,13 +40,20 @@ def main(scenario, out):
     dist.init()
     r, n = dist.rank(), dist.world_size()
     rlx.seed(100 + r)  # ranks start different: the broadcast at compile must make them equal
-    model = models.MLP(D_IN, D_H, D_OUT)
     kind, *rest = scenario.split("-")
+    model = models.MLP(D_IN, D_H + (r if kind == "mismatch" else 0), D_OUT)
     opt = optimizer(rest[0] if rest else "adamw")
     clip = 1.0 if rest[1:] == ["clip"] else None
-    step = rlx.compile_train_step(models.ce_loss, model, opt,
-                                  {"x": rlx.InputSpec((B, D_IN)), "y": rlx.InputSpec((B,), "int32")},
-                                  clip_grad_norm=clip, distributed=True)
+    try:
+        step = rlx.compile_train_step(models.ce_loss, model, opt,
+                                      {"x": rlx.InputSpec((B, D_IN)), "y": rlx.InputSpec((B,), "int32")},
+                                      clip_grad_norm=clip, distributed=True)
+    except dist.DistributedError as e:
+        if kind != "mismatch":
+            raise
+        with open(os.path.join(out, f"error{r}.txt"), "w") as f:
+            f.write(str(e))
+        return
     x, y = data(n)
     mine = slice(r * B, (r + 1) * B)
     for i in range(STEPS):

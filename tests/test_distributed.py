@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,6 +88,16 @@ def test_a_failing_rank_stops_the_others_instead_of_hanging(tmp_path, scenario):
 
 
 @needs_mpi
+def test_ranks_with_different_models_are_refused_at_compile_on_every_rank(tmp_path):
+    p, _ = run_ranks("mismatch", tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    e0, e1 = ((tmp_path / f"error{r}.txt").read_text() for r in (0, 1))
+    # rank 1 built hidden width 8 where rank 0 has 7: its error names the tensor and both shapes
+    assert re.search(r"'fc1\.(weight|bias)' is float32\[8(, 5)?\] on rank 1 but float32\[7(, 5)?\] on rank 0", e1), e1
+    assert "another rank's model differs from rank 0's" in e0, e0
+
+
+@needs_mpi
 def test_save_writes_on_rank_0_and_every_rank_waits_for_it(tmp_path):
     p, _ = run_ranks("save", tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -142,7 +153,10 @@ def test_phased_step_equals_the_one_call_step(one_rank):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=k)
     n_params = len(list(m2.named_parameters()))
     assert one_rank.calls.count(("allreduce", one_rank.calls[-1][1])) == 5
-    assert [c[0] for c in one_rank.calls[:n_params]] == ["broadcast"] * n_params
+    # at compile: the model check (rank 0's tensor list: its length, its bytes; then whether any
+    # rank differs), then one broadcast per parameter
+    assert [c[0] for c in one_rank.calls[:3 + n_params]] == ["broadcast", "broadcast", "allreduce"] + ["broadcast"] * n_params
+    assert one_rank.calls[0] == ("broadcast", 1) and one_rank.calls[2] == ("allreduce", 1)
 
 
 def test_the_gradient_region_is_every_gradient_in_one_range(one_rank):

@@ -134,6 +134,22 @@ def test_sdpa_bad_alignment_is_an_input_error():
                     {"q": q})
 
 
+@pytest.mark.parametrize("shapes, dtypes, causal, error, message", [
+    ([(2, 3, 4), (2, 3, 5), (2, 3, 4)], "fff", False, rlx.ShapeError, r"q and k need the same last dim \(d\): "
+     r"q \(2, 3, 4\), k \(2, 3, 5\), v \(2, 3, 4\)"),
+    ([(2, 3, 4), (2, 3, 4), (2, 6, 4)], "fff", False, rlx.ShapeError, r"k and v need the same number of keys"),
+    ([(3, 4), (4,), (3, 4)], "fff", False, rlx.ShapeError, r"at least 2 dims"),
+    ([(2, 3, 4), (3, 3, 4), (3, 3, 4)], "fff", False, rlx.ShapeError, r"leading \(batch, head\) dims do not broadcast"),
+    ([(2, 3, 4), (2, 3, 4), (2, 3, 4)], "fif", False, rlx.DTypeError, r"one float dtype: q float32, k int32, v float32"),
+    ([(2, 3, 4), (2, 3, 4), (2, 3, 4)], "iii", False, rlx.DTypeError, r"one float dtype: q int32"),
+    ([(2, 3, 4), (2, 3, 4), (2, 3, 4)], "fff", "yes", rlx.InputError, r"causal must be True or False, got 'yes'"),
+])
+def test_sdpa_errors_name_attention_and_its_inputs(shapes, dtypes, causal, error, message):
+    arrays = {n: np.zeros(s, np.float32 if d == "f" else np.int32) for n, s, d in zip("qkv", shapes, dtypes)}
+    with pytest.raises(error, match=r"\[scaled_dot_product_attention\] .*" + message):
+        run_forward(lambda q, k, v: rlx.scaled_dot_product_attention(q, k, v, causal=causal), arrays)
+
+
 def test_embedding_out_of_range_id_raises():
     from conftest import Empty
 

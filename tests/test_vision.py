@@ -298,13 +298,25 @@ def _trace_error(fn, arrays):
      rlx.ShapeError, r"\[max_pool2d\] padding \(2, 2\) must be at most half the kernel size"),
     (lambda x: rlx.dropout(x, 1.0), {"x": np.zeros(3, np.float32)}, rlx.InputError, r"\[dropout\] p must be in \[0, 1\)"),
     (lambda x: rlx.dropout(x, -0.1), {"x": np.zeros(3, np.float32)}, rlx.InputError, r"\[dropout\] p must be in \[0, 1\)"),
-], ids=range(9))
+    (lambda x, w: rlx.conv2d(x, w), {"x": np.zeros((1, 3, 4, 4), np.float32), "w": np.zeros((2, 3, 1), np.float32)},
+     rlx.ShapeError, r"\[conv2d\] weight must have rank 4 \(out_channels, in_channels, kh, kw\), got shape \(2, 3, 1\)"),
+], ids=range(10))
 def test_bad_input_names_op_and_shapes(fn, arrays, err, msg):
     with pytest.raises(err, match=msg):
         _trace_error(fn, arrays)
 
 
 def test_bad_layer_arguments():
+    for cls in (rlx.nn.MaxPool2d, rlx.nn.AvgPool2d):  # refused when the layer is made, not at its first call
+        name = cls.__name__
+        with pytest.raises(rlx.ShapeError, match=rf"\[{name}\] stride must be >= 1, got 0"):
+            cls(2, stride=0)
+        with pytest.raises(rlx.ShapeError, match=rf"\[{name}\] kernel_size must be >= 1, got -1"):
+            cls((2, -1))
+        with pytest.raises(rlx.ShapeError, match=rf"\[{name}\] padding must be >= 0, got -1"):
+            cls(2, padding=-1)
+        with pytest.raises(rlx.DTypeError, match=rf"\[{name}\] stride must be an int, got float 1.5"):
+            cls(2, stride=1.5)
     with pytest.raises(rlx.InputError, match=r"\[Dropout\] p must be in \[0, 1\)"):
         rlx.nn.Dropout(1.5)
     with pytest.raises(rlx.ShapeError, match=r"\[BatchNorm2d\] expects inputs of rank 4 with 3 channels in axis 1, got \(2, 4, 5, 5\)"):

@@ -46,7 +46,7 @@ from ._tensor import (
     abs_ as abs,  # noqa: A004  (rlx.abs, as numpy's and PyTorch's)
 )
 from ._vision import avg_pool2d, batch_norm, conv2d, dropout, max_pool2d
-from .errors import CheckpointError, DeviceError, DTypeError, InputError, RlxError, ShapeError, UnsupportedError
+from .errors import CheckpointError, DeviceError, DistributedError, DTypeError, InputError, RlxError, ShapeError, UnsupportedError
 
 __version__ = "0.2.0"
 
@@ -107,6 +107,7 @@ __all__ = [
     "CheckpointError",
     "DTypeError",
     "DeviceError",
+    "DistributedError",
     "Executable",
     "Function",
     "Graph",

@@ -225,9 +225,10 @@ class _Compiled:
         return var
 
     def prefetch(self, **arrays: Any) -> None:
-        """Takes a snapshot of the batch (a copy of each array, made now) and queues its copy
-        into a free input buffer on the copy engine, then returns without waiting for that copy.
-        Calls made without arrays consume prefetched batches in order, each waiting only for
+        """Takes a snapshot of the batch (a copy of each array, made now) for a later call made
+        without arrays. On the CPU the snapshot is written straight into a free input buffer; on
+        a GPU it is copied to the device on the copy engine, and this returns without waiting
+        for that copy. Calls made without arrays consume prefetched batches in order, each waiting only for
         its own copy. Two batches may wait; a third prefetch raises ``RlxError``. Because the
         batch is copied at the call, the arrays may be changed or reused right away: the step
         sees the values they had when ``prefetch`` was called.
@@ -236,7 +237,7 @@ class _Compiled:
 
             step.prefetch(x=xs[0], y=ys[0])
             for i in range(1, n):
-                step.prefetch(x=xs[i], y=ys[i])   # copied while the step below runs
+                step.prefetch(x=xs[i], y=ys[i])   # on a GPU, copied while the step below runs
                 loss = step()                      # consumes batch i - 1
             loss = step()
         """
@@ -429,6 +430,7 @@ def _join_ranks(model: Module, device: str) -> Any:
 
     comm = distributed.communicator()
     store = model._store_for(device)
+    _check_same_model(comm, [(name, tuple(shape), dtype) for name, shape, dtype in store.entries()])
     for name, _shape, dtype in store.entries():
         raw = store.view(name)
         if raw is None:
@@ -436,6 +438,39 @@ def _join_ranks(model: Module, device: str) -> Any:
                                    f"'{device}' is not supported yet")
         comm.broadcast_(bits(np.frombuffer(raw, dtype=_NP[dtype])))  # bool / bfloat16 as plain bits
     return comm
+
+
+def _check_same_model(comm: Any, entries: list[tuple[str, tuple[int, ...], str]]) -> None:
+    """Raises ``DistributedError`` on every rank unless every rank's parameters and buffers have
+    rank 0's names, shapes and dtypes (a mismatch would otherwise broadcast into the wrong
+    tensors or fail deep inside MPI). Collective: every rank calls it at compile."""
+    from .distributed import DistributedError
+
+    mine = json.dumps(entries).encode()
+    size = np.array([len(mine)], dtype=np.int64)
+    comm.broadcast_(size)
+    theirs = np.frombuffer(mine, dtype=np.uint8).copy() if comm.rank == 0 else np.zeros(int(size[0]), np.uint8)
+    comm.broadcast_(theirs)
+    rank0 = [(n, tuple(s), d) for n, s, d in json.loads(theirs.tobytes())]
+    differs = np.array([0.0 if rank0 == entries else 1.0], dtype=np.float32)
+    comm.allreduce_mean_(differs)  # every rank learns whether any rank differs
+    if differs[0] == 0:
+        return
+    if rank0 == entries:
+        raise DistributedError("[compile_train_step] distributed=True: another rank's model differs from rank 0's "
+                               "(parameter names, shapes or dtypes); that rank's error names the tensor")
+
+    def show(e: tuple[tuple[int, ...], str] | None) -> str:
+        return "absent" if e is None else f"{e[1]}{list(e[0])}"
+
+    theirs_by_name, mine_by_name = {n: (s, d) for n, s, d in rank0}, {n: (s, d) for n, s, d in entries}
+    for name in sorted(set(theirs_by_name) | set(mine_by_name)):
+        a, b = theirs_by_name.get(name), mine_by_name.get(name)
+        if a != b:
+            raise DistributedError(f"[compile_train_step] distributed=True: every rank must build the same model; "
+                                   f"'{name}' is {show(b)} on rank {comm.rank} but {show(a)} on rank 0")
+    raise DistributedError(f"[compile_train_step] distributed=True: rank {comm.rank} lists its parameters in "
+                           f"another order than rank 0")
 
 
 def _output(exe: Any, i: int) -> np.ndarray:

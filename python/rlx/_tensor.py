@@ -698,7 +698,7 @@ def scaled_dot_product_attention(
     float32 q, k, v with the same leading dims run as one fused ``attention`` instruction (and
     one ``attention_grad`` in the backward pass): the scores of one (batch, head) block at a
     time, never the whole (..., Tq, Tk) tensor. Other inputs (broadcast leading dims, empty
-    axes, other dtypes) are computed from primitive ops.
+    axes) are computed from primitive ops.
 
     ``causal=True`` lets query ``i`` see keys ``j`` with ``j <= i + offset``. With the default
     ``causal_align="top_left"`` the offset is 0, as PyTorch's ``is_causal=True`` (query 0 sees
@@ -715,9 +715,12 @@ def scaled_dot_product_attention(
         raise InputError(
             f"[scaled_dot_product_attention] causal_align must be 'top_left' or 'bottom_right', got {causal_align!r}"
         )
+    if not isinstance(causal, (bool, np.bool_)):
+        raise InputError(f"[scaled_dot_product_attention] causal must be True or False, got {causal!r}")
     t = _trace_of(q, k, v)
     q, k, v = _as_tensor(q, t), _as_tensor(k, t), _as_tensor(v, t)
-    tq, tk = (q.shape[-2], k.shape[-2]) if q.ndim >= 2 and k.ndim >= 2 else (0, 0)
+    _check_attention(q, k, v)
+    tq, tk = q.shape[-2], k.shape[-2]
     offset = (tk - tq if causal_align == "bottom_right" else 0) if causal else None
     fits = (q.ndim >= 2 and k.ndim == q.ndim and v.ndim == q.ndim and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
             and q.shape[-1] == k.shape[-1] and k.shape[-2] == v.shape[-2] and min(q.shape[-2:] + k.shape[-2:] + v.shape[-1:]) > 0
@@ -727,9 +730,27 @@ def scaled_dot_product_attention(
     return _sdpa_composed(q, k, v, offset)
 
 
+def _check_attention(q: Tensor, k: Tensor, v: Tensor) -> None:
+    """Shape and dtype errors in attention's own terms (not those of the ops it is built from)."""
+    what = f"q {q.shape}, k {k.shape}, v {v.shape}"
+    if min(q.ndim, k.ndim, v.ndim) < 2:
+        raise ShapeError(f"[scaled_dot_product_attention] q, k and v need at least 2 dims (..., T, d): {what}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ShapeError(f"[scaled_dot_product_attention] q and k need the same last dim (d): {what}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ShapeError(f"[scaled_dot_product_attention] k and v need the same number of keys (dim -2): {what}")
+    try:
+        np.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    except ValueError:
+        raise ShapeError(f"[scaled_dot_product_attention] the leading (batch, head) dims do not broadcast: {what}") from None
+    if not q.dtype == k.dtype == v.dtype or not q.dtype.startswith("float"):
+        raise DTypeError(f"[scaled_dot_product_attention] q, k and v need one float dtype: "
+                         f"q {q.dtype}, k {k.dtype}, v {v.dtype}")
+
+
 def _sdpa_composed(q: Tensor, k: Tensor, v: Tensor, offset: int | None) -> Tensor:
-    """Attention from primitive ops (broadcast batch dims, empty axes, int inputs; and the
-    reference the fused op is tested against)."""
+    """Attention from primitive ops (broadcast batch dims, empty axes; and the reference the
+    fused op is tested against)."""
     scores = _matmul_nt(q * (1.0 / float(np.sqrt(q.shape[-1]))), k)
     if offset is not None:
         tq, tk = scores.shape[-2], scores.shape[-1]

@@ -28,9 +28,9 @@ def _pair(op: str, name: str, v: Any, lo: int) -> tuple[int, int]:
     return (n, n)
 
 
-def _nchw(op: str, x: Tensor, what: str = "x") -> None:
+def _nchw(op: str, x: Tensor, what: str = "x", layout: str = "(N, C, H, W)") -> None:
     if x.ndim != 4:
-        raise ShapeError(f"[{op}] {what} must have rank 4 (N, C, H, W), got shape {x.shape}")
+        raise ShapeError(f"[{op}] {what} must have rank 4 {layout}, got shape {x.shape}")
     if x.dtype != "float32":
         raise DTypeError(f"[{op}] {what} must be float32, got {x.dtype}")
 
@@ -59,7 +59,7 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
     s = _pair("conv2d", "stride", stride, 1)
     p = _pair("conv2d", "padding", padding, 0)
     _nchw("conv2d", x)
-    _nchw("conv2d", w, "weight")
+    _nchw("conv2d", w, "weight", "(out_channels, in_channels, kh, kw)")
     n, c, h, wd = x.shape
     o, cw, kh, kw = w.shape
     if cw != c:

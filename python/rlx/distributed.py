@@ -22,14 +22,10 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .errors import InputError, RlxError, UnsupportedError
+from .errors import DistributedError, InputError, RlxError, UnsupportedError
 
 __all__ = ["Communicator", "DistributedError", "MPICommunicator", "barrier", "communicator", "init",
            "is_initialized", "local_rank", "rank", "world_size"]
-
-
-class DistributedError(RlxError):
-    """A collective failed or timed out (another rank died, raised, or stopped calling)."""
 
 
 class Communicator(Protocol):

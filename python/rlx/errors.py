@@ -8,6 +8,7 @@ the native module (so its errors need no Python import to raise) and re-exported
 - ``DeviceError(RlxError, RuntimeError)``: a device that is unknown, not compiled in, or absent.
 - ``UnsupportedError(RlxError, NotImplementedError)``: a feature this build or backend does not have.
 - ``CheckpointError(RlxError)``: a checkpoint that cannot be written, read, or does not match the model.
+- ``DistributedError(RlxError)``: a collective across ranks failed, timed out, or the ranks disagree.
 """
 
 from ._rlx import CheckpointError, DeviceError, DTypeError, InputError, RlxError, ShapeError, UnsupportedError
@@ -70,4 +71,19 @@ CheckpointError.__doc__ = """A checkpoint that cannot be written, read, or does 
         ...     print(e)
     """
 
-__all__ = ["RlxError", "ShapeError", "DTypeError", "InputError", "DeviceError", "UnsupportedError", "CheckpointError"]
+
+
+class DistributedError(RlxError):
+    """A collective across ranks failed or timed out (another rank died, raised, or stopped
+    calling), or the ranks disagree (a different model on one rank).
+
+    Example:
+        >>> try:
+        ...     step = rlx.compile_train_step(f, model, opt, specs, distributed=True)
+        ... except rlx.DistributedError as e:
+        ...     print(e)
+    """
+
+
+__all__ = ["RlxError", "ShapeError", "DTypeError", "InputError", "DeviceError", "UnsupportedError", "CheckpointError",
+           "DistributedError"]

@@ -1006,7 +1006,13 @@ class MaxPool2d(Module):
 
     def __init__(self, kernel_size: int | tuple[int, int], stride: int | tuple[int, int] | None = None,
                  padding: int | tuple[int, int] = 0) -> None:
+        from ._vision import _pair
+
         self.kernel_size, self.stride, self.padding = kernel_size, kernel_size if stride is None else stride, padding
+        op = type(self).__name__  # checked now, not at the first call
+        _pair(op, "kernel_size", self.kernel_size, 1)
+        _pair(op, "stride", self.stride, 1)
+        _pair(op, "padding", self.padding, 0)
 
     def extra_repr(self) -> str:
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"

@@ -11,7 +11,8 @@ T = TypeVar("T")
 
 class progress:
     """Wraps an iterable and draws ``desc [####----] k/n  key=value  it/s`` on stderr (nothing with
-    ``disable=True``, e.g. on every rank but 0 of a distributed run)."""
+    ``disable=True``, e.g. on every rank but 0 of a distributed run). Where stderr is not a
+    terminal (a log file, CI) only the final line of each pass is written."""
 
     def __init__(self, iterable: Iterable[T], total: int | None = None, desc: str = "", width: int = 30,
                  disable: bool = False) -> None:
@@ -22,6 +23,7 @@ class progress:
         self._t0 = time.perf_counter()
         self._last = 0.0
         self.disable = disable
+        self._tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
 
     def set_postfix(self, **values: float) -> None:
         self._post = "  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
@@ -30,7 +32,7 @@ class progress:
         if self.disable:
             return
         now = time.perf_counter()
-        if not final and now - self._last < 0.1:
+        if not final and (not self._tty or now - self._last < 0.1):
             return
         self._last = now
         rate = self.n / max(now - self._t0, 1e-9)
@@ -39,7 +41,8 @@ class progress:
             bar = f"[{'#' * filled}{'-' * (self.width - filled)}] {self.n}/{self.total}"
         else:
             bar = f"{self.n}"
-        sys.stderr.write(f"\r{self.desc} {bar}  {self._post}  {rate:,.0f} it/s ")
+        back = "\r" if self._tty else ""  # redraw in place on a terminal
+        sys.stderr.write(f"{back}{self.desc} {bar}  {self._post}  {rate:,.0f} it/s ")
         if final:
             sys.stderr.write("\n")
         sys.stderr.flush()

@@ -44,6 +44,27 @@ pub use copy::CpuCopyEngine;
 pub use mem::CpuBuffer;
 pub use pool::thread_count;
 
+/// Runs a training update (`Instr::Update`) on the host with the CPU backend's kernels over any
+/// host-visible buffers (the Metal backend's shared arena and stores, in place), after checking
+/// it as a program of its own over buffers of `lens` bytes.
+///
+/// # Safety
+/// As `Compiled::run`: nothing else reads or writes the buffers' bytes meanwhile, and the
+/// buffers stay alive and keep the lengths `lens` for the call.
+pub unsafe fn host_update(
+    buffers: &[&dyn DeviceBuffer],
+    lens: &[usize],
+    plan: &rlx_runtime::UpdatePlan,
+    hyper: Option<&rlx_runtime::OptimHyper>,
+) -> Result<()> {
+    let program = Program {
+        instrs: vec![rlx_runtime::Instr::Update(Box::new(plan.clone()))],
+    };
+    let mut compiled = exec::CpuProgram::new(&program, lens)?;
+    // SAFETY: the caller's contract is `Compiled::run`'s.
+    unsafe { compiled.run(buffers, hyper) }
+}
+
 /// Planned tensors start on cache-line multiples that also suit AVX-512 loads.
 pub const ALIGN: usize = 64;
 

@@ -35,7 +35,7 @@ fn graphs_enabled() -> bool {
 
 impl CudaProgram {
     pub fn new(dev: Arc<Device>, program: &Program, lens: &[usize]) -> Result<CudaProgram> {
-        let plan = plan::plan(program, lens)?;
+        let plan = plan::plan(program, lens, plan::Target::CUDA)?;
         let lib = dev.module(&format!("{}{}", source::PRELUDE, source::LIBRARY))?;
         let fused_mod = if plan.fused.is_empty() {
             None
@@ -118,6 +118,9 @@ impl CudaProgram {
                 Step::Fill { at, bytes } => self.dev.memset_async(addr(at), *bytes)?,
                 Step::Gemm { g, a, b, c } => self.dev.gemm(g, addr(a), addr(b), addr(c))?,
                 Step::HyperRow { at } => self.hyper.copy_to(addr(at))?,
+                Step::HostUpdate(_) => {
+                    return Err(Error::Internal("a host-side update in a cuda plan".into()))
+                }
             }
         }
         if let Some(e) = &mut self.err {

@@ -20,7 +20,8 @@ mod copy;
 mod driver;
 mod exec;
 mod mem;
-pub mod plan;
+/// The lowering, shared with the Metal backend.
+pub use rlx_runtime::gpu_plan as plan;
 pub mod source;
 
 use rlx_ir::{Error, Result};

@@ -2,15 +2,13 @@
 //! generated elementwise kernels, one per `Fused` expression. Pure string building, so the code
 //! generation is tested without a GPU.
 //!
-//! Every kernel takes one argument, the launch record `P` (mirrored by [`crate::plan::P`]): the
+//! Every kernel takes one argument, the launch record `P` (mirrored by `rlx_runtime::gpu_plan::P`): the
 //! operand pointers, an iteration shape with per-operand element strides, and a few integer and
 //! float settings. Operand `k`'s element for iteration index `i` is at `off(p, k, i)`.
-use rlx_ir::{BinaryOp, Fused, FusedStep, UnaryOp};
+use rlx_ir::Fused;
+use rlx_runtime::expr_source::Dialect;
 
-/// Operands one launch record holds.
-pub const MAX_OPS: usize = 16;
-/// Iteration rank one launch record holds (after merging contiguous dims).
-pub const MAX_RANK: usize = 8;
+pub use rlx_runtime::gpu_plan::{MAX_OPS, MAX_RANK};
 
 /// Declarations every module starts with: the launch record, indexing, and the scalar functions
 /// the elementwise kernels call (each computes what the CPU kernel computes, in float32).
@@ -93,30 +91,7 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 "#;
 
-/// Error codes a kernel writes to the run's error word.
-pub mod err {
-    pub const LABEL: i32 = 1;
-    pub const ID: i32 = 2;
-    pub const INT_DIV_ZERO: i32 = 3;
-}
-
-/// Codes of the integer binary kernel (`iv[0]`).
-pub fn int_op_code(op: BinaryOp) -> i64 {
-    match op {
-        BinaryOp::Add => 0,
-        BinaryOp::Sub => 1,
-        BinaryOp::Mul => 2,
-        BinaryOp::Div => 3,
-        BinaryOp::FloorDiv => 4,
-        BinaryOp::Mod => 5,
-        BinaryOp::Lt => 6,
-        BinaryOp::Le => 7,
-        BinaryOp::Gt => 8,
-        BinaryOp::Ge => 9,
-        BinaryOp::Eq => 10,
-        BinaryOp::Ne => 11,
-    }
-}
+pub use rlx_runtime::gpu_plan::{err, int_op_code};
 
 /// The fixed kernels (compiled once per process and device).
 pub const LIBRARY: &str = r#"
@@ -714,85 +689,22 @@ extern "C" __global__ void rlx_update_finish(const P p) {
 }
 "#;
 
-/// Bit-exact float literal.
-fn lit(v: f32) -> String {
-    format!("__int_as_float({:#x})", v.to_bits() as i32)
-}
-
-fn unary_expr(u: UnaryOp, a: &str) -> String {
-    match u {
-        UnaryOp::Neg => format!("(-{a})"),
-        UnaryOp::Relu => format!("rx_relu({a})"),
-        UnaryOp::Tanh => format!("tanhf({a})"),
-        UnaryOp::Sigmoid => format!("rx_sigmoid({a})"),
-        UnaryOp::Exp => format!("expf({a})"),
-        UnaryOp::Log => format!("logf({a})"),
-        UnaryOp::Sqrt => format!("sqrtf({a})"),
-        UnaryOp::PowScalar(2.0) => format!("({a} * {a})"),
-        UnaryOp::PowScalar(p) => format!("powf({a}, {})", lit(p)),
-        UnaryOp::Gelu => format!("rx_gelu({a})"),
-        UnaryOp::GeluTanh => format!("rx_gelu_tanh({a})"),
-        UnaryOp::GeluDeriv => format!("rx_gelu_deriv({a})"),
-        UnaryOp::GeluTanhDeriv => format!("rx_gelu_tanh_deriv({a})"),
-    }
-}
-
-fn binary_expr(b: BinaryOp, x: &str, y: &str) -> String {
-    let cmp = |o: &str| format!("(({x} {o} {y}) ? 1.0f : 0.0f)");
-    match b {
-        BinaryOp::Add => format!("({x} + {y})"),
-        BinaryOp::Sub => format!("({x} - {y})"),
-        BinaryOp::Mul => format!("({x} * {y})"),
-        BinaryOp::Div => format!("({x} / {y})"),
-        BinaryOp::FloorDiv => format!("rx_floor_div({x}, {y})"),
-        BinaryOp::Mod => format!("rx_rem({x}, {y})"),
-        BinaryOp::Lt => cmp("<"),
-        BinaryOp::Le => cmp("<="),
-        BinaryOp::Gt => cmp(">"),
-        BinaryOp::Ge => cmp(">="),
-        BinaryOp::Eq => cmp("=="),
-        BinaryOp::Ne => cmp("!="),
-    }
-}
-
 /// A kernel evaluating `f` elementwise: operands `0..n_inputs` are the inputs, operand
 /// `n_inputs` the output; every register is one float32 local.
 pub fn fused_kernel(name: &str, f: &Fused) -> String {
-    let mut body = String::new();
-    for k in 0..f.n_inputs {
-        body.push_str(&format!("    float r{k} = F({k})[off(p, {k}, i)];\n"));
-    }
-    let r = |i: u16| format!("r{i}");
-    for (s, step) in f.steps.iter().enumerate() {
-        let out = f.n_inputs + s;
-        let e = match *step {
-            FusedStep::Unary(u, a) => unary_expr(u, &r(a)),
-            FusedStep::Binary(b, x, y) => binary_expr(b, &r(x), &r(y)),
-            FusedStep::Where(c, x, y) => format!("({} != 0.0f ? {} : {})", r(c), r(x), r(y)),
-        };
-        body.push_str(&format!("    float r{out} = {e};\n"));
-    }
-    let last = f.n_inputs + f.steps.len() - 1;
+    let (body, last) = Dialect::CUDA.body(f, |k| format!("F({k})[off(p, {k}, i)]"));
     let o = f.n_inputs;
     format!(
-        "extern \"C\" __global__ void {name}(const P p) {{\n  GRID_LOOP(i, p.n) {{\n{body}    F({o})[off(p, {o}, i)] = r{last};\n  }}\n}}\n"
+        "extern \"C\" __global__ void {name}(const P p) {{\n  GRID_LOOP(i, p.n) {{\n{body}    F({o})[off(p, {o}, i)] = {last};\n  }}\n}}\n"
     )
 }
 
-/// A stable 64-bit FNV-1a hash (names kernels and keys the disk cache).
-pub fn hash(s: &str) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in s.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
+pub use rlx_runtime::expr_source::hash;
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rlx_ir::Shape;
+    use rlx_ir::{BinaryOp, FusedStep, Shape, UnaryOp};
 
     #[test]
     fn fused_kernel_reads_inputs_and_writes_the_last_register() {
@@ -844,22 +756,5 @@ mod tests {
         ] {
             assert!(ptx.contains(name), "{name} missing from the PTX");
         }
-    }
-
-    #[test]
-    fn every_op_has_an_expression_and_hash_is_stable() {
-        for b in [
-            BinaryOp::Add,
-            BinaryOp::FloorDiv,
-            BinaryOp::Mod,
-            BinaryOp::Ne,
-            BinaryOp::Le,
-        ] {
-            assert!(!binary_expr(b, "a", "b").is_empty());
-        }
-        assert_eq!(unary_expr(UnaryOp::PowScalar(2.0), "x"), "(x * x)");
-        assert_eq!(hash("abc"), hash("abc"));
-        assert_ne!(hash("abc"), hash("abd"));
-        assert_eq!(lit(1.0), "__int_as_float(0x3f800000)");
     }
 }

@@ -37,9 +37,10 @@ pub trait GpuLibrary: Send + Sync + Any {
     fn as_any(&self) -> &dyn Any;
 }
 
-/// One kernel launch: `threads` threads (1-D grid), each given the launch record `record`
-/// (buffer index 0; GPU addresses inside it name the buffers).
+/// One kernel launch: `threads` threads (1-D grid) of kernel `kernel` of `library`, each given
+/// the launch record `record` (buffer index 0; GPU addresses inside it name the buffers).
 pub struct Dispatch<'a> {
+    pub library: &'a dyn GpuLibrary,
     pub kernel: &'a str,
     pub record: &'a [u8],
     pub threads: usize,
@@ -72,7 +73,6 @@ pub trait Gpu: Send + Sync {
     /// submission.
     fn compute(
         &self,
-        library: &dyn GpuLibrary,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
         dispatches: &[Dispatch<'_>],
         uses: &[Arc<dyn GpuBuffer>],

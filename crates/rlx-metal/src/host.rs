@@ -352,20 +352,20 @@ impl Gpu for HostGpu {
     }
     fn compute(
         &self,
-        library: &dyn GpuLibrary,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
         dispatches: &[Dispatch<'_>],
         _uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>> {
-        let lib = library
-            .as_any()
-            .downcast_ref::<HostLibrary>()
-            .ok_or_else(|| Error::Internal("a foreign library on the host GPU".into()))?;
         if let Some((event, value)) = wait {
             // the device-side wait: this queue does not start the dispatches before the value
             while !event.wait_until(value, 1000) {}
         }
         for d in dispatches {
+            let lib = d
+                .library
+                .as_any()
+                .downcast_ref::<HostLibrary>()
+                .ok_or_else(|| Error::Internal("a foreign library on the host GPU".into()))?;
             if !lib.has(d.kernel) {
                 return Err(Error::Internal(format!("no kernel named '{}'", d.kernel)));
             }

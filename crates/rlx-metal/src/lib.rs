@@ -1,9 +1,9 @@
-//! rlx-metal: the Metal backend's parts (Apple silicon): shared-storage buffers, the MSL kernel
-//! library with its launch records, and the blit copy engine ordered by shared events, all above
-//! a thin GPU interface (`gpu`) that Metal implements on Apple targets (`sys`) and host memory
-//! plus the system C++ compiler implements elsewhere (`host`, for tests). Programs compile to these
-//! kernels only for element-wise float32 instructions so far (others are refused), so rlx does
-//! not offer `device="metal"` yet.
+//! rlx-metal: the Metal backend (Apple silicon): shared-storage buffers, the MSL kernel library
+//! with its launch records, programs lowered by the plan the GPU backends share
+//! (`rlx_runtime::gpu_plan`), the training update run in place on the host over the unified
+//! memory, and the blit copy engine ordered by shared events — all above a thin GPU interface
+//! (`gpu`) that Metal implements on Apple targets (`sys`) and host memory plus the system C++
+//! compiler implements elsewhere (`host`, for tests).
 pub mod backend;
 pub mod buffer;
 pub mod copy;
@@ -14,13 +14,14 @@ pub mod program;
 #[cfg(target_vendor = "apple")]
 pub mod sys;
 
-pub use backend::MetalBackend;
+pub use backend::{HostUpdate, MetalBackend};
 pub use buffer::MetalBuffer;
 pub use copy::MetalCopyEngine;
 
 use gpu::{Dispatch, Gpu, GpuEvent, GpuLibrary};
 use rlx_ir::Result;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 /// Which prelude the kernel source is compiled with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,22 +32,46 @@ pub enum Dialect {
     HostCxx,
 }
 
-/// One GPU with the kernel library compiled for it (once, at creation).
+/// Compiled fused-kernel sources of a device, by the hash of their source.
+type FusedCache = Mutex<HashMap<u64, Arc<dyn GpuLibrary>>>;
+
+/// One GPU with the kernel library compiled for it (once, at creation) and the fused kernels
+/// compiled so far (once per distinct source).
 #[derive(Clone)]
 pub struct MetalDevice {
     gpu: Arc<dyn Gpu>,
+    dialect: Dialect,
     library: Arc<dyn GpuLibrary>,
+    fused: Arc<FusedCache>,
 }
 
 impl MetalDevice {
     /// Compiles the kernel library for `gpu`.
     pub fn new(gpu: Arc<dyn Gpu>, dialect: Dialect) -> Result<Self> {
-        let source = match dialect {
-            Dialect::Msl => format!("{}{}", kernels::MSL_PRELUDE, kernels::SOURCE),
-            Dialect::HostCxx => kernels::SOURCE.to_string(),
-        };
-        let library = gpu.compile(&source)?;
-        Ok(Self { gpu, library })
+        let library = gpu.compile(&kernels::source(dialect, kernels::LIBRARY))?;
+        Ok(Self {
+            gpu,
+            dialect,
+            library,
+            fused: Arc::default(),
+        })
+    }
+
+    /// The fixed kernel library.
+    pub fn library(&self) -> &Arc<dyn GpuLibrary> {
+        &self.library
+    }
+
+    /// A library of kernels `body` (with the prelude), compiled once per distinct source.
+    pub fn compile_cached(&self, body: &str) -> Result<Arc<dyn GpuLibrary>> {
+        let key = rlx_runtime::expr_source::hash(body);
+        let mut cache = self.fused.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(lib) = cache.get(&key) {
+            return Ok(lib.clone());
+        }
+        let lib = self.gpu.compile(&kernels::source(self.dialect, body))?;
+        cache.insert(key, lib.clone());
+        Ok(lib)
     }
 
     /// The host-emulated device (Linux tests); a `Device` error without a C++ compiler.
@@ -83,9 +108,7 @@ impl MetalDevice {
         uses: &[&MetalBuffer],
     ) -> Result<()> {
         let uses: Vec<_> = uses.iter().map(|b| b.gpu().clone()).collect();
-        self.gpu
-            .compute(self.library.as_ref(), wait, dispatches, &uses)?
-            .finish()
+        self.gpu.compute(wait, dispatches, &uses)?.finish()
     }
 }
 

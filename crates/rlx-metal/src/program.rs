@@ -1,219 +1,290 @@
-//! Lowering a runtime `Program` to Metal kernel launches, for the instructions the kernel library
-//! covers so far: float32 element-wise unary ops (neg, relu, tanh, sigmoid, exp, sqrt), binary
-//! ops (add, sub, mul, div) on operands of one shape, and matmuls (transposes as strides, batches
-//! as one GEMM launch each, a rank-2 `b` shared by every batch). Any other instruction is
-//! refused at compile with `UnsupportedError` naming it. Checks at compile, as every backend's:
-//! each tensor inside its buffer, no output overlapping an operand.
-use crate::kernels::{self, BinaryOp as KBin, Gemm, UnaryOp as KUn};
+//! Running a runtime `Program` on a Metal device: the program is lowered once, at compile, by
+//! the plan the GPU backends share (`rlx_runtime::gpu_plan`, with the training update kept for
+//! the host); its fused expressions become one MSL library (compiled once per distinct source).
+//! A run patches each step's operands to GPU addresses, encodes the kernel launches in order on
+//! the compute queue and waits; the update runs in place on the host (the backend's `HostUpdate`,
+//! the CPU backend's kernels) over the same shared memory, between the launches before and after it. Failures
+//! kernels flag (bad label, bad id, integer division by zero) come back as the CPU backend
+//! reports them.
+use crate::backend::HostUpdate;
+use crate::gpu::{Dispatch, GpuLibrary};
+use crate::kernels::{self, Gemm};
 use crate::{MetalBuffer, MetalDevice};
-use rlx_ir::{BinaryOp, DType, Error, Op, Result, UnaryOp};
-use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
+use rlx_ir::{Error, Result};
+use rlx_runtime::gpu_plan::{self, err, Kernel, Loc, Plan, Step, Target, P};
+use rlx_runtime::{Compiled, DeviceBuffer, OptimHyper, Program};
+use std::sync::Arc;
 
-enum Step {
-    Unary(KUn, TRef, TRef),
-    Binary(KBin, TRef, TRef, TRef),
-    /// `batch` GEMMs; per batch the operands advance by these byte strides (0: shared).
-    Gemm {
-        a: TRef,
-        b: TRef,
-        out: TRef,
-        shape: Gemm,
-        batch: usize,
-        a_step: usize,
-        b_step: usize,
-    },
-}
+/// The Metal backend's plan target: the update stays on the host.
+pub const TARGET: Target = Target {
+    backend: "metal",
+    host_update: true,
+};
 
 /// A program lowered to kernel launches.
 pub struct MetalProgram {
     device: MetalDevice,
-    steps: Vec<Step>,
+    host_update: HostUpdate,
+    plan: Plan,
+    /// The fused kernels of this program (`rlx_fused_{i}` for `plan.fused[i]`).
+    fused: Option<Arc<dyn GpuLibrary>>,
     lens: Vec<usize>,
-}
-
-fn unsupported(what: String) -> Error {
-    Error::Unsupported {
-        op: "metal".into(),
-        msg: format!("the Metal backend has no kernel for {what} yet"),
-    }
-}
-
-fn lower(op: &Op, ins: &[TRef], out: &TRef) -> Result<Step> {
-    let name = op.name();
-    if ins.iter().chain([out]).any(|t| t.dtype != DType::F32) {
-        return Err(unsupported(format!(
-            "'{name}' on dtype {:?} (only float32 element-wise kernels so far)",
-            ins.iter().map(|t| t.dtype).collect::<Vec<_>>()
-        )));
-    }
-    if let (Op::MatMul { trans_a, trans_b }, [a, b]) = (op, ins) {
-        return lower_matmul(*trans_a, *trans_b, a, b, out);
-    }
-    if ins.iter().any(|t| t.shape != out.shape) {
-        return Err(unsupported(format!("'{name}' with broadcasting")));
-    }
-    match (op, ins) {
-        (Op::Unary(u), [x]) => {
-            let k = match u {
-                UnaryOp::Neg => KUn::Neg,
-                UnaryOp::Relu => KUn::Relu,
-                UnaryOp::Tanh => KUn::Tanh,
-                UnaryOp::Sigmoid => KUn::Sigmoid,
-                UnaryOp::Exp => KUn::Exp,
-                UnaryOp::Sqrt => KUn::Sqrt,
-                _ => return Err(unsupported(format!("'{name}'"))),
-            };
-            Ok(Step::Unary(k, x.clone(), out.clone()))
-        }
-        (Op::Binary(b), [x, y]) => {
-            let k = match b {
-                BinaryOp::Add => KBin::Add,
-                BinaryOp::Sub => KBin::Sub,
-                BinaryOp::Mul => KBin::Mul,
-                BinaryOp::Div => KBin::Div,
-                _ => return Err(unsupported(format!("'{name}'"))),
-            };
-            Ok(Step::Binary(k, x.clone(), y.clone(), out.clone()))
-        }
-        _ => Err(unsupported(format!("'{name}'"))),
-    }
-}
-
-/// `a @ b` over the last two dims; leading dims equal to the output's, or absent on `b` (one
-/// matrix shared by every batch). Broadcasting of other leading dims is refused.
-fn lower_matmul(ta: bool, tb: bool, a: &TRef, b: &TRef, out: &TRef) -> Result<Step> {
-    let (ad, bd, od) = (a.shape.dims(), b.shape.dims(), out.shape.dims());
-    if ad.len() < 2 || bd.len() < 2 || od.len() < 2 {
-        return Err(unsupported("'matmul' of operands below rank 2".into()));
-    }
-    let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
-    let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
-    let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
-    let n = if tb { rb } else { cb };
-    let lead = &od[..od.len() - 2];
-    let shared_b = bd.len() == 2;
-    if &ad[..ad.len() - 2] != lead || !(shared_b || &bd[..bd.len() - 2] == lead) {
-        return Err(unsupported(format!(
-            "'matmul' broadcasting leading dims ({} @ {} -> {})",
-            a.shape, b.shape, out.shape
-        )));
-    }
-    let shape = Gemm {
-        a: 0,
-        b: 0,
-        c: 0,
-        m,
-        n,
-        k,
-        a_strides: if ta { (1, ca) } else { (ca, 1) },
-        b_strides: if tb { (1, cb) } else { (cb, 1) },
-        c_row: n,
-        alpha: 1.0,
-        beta: 0.0,
-    };
-    Ok(Step::Gemm {
-        a: a.clone(),
-        b: b.clone(),
-        out: out.clone(),
-        shape,
-        batch: lead.iter().product(),
-        a_step: ra * ca * 4,
-        b_step: if shared_b { 0 } else { rb * cb * 4 },
-    })
+    scratch: Arc<MetalBuffer>,
+    /// Matmul products read by their epilogues, expressions summed down.
+    product: Arc<MetalBuffer>,
+    /// Whether some kernel may flag a failure in the error word.
+    may_fail: bool,
 }
 
 impl MetalProgram {
-    pub fn new(device: MetalDevice, program: &Program, lens: &[usize]) -> Result<Self> {
-        rlx_runtime::validate::validate(program, lens, "metal")?;
-        let mut steps = Vec::new();
-        for instr in &program.instrs {
-            let Instr::Op { op, ins, out } = instr else {
-                return Err(unsupported("the training update".into()));
-            };
-            steps.push(lower(op, ins, out)?);
+    pub fn new(
+        device: MetalDevice,
+        program: &Program,
+        lens: &[usize],
+        host_update: HostUpdate,
+    ) -> Result<Self> {
+        let plan = gpu_plan::plan(program, lens, TARGET)?;
+        let fused = if plan.fused.is_empty() {
+            None
+        } else {
+            let mut src = String::new();
+            for (i, f) in plan.fused.iter().enumerate() {
+                src.push_str(&kernels::fused_kernel(&format!("rlx_fused_{i}"), f));
+            }
+            Some(device.compile_cached(&src)?)
+        };
+        let err_at = Loc {
+            buf: gpu_plan::SCRATCH,
+            offset: gpu_plan::ERR_AT,
+        };
+        let mut may_fail = false;
+        for s in &plan.steps {
+            match s {
+                Step::Launch {
+                    kernel,
+                    p,
+                    operands,
+                    ..
+                } => {
+                    if let Kernel::Library(name) = kernel {
+                        if !kernels::NAMES.contains(name) {
+                            return Err(Error::Internal(format!(
+                                "[metal] the plan launches '{name}', which the Metal library lacks"
+                            )));
+                        }
+                        kernels::threads(name, p)?;
+                    }
+                    may_fail |= operands.iter().any(|(_, l)| *l == err_at);
+                }
+                Step::HyperRow { .. } => {
+                    return Err(Error::Internal(
+                        "[metal] a device-side update step in a host-update plan".into(),
+                    ))
+                }
+                _ => {}
+            }
         }
+        // (never empty: Metal has no zero-length buffers)
+        let scratch = device.alloc(plan.scratch_bytes.max(16))?;
+        let product = device.alloc(plan.product_bytes.max(16))?;
         Ok(Self {
             device,
-            steps,
+            host_update,
+            plan,
+            fused,
             lens: lens.to_vec(),
+            scratch,
+            product,
+            may_fail,
         })
+    }
+
+    /// The first failure a kernel flagged in this run, as the CPU backend reports it.
+    fn flagged(&self) -> Result<()> {
+        if !self.may_fail {
+            return Ok(());
+        }
+        let mut w = [0u8; 8];
+        self.scratch.read(gpu_plan::ERR_AT, &mut w)?;
+        let code = i32::from_ne_bytes([w[0], w[1], w[2], w[3]]);
+        let value = i32::from_ne_bytes([w[4], w[5], w[6], w[7]]);
+        match code {
+            0 => Ok(()),
+            err::LABEL => Err(Error::input(
+                "labels",
+                format!(
+                    "[cross_entropy] label {value} is out of range [0, {})",
+                    self.plan.classes.unwrap_or(0)
+                ),
+            )),
+            err::ID => Err(Error::input(
+                "ids",
+                format!(
+                    "[gather] id {value} is out of range [0, {})",
+                    self.plan.rows.unwrap_or(0)
+                ),
+            )),
+            err::INT_DIV_ZERO => {
+                let (name, shape) =
+                    self.plan.int_div.clone().unwrap_or_else(|| {
+                        ("floor_divide".into(), rlx_ir::Shape::new([0usize; 0]))
+                    });
+                Err(Error::Graph(format!(
+                    "[{name}] integer division by zero (the int32 divisor {shape} holds a 0)"
+                )))
+            }
+            c => Err(Error::Internal(format!(
+                "[metal] unknown kernel error code {c}"
+            ))),
+        }
     }
 }
 
+/// One encoded launch: which library, kernel, record and grid.
+struct Launch {
+    library: Arc<dyn GpuLibrary>,
+    kernel: String,
+    record: Vec<u8>,
+    threads: usize,
+}
+
 impl Compiled for MetalProgram {
-    #[allow(unsafe_code)] // implements the trait's contract; nothing unsafe is done here
+    #[allow(unsafe_code)] // implements the trait's contract; the host update passes it on
     unsafe fn run(
         &mut self,
         buffers: &[&dyn DeviceBuffer],
-        _hyper: Option<&OptimHyper>,
+        hyper: Option<&OptimHyper>,
     ) -> Result<()> {
-        let mut metal: Vec<Option<&MetalBuffer>> = Vec::new();
-        for (i, b) in buffers.iter().enumerate() {
-            let m = b.as_any().downcast_ref::<MetalBuffer>();
-            if m.is_some() && self.lens.get(i).is_some_and(|&l| l > b.len()) {
+        // The program's buffers (arena, params, state, stage), then scratch and product.
+        let mut metal: Vec<Option<&MetalBuffer>> = vec![None; gpu_plan::PRODUCT + 1];
+        for (i, &len) in self.lens.iter().enumerate() {
+            if len == 0 {
+                continue;
+            }
+            if i >= gpu_plan::SCRATCH {
                 return Err(Error::Internal(format!(
-                    "buffer {i} has {} bytes, the program was compiled for {}",
-                    b.len(),
-                    self.lens[i]
+                    "[metal] a program over {} buffers (at most {})",
+                    self.lens.len(),
+                    gpu_plan::SCRATCH
                 )));
             }
-            metal.push(m);
+            let b = buffers.get(i).ok_or_else(|| {
+                Error::Internal(format!(
+                    "the program needs buffer {i}, the run gave {}",
+                    buffers.len()
+                ))
+            })?;
+            if b.len() < len {
+                return Err(Error::Internal(format!(
+                    "buffer {i} has {} bytes, the program was compiled for {len}",
+                    b.len()
+                )));
+            }
+            let m = b.as_any().downcast_ref::<MetalBuffer>().ok_or_else(|| {
+                Error::Device("a metal program runs only over metal buffers".into())
+            })?;
+            metal[i] = Some(m);
         }
-        let addr = |t: &TRef| -> Result<u64> {
+        metal[gpu_plan::SCRATCH] = Some(&self.scratch);
+        metal[gpu_plan::PRODUCT] = Some(&self.product);
+        let addr = |l: &Loc| -> Result<u64> {
             metal
-                .get(t.buf as usize)
+                .get(l.buf)
                 .copied()
                 .flatten()
-                .ok_or_else(|| Error::Internal(format!("no Metal buffer for {:?}", t.buf)))?
-                .address(t.offset)
+                .ok_or_else(|| Error::Internal(format!("[metal] no buffer {}", l.buf)))?
+                .address(l.offset)
         };
-        let mut records = Vec::new();
-        for s in &self.steps {
-            records.push(match s {
-                Step::Unary(k, x, o) => (
-                    "rlx_unary_f32",
-                    kernels::unary(*k, addr(o)?, addr(x)?, o.shape.numel())?,
-                    o.shape.numel(),
-                ),
-                Step::Binary(k, x, y, o) => (
-                    "rlx_binary_f32",
-                    kernels::binary(*k, addr(o)?, addr(x)?, addr(y)?, o.shape.numel())?,
-                    o.shape.numel(),
-                ),
-                Step::Gemm {
-                    a,
-                    b,
-                    out,
-                    shape,
-                    batch,
-                    a_step,
-                    b_step,
-                } => {
-                    let (a0, b0, c0) = (addr(a)?, addr(b)?, addr(out)?);
-                    let c_step = (shape.m * shape.n * 4) as u64;
-                    for i in 0..*batch as u64 {
-                        let g = Gemm {
-                            a: a0 + i * *a_step as u64,
-                            b: b0 + i * *b_step as u64,
-                            c: c0 + i * c_step,
-                            ..*shape
-                        };
-                        let (record, threads) = g.record()?;
-                        records.push(("rlx_gemm_f32", record, threads));
-                    }
-                    continue;
-                }
-            });
+        if self.may_fail {
+            self.scratch.write(gpu_plan::ERR_AT, &[0u8; 16])?;
         }
-        let dispatches: Vec<_> = records
-            .iter()
-            .map(|(kernel, record, threads)| crate::gpu::Dispatch {
-                kernel,
-                record,
-                threads: *threads,
-            })
-            .collect();
         let uses: Vec<&MetalBuffer> = metal.iter().flatten().copied().collect();
-        self.device.run(None, &dispatches, &uses)
+        let lib = self.device.library().clone();
+        let mut pending: Vec<Launch> = Vec::new();
+        let flush = |pending: &mut Vec<Launch>| -> Result<()> {
+            let dispatches: Vec<Dispatch<'_>> = pending
+                .iter()
+                .map(|l| Dispatch {
+                    library: l.library.as_ref(),
+                    kernel: &l.kernel,
+                    record: &l.record,
+                    threads: l.threads,
+                })
+                .collect();
+            if !dispatches.is_empty() {
+                self.device.run(None, &dispatches, &uses)?;
+            }
+            pending.clear();
+            Ok(())
+        };
+        for step in &self.plan.steps {
+            match step {
+                Step::Launch {
+                    kernel,
+                    p,
+                    operands,
+                    ..
+                } => {
+                    let mut p: P = **p;
+                    for (slot, loc) in operands {
+                        p.ptr[*slot] = addr(loc)?;
+                    }
+                    let (library, name) = match kernel {
+                        Kernel::Library(name) => (lib.clone(), name.to_string()),
+                        Kernel::Fused(i) => (
+                            self.fused
+                                .clone()
+                                .ok_or_else(|| Error::Internal("fused kernels missing".into()))?,
+                            format!("rlx_fused_{i}"),
+                        ),
+                    };
+                    let threads = kernels::threads(&name, &p)?;
+                    pending.push(Launch {
+                        library,
+                        kernel: name,
+                        record: kernels::record(&p),
+                        threads,
+                    });
+                }
+                Step::Fill { at, bytes } => {
+                    if bytes % 4 != 0 {
+                        return Err(Error::Internal(format!("[metal] a fill of {bytes} bytes")));
+                    }
+                    let mut p = P::sized(bytes / 4);
+                    p.ptr[0] = addr(at)?;
+                    pending.push(Launch {
+                        library: lib.clone(),
+                        kernel: "rlx_zero32".into(),
+                        record: kernels::record(&p),
+                        threads: kernels::threads("rlx_zero32", &p)?,
+                    });
+                }
+                Step::Gemm { g, a, b, c } => {
+                    let (record, threads) =
+                        Gemm::from_plan(g, addr(a)?, addr(b)?, addr(c)?).record()?;
+                    pending.push(Launch {
+                        library: lib.clone(),
+                        kernel: "rlx_gemm_f32".into(),
+                        record,
+                        threads,
+                    });
+                }
+                Step::HostUpdate(u) => {
+                    // Everything before the update has completed once `flush` returns; the
+                    // update then works in place on the shared memory the kernels wrote.
+                    flush(&mut pending)?;
+                    // SAFETY: the caller's contract (nothing else touches the buffers during
+                    // the run) is the one `host_update` needs; no GPU work is in flight.
+                    unsafe { (self.host_update)(buffers, &self.lens, u, hyper)? };
+                }
+                Step::HyperRow { .. } => {
+                    return Err(Error::Internal(
+                        "[metal] a device-side update step in a host-update plan".into(),
+                    ))
+                }
+            }
+        }
+        flush(&mut pending)?;
+        self.flagged()
     }
 }

@@ -14,7 +14,7 @@ use objc2::runtime::ProtocolObject;
 use objc2_foundation::{NSError, NSString};
 use objc2_metal::{
     MTLBlitCommandEncoder, MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder,
-    MTLCommandQueue, MTLComputeCommandEncoder, MTLComputePipelineState,
+    MTLCommandQueue, MTLCompileOptions, MTLComputeCommandEncoder, MTLComputePipelineState,
     MTLCreateSystemDefaultDevice, MTLDevice, MTLLibrary, MTLResourceOptions, MTLResourceUsage,
     MTLSharedEvent, MTLSize,
 };
@@ -191,9 +191,13 @@ impl Gpu for MetalGpu {
         Ok(Arc::new(SysEvent { ev }))
     }
     fn compile(&self, source: &str) -> Result<Arc<dyn GpuLibrary>> {
+        // IEEE semantics (NaN checks, infinities) as the CPU kernels have: no fast math.
+        let options = MTLCompileOptions::new();
+        #[allow(deprecated)] // `mathMode` replaces it only from macOS 15
+        options.setFastMathEnabled(false);
         let lib = self
             .device
-            .newLibraryWithSource_options_error(&NSString::from_str(source), None)
+            .newLibraryWithSource_options_error(&NSString::from_str(source), Some(&options))
             .map_err(|e| ns_error("kernel source does not compile", &e))?;
         let mut pipelines = HashMap::new();
         for name in kernel_names(source) {
@@ -210,15 +214,10 @@ impl Gpu for MetalGpu {
     }
     fn compute(
         &self,
-        library: &dyn GpuLibrary,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
         dispatches: &[Dispatch<'_>],
         uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>> {
-        let lib = library
-            .as_any()
-            .downcast_ref::<SysLibrary>()
-            .ok_or_else(|| Error::Internal("a foreign library on a Metal device".into()))?;
         let cb = self
             .compute
             .commandBuffer()
@@ -238,6 +237,12 @@ impl Gpu for MetalGpu {
             );
         }
         for d in dispatches {
+            let Some(lib) = d.library.as_any().downcast_ref::<SysLibrary>() else {
+                enc.endEncoding();
+                return Err(Error::Internal(
+                    "a foreign library on a Metal device".into(),
+                ));
+            };
             let Some(p) = lib.pipelines.get(d.kernel) else {
                 enc.endEncoding();
                 return Err(Error::Internal(format!("no kernel named '{}'", d.kernel)));

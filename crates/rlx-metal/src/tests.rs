@@ -2,9 +2,10 @@
 //! the system C++ compiler) against reference results, the copy engine's ordering and errors, and
 //! device-side waits. Skipped, with a message, where there is no C++ compiler.
 use crate::gpu::Dispatch;
-use crate::kernels::{self, BinaryOp, Gemm, UnaryOp};
+use crate::kernels::{self, Gemm};
 use crate::{host, MetalBuffer, MetalDevice};
 use rlx_ir::{AsyncCopy, BarrierToken, Error};
+use rlx_runtime::gpu_plan::P;
 use rlx_runtime::{Buf, CopyDst, CopySrc, DeviceBuffer, Instr, Program, TRef};
 use std::sync::Arc;
 
@@ -40,9 +41,6 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
-type Bin = fn(f32, f32) -> f32;
-type Un = fn(f32) -> f32;
-
 fn close(got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len());
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -54,116 +52,58 @@ fn close(got: &[f32], want: &[f32], tol: f32) {
 }
 
 #[test]
-fn kernel_names_are_found_in_the_source() {
-    let names = host::kernel_names(kernels::SOURCE);
-    for k in [
-        "rlx_binary_f32",
-        "rlx_unary_f32",
-        "rlx_fill_f32",
-        "rlx_axpy_f32",
-        "rlx_gemm_f32",
-    ] {
+fn every_planned_kernel_is_in_the_library() {
+    let names = host::kernel_names(kernels::LIBRARY);
+    for k in kernels::NAMES {
         assert!(names.iter().any(|n| n == k), "{k} missing from {names:?}");
     }
+    assert_eq!(kernels::record(&P::default()).len(), kernels::RECORD_BYTES);
 }
 
 #[test]
-fn elementwise_kernels_match_reference() {
-    let Some(dev) = device() else { return };
-    let n = 1037;
-    let (a, b) = (data(n, 1), data(n, 2));
-    let (ba, bb, out) = (
-        dev.alloc(n * 4).unwrap(),
-        dev.alloc(n * 4).unwrap(),
-        dev.alloc(n * 4).unwrap(),
-    );
-    put(&ba, &a);
-    put(&bb, &b);
-    let addr = |x: &MetalBuffer| x.address(0).unwrap();
-    let bin: [(BinaryOp, Bin); 6] = [
-        (BinaryOp::Add, |x, y| x + y),
-        (BinaryOp::Sub, |x, y| x - y),
-        (BinaryOp::Mul, |x, y| x * y),
-        (BinaryOp::Div, |x, y| x / y),
-        (BinaryOp::Max, f32::max),
-        (BinaryOp::Min, f32::min),
-    ];
-    for (op, f) in bin {
-        let rec = kernels::binary(op, addr(&out), addr(&ba), addr(&bb), n).unwrap();
-        let d = Dispatch {
-            kernel: "rlx_binary_f32",
-            record: &rec,
-            threads: n,
-        };
-        dev.run(None, &[d], &[&ba, &bb, &out]).unwrap();
-        let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| f(*x, *y)).collect();
-        close(&get(&out, n), &want, 1e-6);
-    }
-    let un: [(UnaryOp, Un); 7] = [
-        (UnaryOp::Neg, |x| -x),
-        (UnaryOp::Relu, |x| x.max(0.0)),
-        (UnaryOp::Exp, f32::exp),
-        (UnaryOp::Tanh, f32::tanh),
-        (UnaryOp::Sigmoid, |x| 1.0 / (1.0 + (-x).exp())),
-        (UnaryOp::Sqrt, |x| x.abs().sqrt()),
-        (UnaryOp::Abs, f32::abs),
-    ];
-    for (op, f) in un {
-        // sqrt runs on |a| so that the reference is finite
-        let input = if op == UnaryOp::Sqrt { &bb } else { &ba };
-        if op == UnaryOp::Sqrt {
-            put(&bb, &a.iter().map(|x| x.abs()).collect::<Vec<_>>());
-        }
-        let rec = kernels::unary(op, addr(&out), addr(input), n).unwrap();
-        let d = Dispatch {
-            kernel: "rlx_unary_f32",
-            record: &rec,
-            threads: n,
-        };
-        dev.run(None, &[d], &[input, &out]).unwrap();
-        let want: Vec<f32> = a.iter().map(|x| f(*x)).collect();
-        close(&get(&out, n), &want, 1e-5);
-    }
-    // fill then axpy, in one submission: dispatches run in order
-    let f = kernels::fill(addr(&out), 0.5, n).unwrap();
-    let x = kernels::axpy(addr(&out), addr(&ba), -0.25, n).unwrap();
-    let ds = [
-        Dispatch {
-            kernel: "rlx_fill_f32",
-            record: &f,
-            threads: n,
-        },
-        Dispatch {
-            kernel: "rlx_axpy_f32",
-            record: &x,
-            threads: n,
-        },
-    ];
-    dev.run(None, &ds, &[&ba, &out]).unwrap();
-    let want: Vec<f32> = a.iter().map(|v| 0.5 - 0.25 * v).collect();
-    close(&get(&out, n), &want, 1e-6);
+fn fused_kernels_are_generated_from_the_shared_expressions() {
+    use rlx_ir::{BinaryOp as B, Fused, FusedStep, Shape, UnaryOp as U};
+    let f = Fused {
+        shape: Shape::new([4]),
+        n_inputs: 2,
+        steps: vec![
+            FusedStep::Binary(B::Mul, 0, 1),
+            FusedStep::Unary(U::PowScalar(1.5), 2),
+        ],
+    };
+    let src = kernels::fused_kernel("k7", &f);
+    assert!(src.contains("kernel void k7(constant P& p"), "{src}");
+    assert!(src.contains("float r2 = (r0 * r1);"), "{src}");
+    assert!(src.contains("rx_pow(r2, rx_bits(0x3fc00000))"), "{src}");
+    assert!(src.contains("F(2)[off(p, 2, i)] = r3;"), "{src}");
 }
 
 #[test]
-fn gemm_kernel_matches_reference_with_strides_and_beta() {
+fn gemm_kernel_matches_reference_with_strides_and_batches() {
     let Some(dev) = device() else { return };
-    for &(m, n, k, ta) in &[
-        (1, 1, 1, false),
-        (7, 5, 9, false),
-        (13, 18, 6, true),
-        (33, 31, 17, true),
+    for &(m, n, k, ta, batch) in &[
+        (1, 1, 1, false, 1),
+        (7, 5, 9, false, 2),
+        (13, 18, 6, true, 1),
+        (33, 31, 17, true, 3),
     ] {
-        let (a, b, c0) = (data(m * k, 3), data(k * n, 4), data(m * n, 5));
+        let (a, b) = (data(batch * m * k, 3), data(batch * k * n, 4));
         let (ba, bb, bc) = (
             dev.alloc(a.len() * 4).unwrap(),
             dev.alloc(b.len() * 4).unwrap(),
-            dev.alloc(c0.len() * 4).unwrap(),
+            dev.alloc(batch * m * n * 4).unwrap(),
         );
         put(&ba, &a);
         put(&bb, &b);
-        put(&bc, &c0);
         // `a` holds A (m x k) row-major, or A^T (k x m) row-major when `ta`.
-        let a_at = |i: usize, q: usize| if ta { a[q * m + i] } else { a[i * k + q] };
+        let a_at = |z: usize, i: usize, q: usize| {
+            let a = &a[z * m * k..];
+            if ta {
+                a[q * m + i]
+            } else {
+                a[i * k + q]
+            }
+        };
         let g = Gemm {
             a: ba.address(0).unwrap(),
             b: bb.address(0).unwrap(),
@@ -171,27 +111,34 @@ fn gemm_kernel_matches_reference_with_strides_and_beta() {
             m,
             n,
             k,
+            batch,
             a_strides: if ta { (1, m) } else { (k, 1) },
             b_strides: (n, 1),
             c_row: n,
-            alpha: 1.5,
-            beta: 0.5,
+            a_batch: m * k,
+            b_batch: k * n,
+            c_batch: m * n,
         };
         let (rec, threads) = g.record().unwrap();
         let d = Dispatch {
+            library: dev.library().as_ref(),
             kernel: "rlx_gemm_f32",
             record: &rec,
             threads,
         };
         dev.run(None, &[d], &[&ba, &bb, &bc]).unwrap();
-        let mut want = vec![0f32; m * n];
-        for i in 0..m {
-            for j in 0..n {
-                let s: f32 = (0..k).map(|q| a_at(i, q) * b[q * n + j]).sum();
-                want[i * n + j] = 1.5 * s + 0.5 * c0[i * n + j];
+        let mut want = vec![0f32; batch * m * n];
+        for z in 0..batch {
+            for i in 0..m {
+                for j in 0..n {
+                    let s: f32 = (0..k)
+                        .map(|q| a_at(z, i, q) * b[z * k * n + q * n + j])
+                        .sum();
+                    want[z * m * n + i * n + j] = s;
+                }
             }
         }
-        close(&get(&bc, m * n), &want, 1e-4);
+        close(&get(&bc, batch * m * n), &want, 1e-4);
     }
 }
 
@@ -202,24 +149,23 @@ fn buffers_are_zero_copy_host_views() {
     let p = buf.host_ptr().unwrap();
     assert_eq!(p.as_ptr() as usize as u64, buf.address(0).unwrap());
     put(&buf, &[1.0; 16]);
-    let rec = kernels::unary(
-        UnaryOp::Neg,
-        buf.address(0).unwrap(),
-        buf.address(0).unwrap(),
-        16,
-    )
-    .unwrap();
+    // log1p in place, through the record's GPU addresses
+    let mut p = P::sized(16);
+    p.ptr[0] = buf.address(0).unwrap();
+    p.ptr[1] = buf.address(0).unwrap();
+    let rec = kernels::record(&p);
     dev.run(
         None,
         &[Dispatch {
-            kernel: "rlx_unary_f32",
+            library: dev.library().as_ref(),
+            kernel: "rlx_log1p",
             record: &rec,
             threads: 16,
         }],
         &[&buf],
     )
     .unwrap();
-    assert_eq!(get(&buf, 16), vec![-1.0; 16]);
+    close(&get(&buf, 16), &[std::f32::consts::LN_2; 16], 1e-6);
     assert!(matches!(buf.address(65), Err(Error::Bounds(_))));
     assert!(matches!(buf.write(60, &[0; 8]), Err(Error::Bounds(_))));
 }
@@ -312,16 +258,34 @@ fn compute_waits_on_the_device_for_a_copy() {
         )
         .unwrap();
     let (event, value) = eng.device_wait(t).unwrap();
-    // dst += src, ordered after the copy by the event, not by a host wait
-    let rec = kernels::axpy(dst.address(0).unwrap(), src.address(0).unwrap(), 1.0, n).unwrap();
+    // out = dst + src (a generated fused kernel), ordered after the copy by the event, not by
+    // a host wait
+    let out = dev.alloc(n * 4).unwrap();
+    let add = rlx_ir::Fused {
+        shape: rlx_ir::Shape::new([n]),
+        n_inputs: 2,
+        steps: vec![rlx_ir::FusedStep::Binary(rlx_ir::BinaryOp::Add, 0, 1)],
+    };
+    let lib = dev
+        .compile_cached(&kernels::fused_kernel("add", &add))
+        .unwrap();
+    let mut p = P::sized(n);
+    p.ptr[..3].copy_from_slice(&[
+        dst.address(0).unwrap(),
+        src.address(0).unwrap(),
+        out.address(0).unwrap(),
+    ]);
+    p.mode[..3].copy_from_slice(&[1, 1, 1]);
+    let rec = kernels::record(&p);
     dev.run(
         Some((&event, value)),
         &[Dispatch {
-            kernel: "rlx_axpy_f32",
+            library: lib.as_ref(),
+            kernel: "add",
             record: &rec,
             threads: n,
         }],
-        &[&src, &dst],
+        &[&src, &dst, &out],
     )
     .unwrap();
     let want: Vec<f32> = data(n, 7)
@@ -329,7 +293,7 @@ fn compute_waits_on_the_device_for_a_copy() {
         .zip(data(n, 9))
         .map(|(x, y)| x + y)
         .collect();
-    close(&get(&dst, n), &want, 1e-6);
+    close(&get(&out, n), &want, 1e-6);
     eng.wait(t).unwrap();
 }
 
@@ -355,14 +319,16 @@ fn bad_kernel_source_is_a_device_error() {
 #[test]
 fn backend_passes_the_copy_engine_conformance_check() {
     let Some(dev) = device() else { return };
-    let backend: Arc<dyn rlx_runtime::Backend> = Arc::new(crate::MetalBackend::new(dev));
+    let backend: Arc<dyn rlx_runtime::Backend> =
+        Arc::new(crate::MetalBackend::new(dev, rlx_cpu::host_update));
     rlx_runtime::conformance::copy_engine_contract(&backend);
 }
 
 #[test]
 fn backend_passes_the_compile_checks_conformance() {
     let Some(dev) = device() else { return };
-    let backend: Arc<dyn rlx_runtime::Backend> = Arc::new(crate::MetalBackend::new(dev));
+    let backend: Arc<dyn rlx_runtime::Backend> =
+        Arc::new(crate::MetalBackend::new(dev, rlx_cpu::host_update));
     rlx_runtime::conformance::compile_rejects_bad_programs(&backend);
 }
 
@@ -386,7 +352,7 @@ fn run_on(backend: &dyn rlx_runtime::Backend, program: &Program, init: &[f32]) -
 fn elementwise_programs_match_the_cpu_backend() {
     use rlx_ir::{BinaryOp as B, DType, Op, Shape, UnaryOp as U};
     let Some(dev) = device() else { return };
-    let metal = crate::MetalBackend::new(dev);
+    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
     let n = 300;
     let t = |slot: usize| TRef {
         buf: Buf::Arena,
@@ -408,24 +374,48 @@ fn elementwise_programs_match_the_cpu_backend() {
             op(Op::Unary(U::Exp), vec![t(0)], t(9)),
             op(Op::Unary(U::Sqrt), vec![t(9)], t(10)),
             op(Op::Unary(U::Neg), vec![t(10)], t(11)),
+            op(Op::Unary(U::Gelu), vec![t(8)], t(12)),
+            op(Op::Unary(U::GeluTanhDeriv), vec![t(8)], t(13)),
+            op(Op::Unary(U::PowScalar(3.0)), vec![t(8)], t(14)),
+            op(Op::Binary(B::FloorDiv), vec![t(8), t(1)], t(15)),
         ],
     };
-    let mut init = vec![0f32; 12 * n];
+    let mut init = vec![0f32; 16 * n];
     init[..n].copy_from_slice(&data(n, 11));
     init[n..2 * n].copy_from_slice(&data(n, 12));
     let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
     let got = run_on(&metal, &program, &init);
     assert!(want[2 * n..].iter().any(|&x| x != 0.0));
     close(&got, &want, 1e-5);
-    // an instruction without a kernel yet is refused at compile, by name
-    let gelu = Program {
-        instrs: vec![op(Op::Unary(U::Gelu), vec![t(0)], t(1))],
+}
+
+#[test]
+fn attention_beyond_the_kernels_head_size_is_refused_by_name() {
+    use rlx_ir::{DType, Op, Shape};
+    let Some(dev) = device() else { return };
+    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
+    let t = |offset: usize| TRef {
+        buf: Buf::Arena,
+        offset,
+        shape: Shape::new([1, 2, 300]),
+        dtype: DType::F32,
     };
-    let e = rlx_runtime::Backend::compile(&metal, &gelu, &[12 * n * 4])
+    let program = Program {
+        instrs: vec![Instr::Op {
+            op: Op::Attention {
+                scale: 1.0,
+                causal: None,
+                heads: None,
+            },
+            ins: vec![t(0), t(2400), t(4800)],
+            out: t(7200),
+        }],
+    };
+    let e = rlx_runtime::Backend::compile(&metal, &program, &[9600])
         .err()
         .expect("refused");
     assert!(
-        matches!(&e, Error::Unsupported { msg, .. } if msg.contains("gelu")),
+        matches!(&e, Error::Unsupported { op, msg } if op == "attention" && msg.contains("metal")),
         "{e:?}"
     );
 }
@@ -443,7 +433,7 @@ type MatMulCase = (
 fn matmul_programs_match_the_cpu_backend() {
     use rlx_ir::{DType, Op, Shape};
     let Some(dev) = device() else { return };
-    let metal = crate::MetalBackend::new(dev);
+    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
     let cases: [MatMulCase; 4] = [
         (&[5, 7], &[7, 6], &[5, 6], false, false),
         (&[7, 5], &[6, 7], &[5, 6], true, true),
@@ -478,5 +468,55 @@ fn matmul_programs_match_the_cpu_backend() {
         let got = run_on(&metal, &program, &init);
         assert!(want[na + nb..].iter().any(|&x| x != 0.0));
         close(&got, &want, 1e-4);
+    }
+}
+
+#[test]
+fn fused_programs_with_broadcast_operands_match_the_cpu_backend() {
+    use rlx_ir::{BinaryOp as B, DType, Fused, FusedStep as S, Op, Shape, UnaryOp as U};
+    let Some(dev) = device() else { return };
+    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    // out[4, 6, 5] from a [4, 6, 5], b [6, 1] (strided broadcast) and a scalar c
+    let f = Fused {
+        shape: Shape::new([4, 6, 5]),
+        n_inputs: 3,
+        steps: vec![
+            S::Binary(B::Mul, 0, 1),         // r3 = a * b
+            S::Unary(U::GeluTanh, 3),        // r4
+            S::Binary(B::Gt, 0, 2),          // r5 = a > c
+            S::Binary(B::FloorDiv, 4, 1),    // r6 = r4 // b
+            S::Where(5, 6, 3),               // r7 = a > c ? r6 : r3
+            S::Unary(U::PowScalar(-2.5), 1), // r8 = b^-2.5 (NaN for b < 0)
+            S::Binary(B::Mod, 7, 8),         // r9 = r7 mod r8
+            S::Binary(B::Add, 9, 0),         // r10
+        ],
+    };
+    let (na, nb) = (120, 6);
+    let program = Program {
+        instrs: vec![Instr::Op {
+            op: Op::Fused(Arc::new(f)),
+            ins: vec![r(0, &[4, 6, 5]), r(na, &[6, 1]), r(na + nb, &[])],
+            out: r(na + nb + 1, &[4, 6, 5]),
+        }],
+    };
+    let mut init = data(na + nb + 1, 31);
+    init.resize(2 * na + nb + 1, 0.0);
+    let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+    let got = run_on(&metal, &program, &init);
+    assert!(want[na + nb + 1..]
+        .iter()
+        .any(|x| x.is_finite() && *x != 0.0));
+    assert!(want[na + nb + 1..].iter().any(|x| x.is_nan()));
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g.is_nan() && w.is_nan()) || (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "element {i}: metal {g}, cpu {w}"
+        );
     }
 }

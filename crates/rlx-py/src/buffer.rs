@@ -5,7 +5,7 @@ use pyo3::buffer::PyUntypedBuffer;
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use rlx_runtime::{DeviceBuffer, HostBytes};
+use rlx_runtime::DeviceBuffer;
 use std::ffi::c_int;
 use std::sync::Arc;
 
@@ -106,11 +106,5 @@ impl Bytes {
         // Another Python thread writing the same array concurrently races on plain bytes, as it
         // would with numpy itself.
         unsafe { std::slice::from_raw_parts(self.buf.buf_ptr() as *const u8, len) }
-    }
-}
-
-impl HostBytes for Bytes {
-    fn bytes(&self) -> &[u8] {
-        self.as_slice()
     }
 }

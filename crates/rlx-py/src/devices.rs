@@ -15,6 +15,9 @@ pub fn devices() -> Vec<String> {
             out.extend((0..n).map(|i| format!("cuda:{i}")));
         }
     }
+    if metal().is_ok() {
+        out.push("metal".into());
+    }
     out
 }
 
@@ -42,13 +45,35 @@ pub fn backend(device: &str) -> Result<Arc<dyn Backend>, Error> {
                 "bad device name '{d}': write 'cuda' or 'cuda:N' with N a GPU number"
             ))),
         },
-        "metal" => Err(Error::Device(format!(
-            "device 'metal' is not available: this rlx build has no Metal backend; available devices: {available:?}"
-        ))),
+        "metal" => metal().map_err(|why| {
+            Error::Device(format!(
+                "device 'metal' is not available: {why}; available devices: {available:?}"
+            ))
+        }),
         d => Err(Error::Device(format!(
             "unknown device '{d}'; available devices: {available:?} (names: 'cpu', 'cuda', 'cuda:N', 'metal')"
         ))),
     }
+}
+
+/// The Metal backend on the system's default GPU (its kernel library compiled once per
+/// process), or why there is none.
+#[cfg(target_vendor = "apple")]
+fn metal() -> Result<Arc<dyn Backend>, String> {
+    static DEVICE: std::sync::OnceLock<Result<rlx_metal::MetalDevice, String>> =
+        std::sync::OnceLock::new();
+    DEVICE
+        .get_or_init(|| rlx_metal::MetalDevice::system().map_err(|e| e.to_string()))
+        .clone()
+        .map(|d| {
+            Arc::new(rlx_metal::MetalBackend::new(d, rlx_cpu::host_update)) as Arc<dyn Backend>
+        })
+}
+
+/// Off Apple platforms there is no Metal backend.
+#[cfg(not(target_vendor = "apple"))]
+fn metal() -> Result<Arc<dyn Backend>, String> {
+    Err("this rlx build has no Metal backend (it is built on Apple platforms only)".into())
 }
 
 /// The CUDA backend of GPU `ordinal`, or why it cannot be used here.

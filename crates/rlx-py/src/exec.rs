@@ -8,8 +8,7 @@ use crate::store::PyStore;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 use rlx_ir::Error;
-use rlx_runtime::{Executable, HostBytes, OptimHyper, OptimizerSetup, Phase};
-use std::sync::Arc;
+use rlx_runtime::{Executable, OptimHyper, OptimizerSetup, Phase};
 
 /// An input slot as Python sees it: (name, shape, dtype, bound).
 type SlotInfo = (String, Vec<usize>, &'static str, bool);
@@ -72,16 +71,8 @@ impl PyExecutable {
                 ))
             }
         };
-        let mut held = Vec::with_capacity(feeds.len());
-        for (k, v) in feeds.iter() {
-            let name: String = k.extract()?;
-            let bytes = Bytes::get(&v, &name)?;
-            held.push((name, bytes));
-        }
-        let views: Vec<(&str, &[u8])> = held
-            .iter()
-            .map(|(n, b)| (n.as_str(), b.as_slice()))
-            .collect();
+        let held = held_feeds(feeds)?;
+        let views = feed_views(&held);
         let hyper = hyper.map(
             |(lr, momentum, weight_decay, beta1, beta2, eps)| OptimHyper {
                 lr,
@@ -100,27 +91,13 @@ impl PyExecutable {
         Ok(outs.iter().map(|o| PyByteArray::new(py, o)).collect())
     }
 
-    /// Snapshots a batch (a copy of each array, taken now without the GIL, so the caller may
-    /// change or reuse its arrays at once) and queues its copy into a free staging set on the
-    /// copy engine; returns without waiting for that copy. No Python object is kept.
+    /// Snapshots a batch for a later run without feeds (taken now without the GIL, so the caller
+    /// may change or reuse its arrays at once; see `Executable::prefetch`). No Python object is
+    /// kept.
     fn prefetch(&self, py: Python<'_>, feeds: &Bound<'_, PyDict>) -> PyResult<()> {
-        let mut held = Vec::with_capacity(feeds.len());
-        for (k, v) in feeds.iter() {
-            let name: String = k.extract()?;
-            let bytes = Bytes::get(&v, &name)?;
-            held.push((name, bytes));
-        }
-        let views: Vec<(&str, &[u8])> = held
-            .iter()
-            .map(|(n, b)| (n.as_str(), b.as_slice()))
-            .collect();
-        native(py, || {
-            let owned: Vec<(String, Arc<dyn HostBytes>)> = views
-                .iter()
-                .map(|(n, b)| (n.to_string(), Arc::new(b.to_vec()) as Arc<dyn HostBytes>))
-                .collect();
-            self.exe.prefetch(owned)
-        })
+        let held = held_feeds(feeds)?;
+        let views = feed_views(&held);
+        native(py, || self.exe.prefetch(&views))
     }
 
     /// A readable listing of the lowered program (ops, shapes, buffer offsets).
@@ -249,4 +226,23 @@ impl PyExecutable {
             .ok_or_else(|| to_py(py, Error::Graph("output buffer missing".into())))?;
         Ok(ArenaView::new(buf.clone(), t.offset, t.bytes()))
     }
+}
+
+/// The buffers of a feeds dict (held, so the arrays stay put until they are dropped).
+fn held_feeds(feeds: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Bytes)>> {
+    feeds
+        .iter()
+        .map(|(k, v)| {
+            let name: String = k.extract()?;
+            let bytes = Bytes::get(&v, &name)?;
+            Ok((name, bytes))
+        })
+        .collect()
+}
+
+/// (name, bytes) views of held feeds, as the runtime takes them.
+fn feed_views(held: &[(String, Bytes)]) -> Vec<(&str, &[u8])> {
+    held.iter()
+        .map(|(n, b)| (n.as_str(), b.as_slice()))
+        .collect()
 }

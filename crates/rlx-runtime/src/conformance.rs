@@ -40,37 +40,9 @@ pub(crate) fn close(got: &[f32], want: &[f64], what: &str) {
 /// ```
 #[macro_export]
 macro_rules! conformance_tests {
-    // For backends that may be absent: `$make` gives `Result<Arc<dyn Backend>, String>`, and
-    // where it is `Err(why)` each test prints that it was skipped and why (CUDA).
-    (skip_unless: $make:expr) => {
-        $crate::conformance_tests!(@maybe $make;
-            linear_softmax_training_step,
-            training_step_options,
-            resident_inputs,
-            bad_feeds_change_nothing,
-            copy_engine_contract,
-            prefetch_consumes_batches_in_order,
-            optimizer_rules_match_closed_form,
-            compile_rejects_bad_programs,
-            data_parallel_phases,
-            vision_ops_match_references,
-        );
-    };
-    (@maybe $make:expr; $($check:ident),* $(,)?) => {
-        $(
-            #[test]
-            fn $check() {
-                let made: ::std::result::Result<::std::sync::Arc<dyn $crate::Backend>, String> =
-                    $make;
-                match made {
-                    Ok(backend) => $crate::conformance::$check(&backend),
-                    Err(why) => eprintln!("SKIPPED {}: {why}", stringify!($check)),
-                }
-            }
-        )*
-    };
-    ($make:expr) => {
-        $crate::conformance_tests!(@each $make;
+    // The one list of checks, for both forms below.
+    (@list $form:tt $make:expr) => {
+        $crate::conformance_tests!($form $make;
             linear_softmax_training_step,
             training_step_options,
             resident_inputs,
@@ -84,7 +56,20 @@ macro_rules! conformance_tests {
             fused_instructions_match_reference,
         );
     };
-    (@each $make:expr; $($check:ident),* $(,)?) => {
+    (maybe $make:expr; $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                let made: ::std::result::Result<::std::sync::Arc<dyn $crate::Backend>, String> =
+                    $make;
+                match made {
+                    Ok(backend) => $crate::conformance::$check(&backend),
+                    Err(why) => eprintln!("SKIPPED {}: {why}", stringify!($check)),
+                }
+            }
+        )*
+    };
+    (each $make:expr; $($check:ident),* $(,)?) => {
         $(
             #[test]
             fn $check() {
@@ -92,6 +77,14 @@ macro_rules! conformance_tests {
                 $crate::conformance::$check(&backend);
             }
         )*
+    };
+    // For backends that may be absent: `$make` gives `Result<Arc<dyn Backend>, String>`, and
+    // where it is `Err(why)` each test prints that it was skipped and why (CUDA, Metal).
+    (skip_unless: $make:expr) => {
+        $crate::conformance_tests!(@list maybe $make);
+    };
+    ($make:expr) => {
+        $crate::conformance_tests!(@list each $make);
     };
 }
 
@@ -166,15 +159,14 @@ pub fn prefetch_consumes_batches_in_order(backend: &Arc<dyn Backend>) {
     g.set_outputs(vec![y]).unwrap();
     let params = Arc::new(Store::new(backend.as_ref(), &[]).unwrap());
     let exe = Executable::new(backend.clone(), &g, params, None).unwrap();
-    let batch = |v: f32| -> Vec<(String, Arc<dyn HostBytes>)> {
-        vec![("x".into(), Arc::new(f32s(&[v; 4])))]
-    };
-    exe.prefetch(batch(1.0)).unwrap();
-    exe.prefetch(batch(2.0)).unwrap();
-    assert!(
-        exe.prefetch(batch(3.0)).is_err(),
-        "a third prefetch while two wait"
-    );
+    let batch = |v: f32| f32s(&[v; 4]);
+    let prefetch = |v: f32| exe.prefetch(&[("x", &batch(v))]);
+    // The batch is a snapshot: the caller's bytes may change as soon as prefetch returns.
+    let mut reused = batch(1.0);
+    exe.prefetch(&[("x", &reused)]).unwrap();
+    reused.fill(0);
+    prefetch(2.0).unwrap();
+    assert!(prefetch(3.0).is_err(), "a third prefetch while two wait");
     // Explicit feeds bypass the queue.
     close(
         &from_bytes(&exe.run(&[("x", &f32s(&[5.0; 4]))], None, &[0]).unwrap()[0]),
@@ -186,7 +178,7 @@ pub fn prefetch_consumes_batches_in_order(backend: &Arc<dyn Backend>) {
         &[2.0; 4],
         "first prefetched batch",
     );
-    exe.prefetch(batch(3.0)).unwrap();
+    prefetch(3.0).unwrap();
     close(
         &from_bytes(&exe.run(&[], None, &[0]).unwrap()[0]),
         &[4.0; 4],

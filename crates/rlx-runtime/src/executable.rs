@@ -361,7 +361,9 @@ impl Executable {
             let (set, token) = (batch.set, batch.token);
             consumed = Some(batch);
             // Only this batch's copy is waited for; a later prefetch keeps copying meanwhile.
-            pf.engine.wait(token)?;
+            if let Some(token) = token {
+                pf.engine.wait(token)?;
+            }
             bufs.push(pf.stage.as_ref());
             // SAFETY: see below; the copy into this staging set has completed (waited above) and
             // the copy engine only writes the other set.

@@ -9,6 +9,8 @@ pub mod checkpoint;
 pub mod conformance;
 pub mod conformance_vision;
 pub mod executable;
+pub mod expr_source;
+pub mod gpu_plan;
 pub mod listing;
 pub mod lower;
 pub mod program;

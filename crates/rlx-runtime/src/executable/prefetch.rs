@@ -25,9 +25,8 @@ pub(super) struct Prefetch {
 
 pub(super) struct Queued {
     pub(super) set: usize,
-    pub(super) token: BarrierToken,
-    /// The source arrays, kept alive until the batch is consumed.
-    pub(super) _keep: Vec<Arc<dyn HostBytes>>,
+    /// The copy engine's token for the batch's last copy (none: written into staging directly).
+    pub(super) token: Option<BarrierToken>,
 }
 
 /// Batches that may wait in the prefetch queue.
@@ -58,16 +57,18 @@ impl Executable {
         inner.prefetch.as_ref().map_or(0, |p| p.queue.len())
     }
 
-    /// Starts copying a batch (every unbound input) into a free staging set and returns at once.
+    /// Takes a batch (every unbound input) for a later run without feeds and returns without
+    /// running anything. The batch is a snapshot: the caller may change or reuse its arrays as
+    /// soon as this returns. Where the staging buffer is host-visible (CPU, unified memory) the
+    /// snapshot is the copy into a free staging set, made here; elsewhere the bytes are copied
+    /// once on the host and the copy to the device runs on the copy engine, off this thread.
     /// Runs without feeds consume prefetched batches in order. At most [`PREFETCH_DEPTH`] wait.
-    pub fn prefetch(&self, feeds: Vec<(String, Arc<dyn HostBytes>)>) -> Result<()> {
+    pub fn prefetch(&self, feeds: &[(&str, &[u8])]) -> Result<()> {
         let mut inner = self.lock();
         let inner = &mut *inner;
         inner.forget_parent_prefetch();
-        let views: Vec<(&str, &[u8])> =
-            feeds.iter().map(|(n, d)| (n.as_str(), d.bytes())).collect();
-        check_feeds(&inner.inputs, &views, "prefetch only the per-call inputs")?;
-        if let Some(missing) = missing_input(&inner.inputs, &views) {
+        check_feeds(&inner.inputs, feeds, "prefetch only the per-call inputs")?;
+        if let Some(missing) = missing_input(&inner.inputs, feeds) {
             return Err(Error::input(
                 &missing.name,
                 "missing input in prefetch (every per-call input is needed)",
@@ -89,40 +90,30 @@ impl Executable {
         let set = (0..PREFETCH_DEPTH)
             .find(|s| !pf.queue.iter().any(|q| q.set == *s))
             .expect("a set is free");
+        let host_visible = pf.stage.host_ptr().is_some();
         let mut token = None;
-        let mut keep = Vec::with_capacity(feeds.len());
         for (name, data) in feeds {
             let offset = pf
                 .layout
                 .iter()
-                .find(|(n, _)| *n == name)
+                .find(|(n, _)| n == name)
                 .map(|(_, o)| *o)
                 .expect("unbound input");
-            let dst = CopyDst {
-                buffer: pf.stage.clone(),
-                offset: set * pf.set_bytes + offset,
-            };
-            let len = data.bytes().len();
-            token = Some(pf.engine.issue(CopySrc::Host(data.clone()), dst, len)?);
-            keep.push(data);
+            let at = set * pf.set_bytes + offset;
+            if host_visible {
+                // No run reads this set (it is not queued) and `inner` is locked.
+                pf.stage.write(at, data)?;
+            } else {
+                let snapshot: Arc<dyn HostBytes> = Arc::new(data.to_vec());
+                let dst = CopyDst {
+                    buffer: pf.stage.clone(),
+                    offset: at,
+                };
+                token = Some(pf.engine.issue(CopySrc::Host(snapshot), dst, data.len())?);
+            }
         }
         // FIFO engine: the last copy's token covers the whole batch.
-        let token = match token {
-            Some(t) => t,
-            None => pf.engine.issue(
-                CopySrc::Host(Arc::new(Vec::new())),
-                CopyDst {
-                    buffer: pf.stage.clone(),
-                    offset: 0,
-                },
-                0,
-            )?,
-        };
-        pf.queue.push_back(Queued {
-            set,
-            token,
-            _keep: keep,
-        });
+        pf.queue.push_back(Queued { set, token });
         Ok(())
     }
 

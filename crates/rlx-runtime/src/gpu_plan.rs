@@ -1,12 +1,45 @@
-//! Lowers a `Program` to device steps, once at compile time: kernel launches with their launch
-//! records (operands as buffer + byte offset, patched to addresses at run time), cuBLAS GEMMs
-//! at fixed offsets, and fills. Also the compile-time checks the CPU backend makes (ranges,
-//! outputs overlapping inputs, dtypes). No GPU is touched here, so it is unit-tested in CI.
-use crate::source::{self, MAX_OPS, MAX_RANK};
+//! The lowering shared by the GPU backends (CUDA and Metal): a `Program` becomes device steps,
+//! once at compile time — kernel launches with their launch records (operands as buffer + byte
+//! offset, patched to addresses at run time), GEMMs at fixed offsets, and fills. Each backend
+//! ships a kernel library implementing every named kernel with the record contract documented
+//! at the kernel (CUDA C in rlx-cuda, MSL in rlx-metal) and generates the fused kernels from
+//! the same expressions (`crate::expr_source`). No GPU is touched here, so it is unit-tested in CI.
+//! `grid`/`block` of a launch are the CUDA launch shape; backends with another execution model
+//! derive their own from the kernel and its record.
+use crate::{hyper_col, Instr, OptimRule, Program, TRef, UpdatePlan};
 use rlx_ir::{BinaryOp, DType, Error, Fused, FusedStep, Op, ReduceOp, Result, Shape, UnaryOp};
-use rlx_runtime::{hyper_col, Instr, OptimRule, Program, TRef, UpdatePlan};
 
-/// The launch record every kernel takes (the layout of `struct P` in [`source::PRELUDE`]).
+/// Operands one launch record holds.
+pub const MAX_OPS: usize = 16;
+/// Iteration rank one launch record holds (after merging contiguous dims).
+pub const MAX_RANK: usize = 8;
+
+/// Error codes a kernel writes to the run's error word (scratch at [`ERR_AT`]: code, value).
+pub mod err {
+    pub const LABEL: i32 = 1;
+    pub const ID: i32 = 2;
+    pub const INT_DIV_ZERO: i32 = 3;
+}
+
+/// Codes of the integer binary kernel (`iv[0]`).
+pub fn int_op_code(op: BinaryOp) -> i64 {
+    match op {
+        BinaryOp::Add => 0,
+        BinaryOp::Sub => 1,
+        BinaryOp::Mul => 2,
+        BinaryOp::Div => 3,
+        BinaryOp::FloorDiv => 4,
+        BinaryOp::Mod => 5,
+        BinaryOp::Lt => 6,
+        BinaryOp::Le => 7,
+        BinaryOp::Gt => 8,
+        BinaryOp::Ge => 9,
+        BinaryOp::Eq => 10,
+        BinaryOp::Ne => 11,
+    }
+}
+
+/// The launch record every kernel takes (the layout of `struct P` in each backend's kernel source).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct P {
@@ -87,7 +120,8 @@ pub enum Kernel {
     Fused(usize),
 }
 
-/// `C = op(A) op(B)` in cuBLAS's column-major terms, `batch` times with the given strides.
+/// `C = op(A) op(B)` in BLAS column-major terms (cuBLAS's), `batch` times with the given
+/// element strides.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Gemm {
     pub ta: bool,
@@ -128,6 +162,9 @@ pub enum Step {
     HyperRow {
         at: Loc,
     },
+    /// The whole training update, run on the host over host-visible buffers after every
+    /// earlier step completed (only with [`Target::host_update`]).
+    HostUpdate(Box<UpdatePlan>),
 }
 
 /// A lowered program.
@@ -179,7 +216,13 @@ fn contiguous(dims: &[usize]) -> Vec<i64> {
 
 /// Fills the iteration part of a launch record: walks `dims` with one stride list per operand,
 /// merging dims every operand walks contiguously and dropping size-1 dims.
-fn iterate(p: &mut P, dims: &[usize], strides: &[Vec<i64>], what: &str) -> Result<()> {
+fn iterate(
+    p: &mut P,
+    dims: &[usize],
+    strides: &[Vec<i64>],
+    what: &str,
+    backend: &str,
+) -> Result<()> {
     let mut cd: Vec<i64> = Vec::new();
     let mut cs: Vec<Vec<i64>> = vec![Vec::new(); strides.len()];
     for (d, &n) in dims.iter().enumerate() {
@@ -208,7 +251,8 @@ fn iterate(p: &mut P, dims: &[usize], strides: &[Vec<i64>], what: &str) -> Resul
         return Err(Error::unsupported(
             what,
             format!(
-                "the cuda backend walks at most {MAX_RANK} non-mergeable dims and {MAX_OPS} operands"
+                "the {} backend walks at most {MAX_RANK} non-mergeable dims and {MAX_OPS} operands",
+                backend
             ),
         ));
     }
@@ -241,19 +285,40 @@ fn iterate(p: &mut P, dims: &[usize], strides: &[Vec<i64>], what: &str) -> Resul
     Ok(())
 }
 
-/// Checks `program` against buffers of `lens` bytes and lowers it.
-pub fn plan(program: &Program, lens: &[usize]) -> Result<Plan> {
-    rlx_runtime::validate::validate(program, lens, "cuda")?;
-    rlx_runtime::validate::dtypes(program, "cuda", &[DType::F32, DType::I32])?;
+/// Which backend a plan is for, and how it runs the training update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// The backend's name, in error messages.
+    pub backend: &'static str,
+    /// `true`: the update stays one [`Step::HostUpdate`] (run by the host over host-visible
+    /// buffers); `false`: it is planned as kernels.
+    pub host_update: bool,
+}
+
+impl Target {
+    pub const CUDA: Target = Target {
+        backend: "cuda",
+        host_update: false,
+    };
+}
+
+/// Checks `program` against buffers of `lens` bytes and lowers it for `target`.
+pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
+    crate::validate::validate(program, lens, target.backend)?;
+    crate::validate::dtypes(program, target.backend, &[DType::F32, DType::I32])?;
     let mut b = Builder {
         plan: Plan {
             scratch_bytes: ROWS_AT,
             ..Plan::default()
         },
+        target,
     };
     for instr in &program.instrs {
         match instr {
             Instr::Op { op, ins, out } => b.op(op, ins, out)?,
+            Instr::Update(u) if target.host_update => {
+                b.plan.steps.push(Step::HostUpdate(u.clone()))
+            }
             Instr::Update(u) => b.update(u)?,
         }
     }
@@ -262,6 +327,7 @@ pub fn plan(program: &Program, lens: &[usize]) -> Result<Plan> {
 
 struct Builder {
     plan: Plan,
+    target: Target,
 }
 
 impl Builder {
@@ -289,7 +355,7 @@ impl Builder {
             return Ok(());
         }
         let strides: Vec<Vec<i64>> = ops.iter().map(|(_, s)| s.clone()).collect();
-        iterate(&mut p, dims, &strides, what)?;
+        iterate(&mut p, dims, &strides, what, self.target.backend)?;
         let operands = ops.iter().enumerate().map(|(k, (l, _))| (k, *l)).collect();
         self.launch(kernel, grid_for(n, THREADS as usize), THREADS, p, operands);
         Ok(())
@@ -392,7 +458,7 @@ impl Builder {
                     self.plan.int_div = Some((op.name().to_string(), ins[1].shape.clone()));
                 }
                 let mut p = P::default();
-                p.iv[0] = source::int_op_code(*bop);
+                p.iv[0] = int_op_code(*bop);
                 let ops = [
                     (at(&ins[0]), broadcast(&sh(0), &od)),
                     (at(&ins[1]), broadcast(&sh(1), &od)),
@@ -944,7 +1010,10 @@ impl Builder {
         if e > 256 || ev > 256 {
             return Err(Error::unsupported(
                 "attention",
-                format!("the cuda kernel takes head sizes up to 256, got {e} / {ev}"),
+                format!(
+                    "the {} kernel takes head sizes up to 256, got {e} / {ev}",
+                    self.target.backend
+                ),
             ));
         }
         let rows = units * h * l;
@@ -1048,7 +1117,7 @@ impl Builder {
         let kdims: Vec<usize> = kept.iter().map(|&d| xd[d]).collect();
         let kst: Vec<i64> = kept.iter().map(|&d| xs[d]).collect();
         let mut p = P::default();
-        iterate(&mut p, &kdims, &[kst], "reduce")?;
+        iterate(&mut p, &kdims, &[kst], "reduce", self.target.backend)?;
         p.n = n as i64;
         // Reduced dims, merged where contiguous with each other.
         let mut rd: Vec<i64> = Vec::new();
@@ -1247,7 +1316,7 @@ impl Builder {
             );
         };
         ctrl_step(self, 0);
-        let src = |q: &rlx_runtime::UpdateParam| q.acc.as_ref().map_or(at(&q.grad), at);
+        let src = |q: &crate::UpdateParam| q.acc.as_ref().map_or(at(&q.grad), at);
         if k > 1 {
             for q in &u.params {
                 let Some(acc) = &q.acc else {
@@ -1351,7 +1420,7 @@ impl Builder {
 
 /// The row of the hyper table a run's single set of settings stands for (as the CPU backend's
 /// `Hyper::from_run`).
-pub fn hyper_row(h: &rlx_runtime::OptimHyper) -> [f32; hyper_col::LEN] {
+pub fn hyper_row(h: &crate::OptimHyper) -> [f32; hyper_col::LEN] {
     let mut r = [0.0f32; hyper_col::LEN];
     r[hyper_col::LR] = h.lr;
     r[hyper_col::WEIGHT_DECAY] = h.weight_decay;
@@ -1374,7 +1443,7 @@ fn _unary(_: UnaryOp) {}
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rlx_runtime::Buf;
+    use crate::Buf;
 
     fn t(offset: usize, dims: &[usize]) -> TRef {
         TRef {
@@ -1407,7 +1476,7 @@ mod tests {
                 out: half,
             }],
         };
-        let e = plan(&prog, &[256]).unwrap_err();
+        let e = plan(&prog, &[256], Target::CUDA).unwrap_err();
         assert!(matches!(e, rlx_ir::Error::DType { .. }), "{e}");
         let msg = e.to_string();
         assert!(
@@ -1426,7 +1495,7 @@ mod tests {
                 out: t(128, &[2, 3]),
             }],
         };
-        let plan = plan(&prog, &[256]).unwrap();
+        let plan = plan(&prog, &[256], Target::CUDA).unwrap();
         assert_eq!(plan.fused.len(), 1);
         let Step::Launch { p, operands, .. } = &plan.steps[0] else {
             panic!("{:?}", plan.steps)
@@ -1448,7 +1517,7 @@ mod tests {
                 out: t(512, &[4, 2, 5]),
             }],
         };
-        let plan = plan(&prog, &[1024]).unwrap();
+        let plan = plan(&prog, &[1024], Target::CUDA).unwrap();
         let Step::Gemm { g, a, b, .. } = &plan.steps[0] else {
             panic!()
         };
@@ -1467,9 +1536,53 @@ mod tests {
                 out,
             }],
         };
-        assert!(plan(&neg(t(0, &[8]), t(240, &[8])), &[256]).is_err());
-        assert!(plan(&neg(t(0, &[8]), t(16, &[8])), &[256]).is_err());
-        assert!(plan(&neg(t(0, &[8]), t(64, &[8])), &[256]).is_ok());
+        assert!(plan(&neg(t(0, &[8]), t(240, &[8])), &[256], Target::CUDA).is_err());
+        assert!(plan(&neg(t(0, &[8]), t(16, &[8])), &[256], Target::CUDA).is_err());
+        assert!(plan(&neg(t(0, &[8]), t(64, &[8])), &[256], Target::CUDA).is_ok());
+    }
+
+    #[test]
+    fn a_host_update_target_keeps_the_update_as_one_step() {
+        let i32_at = |offset: usize| TRef {
+            dtype: DType::I32,
+            ..t(offset, &[1])
+        };
+        let update = UpdatePlan {
+            rule: OptimRule::Adam,
+            params: vec![crate::UpdateParam {
+                param: t(0, &[8]),
+                grad: t(64, &[8]),
+                acc: None,
+                state: vec![t(128, &[8]), t(192, &[8])],
+                step: i32_at(256),
+                started: None,
+                row: 0,
+            }],
+            hyper: None,
+            loss: t(320, &[1]),
+            stats: t(384, &[4]),
+            clip: Some(1.0),
+            accumulate: 1,
+            skip_nonfinite: true,
+            buffer_updates: vec![],
+        };
+        let prog = Program {
+            instrs: vec![Instr::Update(Box::new(update.clone()))],
+        };
+        let host = Target {
+            backend: "metal",
+            host_update: true,
+        };
+        let pl = plan(&prog, &[512], host).unwrap();
+        assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
+        let device = plan(&prog, &[512], Target::CUDA).unwrap();
+        assert!(device.steps.iter().any(|s| matches!(
+            s,
+            Step::Launch {
+                kernel: Kernel::Library("rlx_update"),
+                ..
+            }
+        )));
     }
 
     #[test]
@@ -1486,7 +1599,7 @@ mod tests {
                     out: t(4096, out),
                 }],
             };
-            plan(&prog, &[8192]).unwrap().steps
+            plan(&prog, &[8192], Target::CUDA).unwrap().steps
         };
         let steps = red(vec![0], ReduceOp::Mean, &[6]);
         assert!(matches!(steps[0], Step::Fill { bytes: 24, .. }));
@@ -1532,7 +1645,7 @@ mod tests {
                 out: t(768, &[4, 5]),
             }],
         };
-        let pl = plan(&prog, &[1024]).unwrap();
+        let pl = plan(&prog, &[1024], Target::CUDA).unwrap();
         assert_eq!(pl.product_bytes, 80);
         let Step::Gemm { c, .. } = &pl.steps[0] else {
             panic!("{:?}", pl.steps)
@@ -1562,7 +1675,7 @@ mod tests {
                 out: t(4096, &[2, 8, 12]),
             }],
         };
-        let pl = plan(&prog, &[8192]).unwrap();
+        let pl = plan(&prog, &[8192], Target::CUDA).unwrap();
         let Step::Launch { p, .. } = &pl.steps[0] else {
             panic!()
         };
@@ -1589,7 +1702,7 @@ mod tests {
                 out: t(256, &[1, 2, 3, 3]),
             }],
         };
-        let pl = plan(&prog, &[512]).unwrap();
+        let pl = plan(&prog, &[512], Target::CUDA).unwrap();
         let Step::Launch { kernel, p, .. } = &pl.steps[0] else {
             panic!()
         };
@@ -1608,7 +1721,7 @@ mod tests {
                 out: t(64, &[3, 2]),
             }],
         };
-        let plan = plan(&prog, &[128]).unwrap();
+        let plan = plan(&prog, &[128], Target::CUDA).unwrap();
         let Step::Launch { p, .. } = &plan.steps[0] else {
             panic!()
         };
