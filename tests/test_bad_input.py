@@ -167,8 +167,8 @@ def test_inputspec_bad_shape(shape):
     raises_rlx(lambda: S(shape), rlx.ShapeError, rlx.DTypeError)
 
 
-@pytest.mark.parametrize("dtype", [None, "float64", "int64", "float16", "FLOAT32", 5, ["float32"],
-                                   {"dtype": "float32"}, "float32 "])
+@pytest.mark.parametrize("dtype", [None, "uint8", "complex64", "float8", "FLOAT32", 5, ["float32"],
+                                   {"dtype": "float32"}, "float32 ", np.uint16, object])
 def test_inputspec_bad_dtype(dtype):
     raises_rlx(lambda: S((2,), dtype), rlx.DTypeError)
 
@@ -934,7 +934,9 @@ BAD_OPS = {
     "layer-norm-weight-shape": lambda x: rlx.layer_norm(x, np.ones(4, np.float32)),
     "embedding-float-ids": lambda x: rlx.embedding(x, x),
     "embedding-id-range": lambda x: rlx.embedding(x, np.array([2], np.int32)),
-    "astype-float64": lambda x: x.astype("float64"),
+    "astype-complex": lambda x: x.astype("complex64"),
+    "float16-compute": lambda x: rlx.tanh(x.astype("float16")),
+    "bfloat16-matmul": lambda x: x.astype("bfloat16") @ x.T.astype("bfloat16"),
     "bool": lambda x: x if x else x,
     "int-const-overflow": lambda x: x.astype("int32") + 2**31,
 }
@@ -981,10 +983,10 @@ def test_save_to_directory_and_missing_dir(tmp_path):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["input", "param"])
 @pytest.mark.parametrize("args", [("x", None), ("x", "ab"), ("x", (-1,)), ("x", (2**64,)),
-                                  (None, (2,)), (3, (2,)), ("x", (2,), "float64"),
+                                  (None, (2,)), (3, (2,)), ("x", (2,), "uint8"),
                                   ("x", (2,), None), ("x", {"a": 1})],
                          ids=["shape-None", "shape-str", "shape-neg", "shape-2**64", "name-None",
-                              "name-int", "dtype-f64", "dtype-None", "shape-dict"])
+                              "name-int", "dtype-u8", "dtype-None", "shape-dict"])
 def test_graph_bad_input_param(kind, args):
     g = rlx.Graph()
     raises_rlx(lambda: getattr(g, kind)(*args))

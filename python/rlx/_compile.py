@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from . import _check, _rlx
-from ._arrays import _NP, convert
+from ._arrays import _NP, convert, dtype_name, parse_dtype
+from ._arrays import raw as bits
 from ._tensor import Tensor, Trace
 from ._vision import RNG_INPUT, new_rng_key
 from .errors import DTypeError, InputError, RlxError, ShapeError, UnsupportedError
@@ -27,22 +28,22 @@ _HIDDEN = frozenset({RNG_INPUT})
 class InputSpec:
     """The shape and dtype of one named input of a compiled function. A dimension given as
     ``None`` accepts any size: one executable per distinct size is compiled on first use and
-    cached, all sharing the model's weights (and the optimizer's state).
+    cached, all sharing the model's weights (and the optimizer's state). ``dtype`` is one of
+    ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``, ``"int32"``, ``"int64"``,
+    ``"bool"`` (or the numpy dtype; ``ml_dtypes.bfloat16`` for bfloat16).
 
     Example:
         >>> rlx.InputSpec((None, 64))          # any batch size
         InputSpec(shape=(None, 64), dtype='float32')
     """
 
-    def __init__(self, shape: Sequence[int | None], dtype: str = "float32") -> None:
+    def __init__(self, shape: Sequence[int | None], dtype: Any = "float32") -> None:
         if isinstance(shape, (list, tuple)) and any(d is None for d in shape):
             fixed = _check.shape("InputSpec", [0 if d is None else d for d in shape])
             self.shape: tuple[Any, ...] = tuple(None if d is None else f for d, f in zip(shape, fixed))
         else:
             self.shape = _check.shape("InputSpec", shape)
-        if not isinstance(dtype, str) or dtype not in _NP:
-            raise DTypeError(f"[InputSpec] unsupported dtype {dtype!r} (use 'float32' or 'int32')")
-        self.dtype = str(dtype)
+        self.dtype = parse_dtype("InputSpec", dtype)
 
     @property
     def dynamic(self) -> bool:
@@ -61,11 +62,24 @@ def _specs(inputs: Mapping[str, Any]) -> dict[str, InputSpec]:
         _check.name("inputs", name)
         if isinstance(spec, InputSpec):
             out[name] = spec
-        elif isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], str):
+        elif isinstance(spec, tuple) and len(spec) == 2 and (
+                isinstance(spec[1], str)
+                or (not isinstance(spec[1], (int, np.integer, type(None))) and dtype_name(spec[1]) is not None)):
             out[name] = InputSpec(*spec)
         else:
             out[name] = InputSpec(spec)
     return out
+
+
+def _check_compute_dtypes(where: str, model: Module) -> None:
+    """Refuses a model whose float parameters or buffers are not float32: rlx's kernels compute
+    in float32 only so far (storing, loading and saving other dtypes works)."""
+    for name, p in model._tensors().items():
+        if p.dtype in ("float16", "bfloat16", "float64"):
+            raise DTypeError(
+                f"[{where}] parameter '{name}' is {p.dtype}: computing in {p.dtype} is not supported yet; "
+                f"convert the model with model.to('float32') (checkpoints in {p.dtype} still load into float32 "
+                "models by casting)")
 
 
 def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], store: Any,
@@ -91,6 +105,10 @@ def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], s
             else:
                 object.__setattr__(m, "training", mode)
     return t, out, nodes
+
+
+#: ``compile_train_step(precision=...)`` values.
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[str, InputSpec], bound: set[str]) -> dict[str, np.ndarray]:
@@ -418,7 +436,7 @@ def _join_ranks(model: Module, device: str) -> Any:
         if raw is None:
             raise UnsupportedError(f"[compile_train_step] distributed=True needs weights the host can see (the CPU); "
                                    f"'{device}' is not supported yet")
-        comm.broadcast_(np.frombuffer(raw, dtype=_NP[dtype]))
+        comm.broadcast_(bits(np.frombuffer(raw, dtype=_NP[dtype])))  # bool / bfloat16 as plain bits
     return comm
 
 
@@ -575,7 +593,8 @@ class Function(_Compiled):
 
 def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Optimizer,
                        inputs: Mapping[str, Any], device: str = "cpu", *, clip_grad_norm: float | None = None,
-                       accumulate: int = 1, skip_nonfinite: bool = False, distributed: bool = False) -> TrainStep:
+                       accumulate: int = 1, skip_nonfinite: bool = False, distributed: bool = False,
+                       precision: str = "fp32") -> TrainStep:
     """Traces ``loss_fn(model, **tensors)`` (in train mode), differentiates it w.r.t. every
     trainable parameter and compiles forward, backward and the optimizer update into one
     executable on ``device``.
@@ -594,6 +613,8 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
             parameters are broadcast at compile, and each call averages the gradients over the
             ranks (one in-place all-reduce of the arena's gradient region) before the update.
             Every rank must call the step the same number of times.
+        precision: ``"fp32"`` (the default and, so far, the only one implemented): everything in
+            float32. ``"bf16"`` and ``"fp16"`` (mixed precision) raise ``UnsupportedError``.
 
     Example:
         >>> step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model,
@@ -605,7 +626,14 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
     if not isinstance(optimizer, Optimizer):
         raise RlxError(f"compile_train_step needs an rlx.optim optimizer, got {type(optimizer).__name__}")
     _check.function("compile_train_step", "loss_fn", loss_fn)
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise InputError(f"[compile_train_step] precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if precision != "fp32":
+        raise UnsupportedError(
+            f"[compile_train_step] precision={precision!r} (mixed precision) is not implemented yet; "
+            "use precision='fp32'")
     device = _rlx.check_device(_check.device(device))
+    _check_compute_dtypes("compile_train_step", model)
     specs = _specs(inputs)
     options: dict[str, Any] = {}
     if clip_grad_norm is not None:
@@ -642,6 +670,7 @@ def compile(forward_fn: Callable[..., Any], model: Module, inputs: Mapping[str, 
         raise RlxError(f"compile needs an rlx.nn.Module, got {type(model).__name__}")
     _check.function("compile", "forward_fn", forward_fn)
     device = _rlx.check_device(_check.device(device))
+    _check_compute_dtypes("compile", model)
     specs = _specs(inputs)
     if not isinstance(training, (bool, np.bool_)):
         raise InputError(f"[compile] training must be True or False, got {training!r}")

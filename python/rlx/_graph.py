@@ -7,9 +7,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _check, _rlx
-from ._arrays import _NP, convert
+from ._arrays import _NP, convert, parse_dtype
 from ._tensor import Tensor, Trace
-from .errors import DTypeError, InputError, RlxError
+from .errors import InputError, RlxError
 
 
 class Graph:
@@ -46,9 +46,7 @@ class Graph:
 
     @staticmethod
     def _leaf(kind: str, name: Any, shape: Any, dtype: Any) -> tuple[str, list[int], str]:
-        if not isinstance(dtype, str):
-            raise DTypeError(f"[{kind}] dtype must be 'float32' or 'int32', got {dtype!r}")
-        return _check.name(kind, name), list(_check.shape(kind, shape)), dtype
+        return _check.name(kind, name), list(_check.shape(kind, shape)), parse_dtype(kind, dtype)
 
     def constant(self, value: Any) -> Tensor:
         """A constant (numpy array or Python number) in the graph.

@@ -28,8 +28,10 @@ def _reduce(x: Tensor, reduction: str) -> Tensor:
 def _class_inputs(op: str, logits: Any, labels: Any) -> tuple[Tensor, Tensor]:
     t = _trace_of(logits, labels)
     lg, lb = _as_tensor(logits, t), _as_tensor(labels, t)
+    if lb.dtype == "int64":
+        lb = lb.astype("int32")  # fed labels are range-checked before the cast
     if lb.dtype != "int32":
-        raise DTypeError(f"[{op}] labels must be int32 class ids, got {lb.dtype}")
+        raise DTypeError(f"[{op}] labels must be int32 or int64 class ids, got {lb.dtype}")
     if lg.dtype != "float32":
         raise DTypeError(f"[{op}] expects float32 scores, got {lg.dtype}")
     if lg.ndim != 2 or lb.ndim != 1 or lg.shape[0] != lb.shape[0]:
@@ -54,7 +56,7 @@ def _picked_nll(op: str, logp: Tensor, labels: Tensor, ignore_index: int, smooth
 
 def cross_entropy(logits: Any, labels: Any, ignore_index: int = _IGNORE, label_smoothing: float = 0.0,
                   reduction: str = "mean") -> Tensor:
-    """Softmax cross-entropy of ``logits`` (N, C) against int32 class ids ``labels`` (N,), as
+    """Softmax cross-entropy of ``logits`` (N, C) against int32 (or int64) class ids ``labels`` (N,), as
     PyTorch's: rows labelled ``ignore_index`` are left out (the mean is over the other rows),
     ``label_smoothing`` mixes the target with the uniform distribution.
 

@@ -1,4 +1,8 @@
-"""Type stubs for the native module rlx._rlx (internal; the public API is the rlx package)."""
+"""Type stubs for the native module rlx._rlx (internal; the public API is the rlx package).
+
+Every ``dtype: str`` below is one of rlx's dtype names: "float32", "float16", "bfloat16",
+"float64", "int32", "int64", "bool" (constants: "float32" and "int32" only). Buffers of bfloat16
+and bool tensors are passed as their raw bits (uint16 / uint8 arrays)."""
 
 from typing import Sequence
 

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import _check, _rlx
-from ._arrays import contiguous
+from ._arrays import contiguous, parse_dtype
 from .errors import DTypeError, InputError, RlxError, ShapeError, UnsupportedError
 
 _local = threading.local()
@@ -101,10 +101,35 @@ def _kind(x: Any) -> str:
     return "float"  # Python/numpy floats, float arrays, Parameters
 
 
-def _promoted(t: Trace, *xs: Any) -> list["Tensor"]:
+def _not_supported(op: str, dtypes: Sequence[str]) -> DTypeError:
+    """The error for an op whose kernels do not exist for these dtypes yet (rlx computes in
+    float32 and int32 so far), naming the op and the dtypes and saying how to cast."""
+    to = "int32" if "int64" in dtypes and not any(d in _FLOATS for d in dtypes) else "float32"
+    return DTypeError(f"[{op}] {' x '.join(dtypes)} is not supported yet; cast to {to} with .astype('{to}')")
+
+
+_FLOATS = ("float32", "float16", "bfloat16", "float64")
+
+
+def _dtype_of(x: Any) -> str | None:
+    """The dtype of a Tensor or Parameter; None for Python numbers and arrays (constants)."""
+    if isinstance(x, Tensor) or getattr(type(x), "_in_trace", None) is not None:
+        return str(x.dtype)
+    return None
+
+
+def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False) -> list["Tensor"]:
     """The operands as tensors of one dtype, by numpy's rules with float32 as the float type:
     all integer -> int32; any float (a Python float scalar included) -> float32, casting int32
-    tensors and integer constants up."""
+    tensors and integer constants up. Operands of the other dtypes (float16, bfloat16, float64,
+    int64, bool) are never cast silently: ``moves`` ops (data movement: concat, where) accept
+    them when every operand is a tensor of that one dtype; anything else raises DTypeError."""
+    held = [_dtype_of(x) for x in xs]
+    if any(d is not None and d not in ("float32", "int32") for d in held):
+        if moves and len(set(held)) == 1:
+            return [_as_tensor(x, t) for x in xs]
+        shown = [d if d is not None else ("int32" if _kind(x) == "int" else "float32") for d, x in zip(held, xs)]
+        raise _not_supported(op, shown)
     dtype = "int32" if all(_kind(x) == "int" for x in xs) else "float32"
     out = []
     for x in xs:
@@ -115,9 +140,14 @@ def _promoted(t: Trace, *xs: Any) -> list["Tensor"]:
     return out
 
 
+#: The op names errors use (rlx's, as the native side names them) for the binary kinds.
+_BINARY_NAMES = {"floordiv": "floor_divide", "mod": "remainder", "lt": "less", "le": "less_equal",
+                 "gt": "greater", "ge": "greater_equal", "eq": "equal", "ne": "not_equal"}
+
+
 def _binary(kind: str, a: Any, b: Any) -> "Tensor":
     t = _trace_of(a, b)
-    a, b = _promoted(t, a, b)
+    a, b = _promoted(t, a, b, op=_BINARY_NAMES.get(kind, kind))
     return Tensor(t, t.graph.binary(kind, a._id, b._id))
 
 
@@ -172,7 +202,8 @@ class Tensor:
 
     @property
     def dtype(self) -> str:
-        """The element type: ``"float32"`` or ``"int32"``."""
+        """The element type: ``"float32"``, ``"int32"``, or one of rlx's other dtypes
+        (``"float16"``, ``"bfloat16"``, ``"float64"``, ``"int64"``, ``"bool"``)."""
         return self._trace.graph.dtype(self._id)
 
     @property
@@ -361,6 +392,8 @@ class Tensor:
         integer array) as the only index picks rows of a float32 tensor (gather along axis 0)."""
         if isinstance(key, Tensor) or (isinstance(key, (np.ndarray, list)) and np.asarray(key).dtype.kind in "iu"):
             ids = _as_tensor(key, self._trace)
+            if ids.dtype == "int64":
+                ids = ids.astype("int32")
             if ids.dtype != "int32":
                 raise DTypeError(f"[getitem] tensor indices must be int32, got {ids.dtype}")
             if self.ndim == 0:
@@ -403,9 +436,23 @@ class Tensor:
             axis += 1
         return out.reshape(*final) if tuple(final) != out.shape else out
 
-    def astype(self, dtype: str) -> "Tensor":
-        """The values converted to ``dtype`` (``"float32"`` / ``"int32"``)."""
-        return Tensor(self._trace, self._trace.graph.cast(self._id, str(dtype)))
+    def astype(self, dtype: Any) -> "Tensor":
+        """The values converted to ``dtype``: ``"float32"``, ``"float16"``, ``"bfloat16"``,
+        ``"float64"``, ``"int32"``, ``"int64"``, ``"bool"`` (or the numpy dtype). Narrowing
+        floats round to nearest even (overflow gives inf, NaN stays NaN); float -> int truncates
+        toward zero and saturates (NaN gives 0); int64 -> int32 wraps, except that int64 ids and
+        labels fed to a compiled function are checked against their range before the cast;
+        anything -> bool is ``x != 0``. Gradients flow back through casts between float dtypes
+        (cast back to the input's dtype), never into integers or bools.
+
+        Example:
+            >>> def forward(model, x):                 # x: a float16 input
+            ...     return model(x.astype("float32"))
+        """
+        to = parse_dtype("astype", dtype)
+        if to == self.dtype:
+            return self
+        return Tensor(self._trace, self._trace.graph.cast(self._id, to))
 
 
 def _int_pow(x: Tensor, p: int) -> Tensor:
@@ -530,7 +577,7 @@ def where(cond: Any, a: Any, b: Any) -> Tensor:
     """
     t = _trace_of(cond, a, b)
     c = _as_tensor(cond, t)
-    a, b = _promoted(t, a, b)
+    a, b = _promoted(t, a, b, op="where", moves=True)
     return Tensor(t, t.graph.where_(c._id, a._id, b._id))
 
 
@@ -579,7 +626,7 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
 
 
 def embedding(table: Any, ids: Any) -> Tensor:
-    """Rows of ``table`` (num, dim) picked by int32 ``ids`` of any shape: ``ids.shape + (dim,)``.
+    """Rows of ``table`` (num, dim) picked by int32 (or int64) ``ids`` of any shape: ``ids.shape + (dim,)``.
 
     Example:
         >>> def forward(model, ids):
@@ -587,6 +634,8 @@ def embedding(table: Any, ids: Any) -> Tensor:
     """
     t = _trace_of(table, ids)
     tb, ix = _as_tensor(table, t), _as_tensor(ids, t)
+    if ix.dtype == "int64":
+        ix = ix.astype("int32")  # fed ids are range-checked before the cast; see Tensor.astype
     return Tensor(t, t.graph.gather(tb._id, ix._id))
 
 
@@ -600,7 +649,7 @@ def concat(tensors: Sequence[Any], axis: int = 0) -> Tensor:
     if not tensors:
         raise ShapeError("[concat] needs at least one tensor")
     t = _trace_of(*tensors)
-    ts = _promoted(t, *tensors)
+    ts = _promoted(t, *tensors, op="concat", moves=True)
     return Tensor(t, t.graph.concat([x._id for x in ts], int(axis)))
 
 
@@ -747,7 +796,7 @@ def minimum(a: Any, b: Any) -> Tensor:
 
 def _extremum(a: Any, b: Any, is_max: bool) -> Tensor:
     t = _trace_of(a, b)
-    a, b = _promoted(t, a, b)
+    a, b = _promoted(t, a, b, op="maximum" if is_max else "minimum")
     first, second = (a > b, a < b) if is_max else (a < b, a > b)
     if a.dtype == "int32":
         return where(first, a, b)

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 import numpy as np
 
 from . import _check, _rlx
-from ._arrays import contiguous
+from ._arrays import _NP, DTYPES, FLOATS, contiguous, from_bytes, parse_dtype, raw
 from ._random import rng
 from ._tensor import (
     Tensor,
@@ -35,9 +35,6 @@ from ._tensor import (
 from ._vision import avg_pool2d, batch_norm, conv2d, dropout, max_pool2d
 from .errors import CheckpointError, DTypeError, InputError, RlxError, ShapeError
 
-_DTYPES = {"float32": np.float32, "int32": np.int32}
-
-
 #: Bumped whenever a Parameter, buffer or sub-module is assigned, replaced or removed anywhere;
 #: compiled executables re-check their model's structure only when it moved.
 _STRUCTURE = [0]
@@ -53,7 +50,9 @@ def _bump() -> None:
 
 
 class Parameter:
-    """A trainable float32 tensor.
+    """A trainable tensor: float32 unless ``dtype`` says otherwise (``"float16"``,
+    ``"bfloat16"``, ``"float64"`` hold and checkpoint values, but rlx computes only in float32
+    so far: compiling a model that holds them raises ``DTypeError``; see ``Module.to``).
 
     Before compiling, ``numpy()`` returns the parameter's own host array. After compiling on a
     host-visible device it is a zero-copy view into the weight store: writing to it changes what
@@ -67,14 +66,27 @@ class Parameter:
 
     _is_buffer = False
 
-    def __init__(self, data: Any, requires_grad: bool = True) -> None:
+    #: The dtypes this kind of tensor may hold.
+    _allowed = FLOATS
+
+    def __init__(self, data: Any, requires_grad: bool = True, dtype: Any = None) -> None:
         try:
             arr = np.asarray(data)
         except (TypeError, ValueError) as e:
             raise DTypeError(f"[Parameter] cannot make an array of {type(data).__name__}: {e}") from None
-        if arr.dtype.kind != "f":
-            raise DTypeError(f"[Parameter] parameters are float32; got an array of dtype {arr.dtype}")
-        self._host: np.ndarray | None = contiguous(arr, np.float32).copy()
+        kind = type(self).__name__
+        if dtype is None:
+            if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16" and not self._is_buffer:
+                raise DTypeError(f"[{kind}] parameters are float32; got an array of dtype {arr.dtype}")
+            dtype = "float32"  # as before: float arrays of any width become float32
+            if self._is_buffer and arr.dtype.kind in "iub":
+                dtype = parse_dtype(kind, arr.dtype)  # int32, int64 and bool buffers keep their dtype
+        self._dtype = parse_dtype(kind, dtype)
+        if self._dtype not in self._allowed:
+            raise DTypeError(f"[{kind}] a {kind.lower()} holds one of {list(self._allowed)}, got {self._dtype}")
+        if arr.dtype.kind not in "biuf" and arr.dtype.name != "bfloat16":
+            raise DTypeError(f"[{kind}] cannot make a {self._dtype} tensor of an array of dtype {arr.dtype}")
+        self._host: np.ndarray | None = contiguous(to_dtype(arr, self._dtype)).copy()
         self._store: Any = None
         self._name: str | None = None
         self._view: np.ndarray | None = None
@@ -103,8 +115,8 @@ class Parameter:
 
     @property
     def dtype(self) -> str:
-        """The element type, ``"float32"``."""
-        return "float32"
+        """The element type: ``"float32"`` unless made or converted (``Module.to``) otherwise."""
+        return self._dtype
 
     @property
     def ndim(self) -> int:
@@ -129,8 +141,8 @@ class Parameter:
         raw = self._store.view(self._name)
         if raw is None:
             # Device memory (CUDA): a read-only copy; writes go through assignment, not the array.
-            return np.frombuffer(self._store.read(self._name), dtype=np.float32).reshape(shape)
-        self._view = np.frombuffer(raw, dtype=np.float32).reshape(shape)
+            return from_bytes(self._store.read(self._name), self._dtype, shape)
+        self._view = from_bytes(raw, self._dtype, shape)
         return self._view
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
@@ -142,13 +154,20 @@ class Parameter:
         return values if dtype is None else values.astype(dtype, copy=False)
 
     def _assign(self, values: np.ndarray) -> None:
-        """Overwrites the values in place (shape already checked)."""
-        values = contiguous(values, np.float32)
+        """Overwrites the values in place (shape and dtype already checked)."""
+        values = contiguous(values, _NP[self._dtype])
         if self._store is None:
             assert self._host is not None
             self._host[...] = values
         else:
-            self._store.write(self._name, values.reshape(-1))
+            self._store.write(self._name, raw(values.reshape(-1)))
+
+    def _convert(self, dtype: str) -> None:
+        """Holds its values as ``dtype`` from now on, on the host until the next compile (a
+        weight store has a fixed layout: the model's next compile makes a new one)."""
+        self._host = contiguous(to_dtype(np.array(self.numpy()), dtype)).copy()
+        self._store, self._name, self._view = None, None, None
+        self._dtype = dtype
 
     def _bind(self, store: Any, name: str) -> None:
         self._store_shape = self.shape
@@ -165,16 +184,17 @@ class Parameter:
             )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"data": np.array(self.numpy(), dtype=np.float32), "requires_grad": self._requires_grad}
+        return {"data": np.array(self.numpy()), "requires_grad": self._requires_grad, "dtype": self._dtype}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._host = np.array(state["data"], dtype=np.float32)
+        self._dtype = state.get("dtype", "float32")
+        self._host = np.array(state["data"], dtype=_NP[self._dtype])
         self._store, self._name, self._view = None, None, None
         self._requires_grad = bool(state.get("requires_grad", True))
 
     def __repr__(self) -> str:
         frozen = "" if self._requires_grad or self._is_buffer else ", requires_grad=False"
-        return f"{type(self).__name__}(shape={self.shape}, dtype=float32{frozen})"
+        return f"{type(self).__name__}(shape={self.shape}, dtype={self._dtype}{frozen})"
 
     # Parameters take part in traced arithmetic like tensors.
     def _t(self) -> Tensor:
@@ -208,9 +228,10 @@ class Buffer(Parameter):
     """
 
     _is_buffer = True
+    _allowed = DTYPES
 
-    def __init__(self, data: Any) -> None:
-        super().__init__(data, requires_grad=False)
+    def __init__(self, data: Any, dtype: Any = None) -> None:
+        super().__init__(data, requires_grad=False, dtype=dtype)
 
     def update(self, value: Any) -> None:
         """Inside a traced training step: after each call of the compiled step (one that is not
@@ -228,8 +249,8 @@ class Buffer(Parameter):
             raise RlxError("[Buffer.update] only inside a traced function (a layer's __call__ during compile)")
         if not isinstance(value, Tensor):
             value = trace.constant(np.broadcast_to(np.asarray(value, np.float32), self.shape))
-        if tuple(value.shape) != self.shape or value.dtype != "float32":
-            raise ShapeError(f"[Buffer.update] the buffer is float32 {self.shape}, the update {value.dtype} {tuple(value.shape)}")
+        if tuple(value.shape) != self.shape or value.dtype != self.dtype:
+            raise ShapeError(f"[Buffer.update] the buffer is {self.dtype} {self.shape}, the update {value.dtype} {tuple(value.shape)}")
         updates = trace.__dict__.setdefault("buffer_updates", {})
         updates[id(self)] = (self, value)
 
@@ -312,22 +333,63 @@ def _to_array(name: str, value: Any) -> np.ndarray:
     return arr
 
 
-def _cast(name: str, arr: np.ndarray) -> np.ndarray:
-    """Casts to float32 as PyTorch's ``copy_`` does (integers, bools, float16/64, bfloat16)."""
-    if arr.dtype.kind in "biuf" or arr.dtype.name == "bfloat16":
-        return np.ascontiguousarray(arr, dtype=np.float32)
-    raise CheckpointError(f"'{name}': cannot load a {arr.dtype} array into a float32 parameter")
+def _cast(name: str, arr: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    """Casts to the tensor's ``dtype`` as PyTorch's ``copy_`` does: into a float tensor from any
+    number (floats round to nearest even: float64 / float32 -> float16 / bfloat16 included);
+    into an integer tensor from integers whose values fit (out of range: ``CheckpointError``
+    naming the tensor; floats are refused rather than truncated); into bool from bools."""
+    if not (arr.dtype.kind in "biuf" or arr.dtype.name == "bfloat16"):
+        raise CheckpointError(f"'{name}': cannot load a {arr.dtype} array into a {dtype} tensor")
+    if dtype in ("int32", "int64"):
+        if arr.dtype.kind not in "biu":
+            raise CheckpointError(f"'{name}': cannot load {arr.dtype} values into an {dtype} tensor")
+        info = np.iinfo(dtype)
+        if arr.size and arr.dtype.kind != "b" and (int(arr.min()) < info.min or int(arr.max()) > info.max):
+            raise CheckpointError(f"'{name}': values {arr.min()}..{arr.max()} do not fit in the model's {dtype}")
+    elif dtype == "bool" and arr.dtype.kind != "b":
+        raise CheckpointError(f"'{name}': cannot load {arr.dtype} values into a bool tensor")
+    return to_dtype(arr, dtype)
 
 
-#: Float dtypes (safetensors names) a checkpoint may hold for float32 parameters, by size.
-_FILE_FLOATS = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
-_FILE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I32": "int32", "I64": "int64"}
+def _round_odd_f32(x: np.ndarray) -> np.ndarray:
+    """float64 values as float32 rounded to odd (an inexact result steps toward zero and gets
+    its last bit set), so that rounding them again to bfloat16 rounds correctly once."""
+    f = x.astype(np.float32)
+    back = f.astype(np.float64)
+    inexact = (back != x) & np.isfinite(x)
+    bits = f.view(np.uint32).copy()
+    bits[inexact & (np.abs(back) > np.abs(x))] -= 1
+    bits[inexact] |= 1
+    return bits.view(np.float32)
+
+
+def to_dtype(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """A C-contiguous copy (or ``arr`` itself) in rlx ``dtype``, rounding to nearest even once:
+    float64 -> bfloat16 through a float32 rounded to odd (``ml_dtypes`` goes through a plain
+    float32, which can round twice); numpy's own conversions are correct for the others."""
+    if dtype == "bfloat16" and arr.dtype == np.float64:
+        arr = _round_odd_f32(arr)
+    return contiguous(arr, _NP[dtype])
+
+
+#: safetensors dtype names -> rlx's, and the bytes per element of each.
+_FILE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I32": "int32",
+               "I64": "int64", "BOOL": "bool"}
+_FILE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I32": 4, "I64": 8, "BOOL": 1}
+
+
+def _loads_into(file_dtype: str, dtype: str) -> bool:
+    """Whether a checkpoint tensor of ``file_dtype`` (rlx name) loads into a ``dtype`` tensor."""
+    if dtype in FLOATS:
+        return file_dtype in FLOATS
+    if dtype in ("int32", "int64"):
+        return file_dtype in ("int32", "int64")
+    return file_dtype == dtype
 
 
 def _from_file(dtype: str, shape: list[int], data: bytes) -> np.ndarray:
-    if dtype == "bfloat16":
-        bits = np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16
-        return bits.view(np.float32).reshape(shape)
+    if dtype in DTYPES:
+        return from_bytes(data, dtype, shape)
     return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
 
 
@@ -382,6 +444,8 @@ class Module:
 
     def register_buffer(self, name: str, value: Any) -> None:
         """Adds non-trainable state ``name`` (saved in checkpoints, listed by ``buffers()``).
+        Float arrays become float32 (``Buffer(value, dtype=...)`` keeps another float dtype);
+        int32, int64 and bool arrays keep their dtype.
 
         Example:
             >>> m = rlx.nn.Module()
@@ -469,6 +533,27 @@ class Module:
         """
         return self.train(False)
 
+    def to(self, dtype: Any) -> "Module":
+        """Converts every floating-point parameter and buffer to ``dtype`` (``"float32"``,
+        ``"float16"``, ``"bfloat16"``, ``"float64"``), rounding to nearest even, as PyTorch's
+        ``module.to(dtype)``; integer and bool buffers are kept. Returns the module. rlx
+        computes in float32 only so far: a model in another dtype can be stored, saved and
+        loaded, but compiling it raises ``DTypeError`` naming the parameter.
+
+        Example:
+            >>> m = rlx.nn.Linear(3, 2).to("bfloat16")
+            >>> m.weight.dtype
+            'bfloat16'
+        """
+        to = parse_dtype("Module.to", dtype)
+        if to not in FLOATS:
+            raise DTypeError(f"[Module.to] parameters are floating point; {to} is not one of {list(FLOATS)}")
+        for name, p in self._tensors().items():
+            if p.dtype in FLOATS and p.dtype != to:
+                p._convert(to)
+        _bump()
+        return self
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         forward = getattr(self, "forward", None)
         if forward is None:
@@ -483,7 +568,7 @@ class Module:
         with _STORE_LOCK:
             self._init_registry()
             params = self._tensors()
-            layout = [(n, list(p.shape), "float32") for n, p in params.items()]
+            layout = [(n, list(p.shape), p.dtype) for n, p in params.items()]
             store = self._stores.get(device)
             if store is not None and store.entries() == [(n, s, d) for n, s, d in layout] and all(
                 p._store is store and p._name == n for n, p in params.items()
@@ -493,15 +578,16 @@ class Module:
                 p._detach_check(n)
             store = _rlx.Store(device, layout)
             for n, p in params.items():
-                store.write(n, contiguous(p.numpy(), np.float32).reshape(-1))
+                store.write(n, raw(contiguous(p.numpy(), _NP[p.dtype]).reshape(-1)))
             for n, p in params.items():
                 p._bind(store, n)
             self._stores[device] = store
             return store
 
     def _signature(self) -> tuple[Any, ...]:
-        """What compiled executables depend on: every tensor's name, identity and trainability."""
-        return tuple((n, id(p), p._requires_grad) for n, p in self._tensors().items())
+        """What compiled executables depend on: every tensor's name, identity, trainability and
+        dtype."""
+        return tuple((n, id(p), p._requires_grad, p._dtype) for n, p in self._tensors().items())
 
     # --- copies --------------------------------------------------------------------------------
 
@@ -529,11 +615,12 @@ class Module:
                 out[n] = p._host.copy()
             else:
                 raw = read[id(p._store)][p._name]
-                out[n] = np.frombuffer(raw, dtype=np.float32).reshape(p._store_shape).copy()
+                out[n] = from_bytes(raw, p.dtype, p._store_shape).copy()
         return out
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Copies of every parameter and buffer by dotted name (PyTorch's names and layouts).
+        """Copies of every parameter and buffer by dotted name (PyTorch's names and layouts), each
+        in its dtype (bfloat16 as ``ml_dtypes.bfloat16`` arrays).
 
         Example:
             >>> sd = rlx.nn.Linear(3, 2).state_dict()
@@ -577,7 +664,7 @@ class Module:
                     )
                 hint = " (PyTorch's Linear layout is (out_features, in_features))" if name in linear else ""
                 raise CheckpointError(f"{where}'{name}' has shape {shape} but the model's is {p.shape}{hint}")
-            ready[name] = _cast(name, arr)
+            ready[name] = _cast(name, arr, p.dtype)
         # One write per weight store: a function running in another thread sees all old values
         # or all new ones.
         by_store: dict[int, tuple[Any, list[tuple[str, np.ndarray]]]] = {}
@@ -586,13 +673,14 @@ class Module:
             if p._store is None:
                 p._assign(arr)
             else:
-                by_store.setdefault(id(p._store), (p._store, []))[1].append((p._name, arr.reshape(-1)))
+                by_store.setdefault(id(p._store), (p._store, []))[1].append((p._name, raw(arr.reshape(-1))))
         for store, writes in by_store.values():
             store.write_many(writes)
         return IncompatibleKeys(missing, unexpected)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> IncompatibleKeys:
-        """Loads values by dotted name, cast to float32 as PyTorch's ``copy_`` does.
+        """Loads values by dotted name, cast to each tensor's dtype as PyTorch's ``copy_`` does
+        (integer tensors take integers that fit, else ``CheckpointError``).
 
         ``state_dict`` may hold numpy arrays, PyTorch tensors or anything with ``__array__`` /
         ``__dlpack__``. With ``strict=True`` (default) a missing or unexpected name raises
@@ -624,15 +712,18 @@ class Module:
             >>> rlx.nn.Linear(3, 2).save("lin.safetensors")
         """
         path = _check.path("save", path)
-        tensors = [(n, "float32", list(v.shape), v.reshape(-1)) for n, v in self._snapshot().items()]
+        params = self._tensors()
+        tensors = [(n, params[n].dtype, list(v.shape), raw(v.reshape(-1))) for n, v in self._snapshot().items()]
         from . import distributed
 
         distributed._on_rank0(lambda: _rlx.save_checkpoint(str(path), tensors, {LAYOUT_KEY: LAYOUT}))
 
     def load(self, path: str, legacy_layout: bool = False) -> None:
         """Loads a safetensors checkpoint: rlx's own, or one written by
-        ``safetensors.torch.save_file(model.state_dict(), path)`` (float16 / bfloat16 / float64
-        tensors are cast to float32). Every name and shape is checked before any weight changes;
+        ``safetensors.torch.save_file(model.state_dict(), path)``. Each tensor is cast to the
+        model's dtype for it: float16 / bfloat16 / float32 / float64 into any float tensor,
+        int32 / int64 into integer tensors when the values fit (else ``CheckpointError`` naming
+        the tensor). Every name and shape is checked before any weight changes;
         on a mismatch ``CheckpointError`` is raised and nothing changes. Files from rlx before
         0.2 stored Linear weights transposed: they are refused unless ``legacy_layout=True``.
 
@@ -652,18 +743,20 @@ class Module:
         for name, p in params.items():
             dtype, shape = header[name]
             shown = _FILE_NAMES.get(dtype, dtype)
-            if dtype not in _FILE_FLOATS:
-                raise CheckpointError(f"{path}: '{name}' is {shown} {shape} in the checkpoint but float32 {p.shape} in "
-                                      "the model (float32/float16/bfloat16/float64 tensors load by casting)")
+            if not _loads_into(shown, p.dtype):
+                how = ("float32/float16/bfloat16/float64 tensors load by casting" if p.dtype in FLOATS else
+                       "int32/int64 tensors load when the values fit" if p.dtype != "bool" else "bool loads from bool only")
+                raise CheckpointError(f"{path}: '{name}' is {shown} {shape} in the checkpoint but {p.dtype} {p.shape} in "
+                                      f"the model ({how})")
             transposed = name in linear and shape == p.shape[::-1]
             if shape != p.shape and not transposed:
-                raise CheckpointError(f"{path}: '{name}' is {shown} {shape} in the checkpoint but float32 {p.shape} in the model")
-        expected = sum(_FILE_FLOATS[header[n][0]] * int(np.prod(p.shape)) for n, p in params.items())
+                raise CheckpointError(f"{path}: '{name}' is {shown} {shape} in the checkpoint but {p.dtype} {p.shape} in the model")
+        expected = sum(_FILE_SIZES[header[n][0]] * int(np.prod(p.shape)) for n, p in params.items())
         tensors, metadata = _rlx.load_checkpoint_raw(str(path), expected)
         arrays = {}
         for name, file_dtype, file_shape, data in tensors:
-            if file_dtype not in ("float32", "float16", "bfloat16", "float64"):
-                raise CheckpointError(f"{path}: '{name}' is {file_dtype}; parameters load from float tensors only")
+            if not _loads_into(file_dtype, params[name].dtype):
+                raise CheckpointError(f"{path}: '{name}' is {file_dtype}; the model's tensor is {params[name].dtype}")
             arrays[name] = _from_file(file_dtype, file_shape, data)
         self._check_and_assign(arrays, True, f"{path}: ", marked_new_layout=metadata.get(LAYOUT_KEY) == LAYOUT, from_file=True,
                                legacy_layout=bool(legacy_layout))
@@ -834,14 +927,14 @@ class Linear(Module):
         Linear(in_features=64, out_features=10, bias=True)
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, dtype: Any = None) -> None:
         in_features = _check.integer("Linear", "in_features", in_features, lo=1)
         out_features = _check.integer("Linear", "out_features", out_features, lo=1)
         _check.fits_in_memory("Linear", (in_features, out_features))
         bound = 1.0 / math.sqrt(in_features)
         self.in_features, self.out_features = in_features, out_features
-        self.weight = Parameter(rng().uniform(-bound, bound, (out_features, in_features)))
-        self.bias = Parameter(rng().uniform(-bound, bound, (out_features,))) if bias else None
+        self.weight = Parameter(rng().uniform(-bound, bound, (out_features, in_features)), dtype=dtype)
+        self.bias = Parameter(rng().uniform(-bound, bound, (out_features,)), dtype=dtype) if bias else None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -879,7 +972,8 @@ class Conv2d(Module):
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
-                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = True) -> None:
+                 stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0, bias: bool = True, *,
+                 dtype: Any = None) -> None:
         from ._vision import _pair
 
         cin = _check.integer("Conv2d", "in_channels", in_channels, lo=1)
@@ -891,8 +985,8 @@ class Conv2d(Module):
         kh, kw = self.kernel_size
         _check.fits_in_memory("Conv2d", (cout, cin, kh, kw))
         bound = 1.0 / math.sqrt(cin * kh * kw)
-        self.weight = Parameter(rng().uniform(-bound, bound, (cout, cin, kh, kw)))
-        self.bias = Parameter(rng().uniform(-bound, bound, (cout,))) if bias else None
+        self.weight = Parameter(rng().uniform(-bound, bound, (cout, cin, kh, kw)), dtype=dtype)
+        self.bias = Parameter(rng().uniform(-bound, bound, (cout,)), dtype=dtype) if bias else None
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
@@ -1158,12 +1252,12 @@ class Embedding(Module):
         >>> tok = rlx.nn.Embedding(256, 64)          # ids (B, T) -> (B, T, 64)
     """
 
-    def __init__(self, num: int, dim: int) -> None:
+    def __init__(self, num: int, dim: int, *, dtype: Any = None) -> None:
         num = _check.integer("Embedding", "num", num, lo=1)
         dim = _check.integer("Embedding", "dim", dim, lo=1)
         _check.fits_in_memory("Embedding", (num, dim))
         self.num, self.dim = num, dim
-        self.weight = Parameter(rng().standard_normal((num, dim)))
+        self.weight = Parameter(rng().standard_normal((num, dim)), dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num}, {self.dim}"
@@ -1179,13 +1273,13 @@ class LayerNorm(Module):
         >>> ln = rlx.nn.LayerNorm(64)
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, *, dtype: Any = None) -> None:
         dim = _check.integer("LayerNorm", "dim", dim, lo=1)
         eps = _check.number("LayerNorm", "eps", eps, lo=0.0)
         _check.fits_in_memory("LayerNorm", (dim,))
         self.dim, self.eps = dim, eps
-        self.weight = Parameter(np.ones(dim, np.float32))
-        self.bias = Parameter(np.zeros(dim, np.float32))
+        self.weight = Parameter(np.ones(dim, np.float32), dtype=dtype)
+        self.bias = Parameter(np.zeros(dim, np.float32), dtype=dtype)
 
     def extra_repr(self) -> str:
         return f"({self.dim},), eps={self.eps}"

@@ -98,6 +98,31 @@ impl CpuProgram {
     }
 }
 
+/// Runs `$body` with `$T` the unsigned integer type of `$dt`'s element size: data movement
+/// copies elements as plain bits, so one instance per size serves every dtype.
+macro_rules! by_size {
+    ($dt:expr, $T:ident => $body:expr) => {
+        match $dt.size() {
+            1 => {
+                type $T = u8;
+                $body
+            }
+            2 => {
+                type $T = u16;
+                $body
+            }
+            4 => {
+                type $T = u32;
+                $body
+            }
+            _ => {
+                type $T = u64;
+                $body
+            }
+        }
+    };
+}
+
 fn last(dims: &[usize]) -> usize {
     dims.last().copied().unwrap_or(1)
 }
@@ -114,7 +139,7 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             // SAFETY: inputs are only read, and `CpuProgram::new` proved `out` overlaps none of
             // them (the caller's contract), so no `&mut` aliases these slices.
             DType::F32 => unsafe { b.get::<f32>(t) },
-            DType::I32 => &[],
+            _ => &[],
         })
         .collect();
     let f = |i: usize| floats[i];
@@ -209,6 +234,12 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                     od,
                     b.get_mut::<f32>(out),
                 ),
+                (dt, _) => {
+                    return Err(Error::Internal(format!(
+                        "[{}] reached the cpu kernel with {dt} operands",
+                        op.name()
+                    )))
+                }
             }
         },
         Op::MatMul { trans_a, trans_b } => matmul::matmul(
@@ -230,12 +261,9 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                 Op::Transpose { perm } => Strided::permuted(sh(0), perm),
                 _ => Strided::broadcast(sh(0), od),
             };
-            match out.dtype {
-                DType::F32 => layout::gather(f(0), &src, od, unsafe { b.get_mut(out) }),
-                DType::I32 => unsafe {
-                    layout::gather(b.get::<i32>(&ins[0]), &src, od, b.get_mut::<i32>(out))
-                },
-            }
+            by_size!(out.dtype, T => unsafe {
+                layout::gather(b.get::<T>(&ins[0]), &src, od, b.get_mut::<T>(out))
+            })
         }
         Op::Softmax { axis } => nn::softmax(f(0), sh(0), *axis, false, unsafe { b.get_mut(out) }),
         Op::LogSoftmax { axis } => nn::softmax(f(0), sh(0), *axis, true, unsafe { b.get_mut(out) }),
@@ -261,42 +289,54 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                         .collect();
                     &cond
                 }
-            };
-            match out.dtype {
-                DType::F32 => elementwise::select(c, sh(0), f(1), sh(1), f(2), sh(2), od, unsafe {
-                    b.get_mut(out)
-                }),
-                DType::I32 => unsafe {
-                    elementwise::select(
-                        c,
-                        sh(0),
-                        b.get::<i32>(&ins[1]),
-                        sh(1),
-                        b.get::<i32>(&ins[2]),
-                        sh(2),
-                        od,
-                        b.get_mut(out),
-                    )
-                },
-            }
-        }
-        Op::Cast { to } => unsafe {
-            match (ins[0].dtype, to) {
-                (DType::F32, DType::F32) => b.get_mut::<f32>(out).copy_from_slice(f(0)),
-                (DType::I32, DType::I32) => {
-                    b.get_mut::<i32>(out).copy_from_slice(b.get::<i32>(&ins[0]))
+                DType::Bool => {
+                    cond = unsafe { b.get::<u8>(&ins[0]) }
+                        .iter()
+                        .map(|&v| (v != 0) as i32 as f32)
+                        .collect();
+                    &cond
                 }
-                (DType::F32, DType::I32) => b
-                    .get_mut::<i32>(out)
-                    .iter_mut()
-                    .zip(f(0))
-                    .for_each(|(o, &x)| *o = x as i32),
-                (DType::I32, DType::F32) => b
-                    .get_mut::<f32>(out)
-                    .iter_mut()
-                    .zip(b.get::<i32>(&ins[0]))
-                    .for_each(|(o, &x)| *o = x as f32),
-            }
+                dt => {
+                    return Err(Error::Internal(format!(
+                        "[where] reached the cpu kernel with a {dt} condition"
+                    )))
+                }
+            };
+            by_size!(out.dtype, T => unsafe {
+                elementwise::select(
+                    c,
+                    sh(0),
+                    b.get::<T>(&ins[1]),
+                    sh(1),
+                    b.get::<T>(&ins[2]),
+                    sh(2),
+                    od,
+                    b.get_mut::<T>(out),
+                )
+            })
+        }
+        Op::Cast { .. } => unsafe {
+            use cast::{Dst, Src};
+            let x = &ins[0];
+            let src = match x.dtype {
+                DType::F32 => Src::F32(b.get(x)),
+                DType::I32 => Src::I32(b.get(x)),
+                DType::F16 => Src::F16(b.get(x)),
+                DType::BF16 => Src::BF16(b.get(x)),
+                DType::F64 => Src::F64(b.get(x)),
+                DType::I64 => Src::I64(b.get(x)),
+                DType::Bool => Src::Bool(b.get(x)),
+            };
+            let dst = match out.dtype {
+                DType::F32 => Dst::F32(b.get_mut(out)),
+                DType::I32 => Dst::I32(b.get_mut(out)),
+                DType::F16 => Dst::F16(b.get_mut(out)),
+                DType::BF16 => Dst::BF16(b.get_mut(out)),
+                DType::F64 => Dst::F64(b.get_mut(out)),
+                DType::I64 => Dst::I64(b.get_mut(out)),
+                DType::Bool => Dst::Bool(b.get_mut(out)),
+            };
+            cast::cast(src, dst)
         },
         Op::Gather => nn::gather(f(0), sh(0)[0], unsafe { b.get::<i32>(&ins[1]) }, unsafe {
             b.get_mut(out)
@@ -316,39 +356,19 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                 b.get_mut(out)
             })
         }
-        Op::Slice { axis, start, .. } => match out.dtype {
-            DType::F32 => layout::slice(f(0), sh(0), *axis, *start, unsafe { b.get_mut(out) }),
-            DType::I32 => unsafe {
-                layout::slice(b.get::<i32>(&ins[0]), sh(0), *axis, *start, b.get_mut(out))
-            },
-        },
-        Op::Pad { axis, before, .. } => match out.dtype {
-            DType::F32 => layout::pad(f(0), sh(0), *axis, *before, od, unsafe { b.get_mut(out) }),
-            DType::I32 => unsafe {
-                layout::pad(
-                    b.get::<i32>(&ins[0]),
-                    sh(0),
-                    *axis,
-                    *before,
-                    od,
-                    b.get_mut(out),
-                )
-            },
-        },
-        Op::Concat { axis } => match out.dtype {
-            DType::F32 => {
-                let parts: Vec<(&[f32], &[usize])> =
-                    (0..ins.len()).map(|i| (f(i), sh(i))).collect();
-                layout::concat(&parts, *axis, od, unsafe { b.get_mut(out) })
-            }
-            DType::I32 => unsafe {
-                let parts: Vec<(&[i32], &[usize])> = ins
-                    .iter()
-                    .map(|t| (b.get::<i32>(t), t.shape.dims()))
-                    .collect();
-                layout::concat(&parts, *axis, od, b.get_mut(out))
-            },
-        },
+        Op::Slice { axis, start, .. } => by_size!(out.dtype, T => unsafe {
+            layout::slice(b.get::<T>(&ins[0]), sh(0), *axis, *start, b.get_mut::<T>(out))
+        }),
+        Op::Pad { axis, before, .. } => by_size!(out.dtype, T => unsafe {
+            layout::pad(b.get::<T>(&ins[0]), sh(0), *axis, *before, od, b.get_mut::<T>(out))
+        }),
+        Op::Concat { axis } => by_size!(out.dtype, T => unsafe {
+            let parts: Vec<(&[T], &[usize])> = ins
+                .iter()
+                .map(|t| (b.get::<T>(t), t.shape.dims()))
+                .collect();
+            layout::concat(&parts, *axis, od, b.get_mut::<T>(out))
+        }),
         Op::Im2Col(w) => conv::im2col(f(0), sh(0), w, unsafe { b.get_mut(out) }),
         Op::Col2Im { window, .. } => conv::col2im(f(0), window, od, unsafe { b.get_mut(out) }),
         Op::Pool2d { window, max } => {

@@ -4,8 +4,8 @@
 //! race-free atomic byte copies, the typed slices a run hands to kernels), `exec.rs` (taking each
 //! instruction's slices, after `CpuProgram::new` checked every range and that no output overlaps
 //! an input; implementing the `unsafe` `Compiled::run`), `isa.rs` (calling the AVX2+FMA copy of a
-//! kernel loop after feature detection) and `kernels/matmul.rs` (the GEMM call, its bounds
-//! asserted first). Kernels themselves are safe code over slices.
+//! kernel loop after feature detection), `f16c.rs` (the F16C float16 conversions, after feature
+//! detection) and `kernels/matmul.rs` (the GEMM call, its bounds asserted first). Kernels themselves are safe code over slices.
 //!
 //! ```
 //! use rlx_ir::{DType, Graph, Op, Shape, UnaryOp};
@@ -30,6 +30,7 @@
 
 mod copy;
 mod exec;
+pub mod f16c;
 pub mod isa;
 mod kernels;
 mod mem;

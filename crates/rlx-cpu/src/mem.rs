@@ -311,8 +311,8 @@ impl Bases {
     /// No `&mut` slice overlapping `t` may be alive. `CpuProgram::new` guarantees that an
     /// instruction's output never overlaps its inputs; kernels take all inputs first, then the output.
     pub unsafe fn get<T: Elem>(&self, t: &TRef) -> &[T] {
-        // SAFETY: in bounds (see `ptr`), aligned (offsets are multiples of 64, elements are 4
-        // bytes), initialised (buffers are zeroed at allocation), no aliasing `&mut` (caller).
+        // SAFETY: in bounds (see `ptr`), aligned (offsets are multiples of 64, elements are at
+        // most 8 bytes), initialised (buffers are zeroed at allocation), no aliasing `&mut` (caller).
         unsafe { std::slice::from_raw_parts(self.ptr(t) as *const T, t.numel()) }
     }
 
@@ -327,10 +327,18 @@ impl Bases {
     }
 }
 
-/// Element types a kernel may view arena bytes as: 4-byte plain data, any bit pattern valid.
+/// Element types a kernel may view arena bytes as: plain data of 1, 2, 4 or 8 bytes (at most
+/// 8-byte aligned), any bit pattern valid. float16 and bfloat16 are viewed as `u16`, bool as
+/// `u8` (kernels write only 0 or 1 there).
 pub trait Elem: Copy + Send + Sync + 'static {}
 impl Elem for f32 {}
 impl Elem for i32 {}
+impl Elem for f64 {}
+impl Elem for i64 {}
+impl Elem for u8 {}
+impl Elem for u16 {}
+impl Elem for u32 {}
+impl Elem for u64 {}
 
 #[cfg(test)]
 mod tests {

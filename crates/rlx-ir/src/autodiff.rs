@@ -182,7 +182,8 @@ fn differentiable(op: &Op) -> bool {
     match op {
         // Floor division is piecewise constant: a zero gradient almost everywhere.
         Op::Binary(b) => !b.is_comparison() && *b != BinaryOp::FloorDiv,
-        Op::Cast { to } => *to == DType::F32,
+        // Gradients flow between float dtypes only; nothing flows to integers or bools.
+        Op::Cast { to } => to.is_float(),
         Op::StopGradient => false,
         _ => true,
     }
@@ -431,7 +432,18 @@ fn vjp(
             let (sa, sb) = (shape(g, ins[1]), shape(g, ins[2]));
             vec![None, Some(sum_to(g, da, &sa)?), Some(sum_to(g, db, &sb)?)]
         }
-        Op::Cast { .. } => vec![Some(gy)],
+        Op::Cast { .. } => {
+            // Back to the input's dtype (a float: `differentiable` stops at casts to integers,
+            // and only float nodes depend on the float32 `wrt`).
+            let from = g.node(ins[0]).dtype;
+            if !from.is_float() {
+                vec![None]
+            } else if g.node(gy).dtype == from {
+                vec![Some(gy)]
+            } else {
+                vec![Some(g.add(Op::Cast { to: from }, &[gy])?)]
+            }
+        }
         Op::Gather => {
             let rows = shape(g, ins[0]).0[0];
             vec![Some(g.add(Op::ScatterAdd { rows }, &[ins[1], gy])?), None]
@@ -584,6 +596,36 @@ fn reshape(g: &mut Graph, x: NodeId, kept: &Shape, keepdims: bool) -> Result<Nod
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A cast's gradient is cast back to the input's float dtype; none flows to an integer.
+    #[test]
+    fn cast_gradients_go_back_to_the_input_dtype() {
+        let mut g = Graph::new();
+        let x = g.param("x", Shape::new([3]), DType::F32).unwrap();
+        let h = g.add(Op::Cast { to: DType::BF16 }, &[x]).unwrap();
+        let y = g.add(Op::Cast { to: DType::F32 }, &[h]).unwrap();
+        let i = g.add(Op::Cast { to: DType::I64 }, &[x]).unwrap();
+        let f = g.add(Op::Cast { to: DType::F32 }, &[i]).unwrap();
+        let s = g.add(Op::Binary(BinaryOp::Add), &[y, f]).unwrap();
+        let sum = Op::Reduce {
+            op: ReduceOp::Sum,
+            axes: vec![0],
+            keepdims: false,
+        };
+        let loss = g.add(sum, &[s]).unwrap();
+        let bw = grad(&g, loss, &[x]).unwrap();
+        bw.verify().unwrap();
+        let dx = bw.node(bw.outputs()[1]);
+        assert_eq!(dx.dtype, DType::F32);
+        // dx = cast_f32(cast_bf16(gy)): the path through int64 adds nothing.
+        assert!(matches!(dx.op, Op::Cast { to: DType::F32 }), "{:?}", dx.op);
+        let inner = bw.node(dx.inputs[0]);
+        assert!(
+            matches!(inner.op, Op::Cast { to: DType::BF16 }),
+            "{:?}",
+            inner.op
+        );
+    }
 
     /// Slices of one tensor get one concat for their gradient, with zeros in the gaps.
     #[test]

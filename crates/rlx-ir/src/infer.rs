@@ -4,14 +4,17 @@ use crate::{BinaryOp, DType, Error, Node, Op, ReduceOp, Result, Shape};
 /// Infers the output shape and dtype of `op` applied to `ins`.
 pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
     let name = op.name();
+    // Operand `i` must be float32: int32 is a plain mismatch, the other dtypes have no kernels
+    // yet (the message lists every operand's dtype and says how to cast).
     let float = |i: usize| -> Result<()> {
-        if ins[i].dtype != DType::F32 {
-            return Err(Error::dtype(
+        match ins[i].dtype {
+            DType::F32 => Ok(()),
+            DType::I32 => Err(Error::dtype(
                 name,
                 format!("expects float32, got {}", ins[i].dtype),
-            ));
+            )),
+            _ => Err(unsupported(name, ins)),
         }
-        Ok(())
     };
     match op {
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => Err(Error::Graph(format!(
@@ -22,6 +25,12 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((ins[0].shape.clone(), DType::F32))
         }
         Op::Binary(b) => {
+            if ins
+                .iter()
+                .any(|x| !matches!(x.dtype, DType::F32 | DType::I32))
+            {
+                return Err(unsupported(name, ins));
+            }
             if ins[0].dtype != ins[1].dtype {
                 return Err(Error::dtype(
                     name,
@@ -114,6 +123,13 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => {
             float(0)?;
             let (l, y) = (&ins[0].shape, &ins[1].shape);
+            if ins[1].dtype == DType::I64 {
+                return Err(Error::dtype(
+                    name,
+                    "labels must be int32 class ids, got int64; cast them with .astype('int32') \
+                     (rlx.nn.functional.cross_entropy does so for you)",
+                ));
+            }
             if ins[1].dtype != DType::I32 {
                 return Err(Error::dtype(
                     name,
@@ -226,6 +242,9 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((out, DType::F32))
         }
         Op::Where => {
+            if !matches!(ins[0].dtype, DType::F32 | DType::I32 | DType::Bool) {
+                return Err(unsupported(name, ins));
+            }
             if ins[1].dtype != ins[2].dtype {
                 return Err(Error::dtype(
                     name,
@@ -241,6 +260,13 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
         Op::Cast { to } => Ok((ins[0].shape.clone(), *to)),
         Op::Gather => {
             float(0)?;
+            if ins[1].dtype == DType::I64 {
+                return Err(Error::dtype(
+                    name,
+                    "ids must be int32, got int64; cast them with .astype('int32') (rlx's \
+                     embedding and gather functions do so for you)",
+                ));
+            }
             if ins[1].dtype != DType::I32 {
                 return Err(Error::dtype(
                     name,
@@ -558,8 +584,21 @@ pub fn reduced_shape(s: &Shape, axes: &[usize], keepdims: bool) -> Shape {
     Shape(out)
 }
 
+/// The error for an op given dtypes it has no kernel for yet (float16, bfloat16, float64,
+/// int64, bool), naming the op and every operand's dtype.
+fn unsupported(name: &str, ins: &[&Node]) -> Error {
+    let dts: Vec<DType> = ins.iter().map(|x| x.dtype).collect();
+    Error::dtype(name, DType::not_supported(&dts))
+}
+
 fn matmul(a: &Node, b: &Node, ta: bool, tb: bool) -> Result<(Shape, DType)> {
     let (sa, sb) = (&a.shape, &b.shape);
+    if [a.dtype, b.dtype]
+        .iter()
+        .any(|d| !matches!(d, DType::F32 | DType::I32))
+    {
+        return Err(unsupported("matmul", &[a, b]));
+    }
     if a.dtype != DType::F32 || b.dtype != DType::F32 {
         return Err(Error::dtype(
             "matmul",
@@ -670,6 +709,51 @@ mod tests {
             let q = g.add(Op::Binary(op), &[a, b]).unwrap();
             assert_eq!(g.node(q).dtype, DType::I32);
         }
+    }
+
+    #[test]
+    fn new_dtypes_move_and_cast_but_do_not_compute() {
+        let mut g = Graph::new();
+        let h = g.input("h", Shape::new([2, 3]), DType::F16).unwrap();
+        let m = g.input("m", Shape::new([2, 1]), DType::Bool).unwrap();
+        let t = g.add(Op::Transpose { perm: vec![1, 0] }, &[h]).unwrap();
+        assert_eq!(g.node(t).dtype, DType::F16);
+        let c = g.add(Op::Concat { axis: 0 }, &[h, h]).unwrap();
+        assert_eq!(g.node(c).shape, Shape::new([4, 3]));
+        let w = g.add(Op::Where, &[m, h, h]).unwrap();
+        assert_eq!(g.node(w).dtype, DType::F16);
+        let f = g.add(Op::Cast { to: DType::F32 }, &[h]).unwrap();
+        assert_eq!(g.node(f).dtype, DType::F32);
+        let mm = Op::MatMul {
+            trans_a: false,
+            trans_b: true,
+        };
+        let e = g.add(mm, &[h, h]).unwrap_err();
+        assert!(matches!(e, Error::DType { .. }));
+        assert_eq!(
+            e.to_string(),
+            "[matmul] float16 x float16 is not supported yet; cast to float32 with .astype('float32')"
+        );
+        let e = g.add(Op::Binary(BinaryOp::Add), &[f, h]).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("[add] float32 x float16 is not supported yet"),
+            "{e}"
+        );
+        let i = g.input("i", Shape::new([2]), DType::I64).unwrap();
+        let e = g.add(Op::Binary(BinaryOp::Mul), &[i, i]).unwrap_err();
+        assert!(
+            e.to_string()
+                .ends_with("cast to int32 with .astype('int32')"),
+            "{e}"
+        );
+        let x = g.input("x", Shape::new([2, 3]), DType::F32).unwrap();
+        let e = g.add(Op::SoftmaxCrossEntropy, &[x, i]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("got int64; cast them with .astype('int32')"),
+            "{e}"
+        );
     }
 
     #[test]

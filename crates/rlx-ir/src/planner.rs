@@ -387,7 +387,7 @@ mod tests {
                     if !live[id] || gp.root[id] != id || storage(id) == Storage::External { continue; }
                     if pinned || (id <= step && step <= last[id]) {
                         let off = gp.offset[id].unwrap();
-                        spans.push((off, off + g.node(id).shape.numel() * 4, id));
+                        spans.push((off, off + g.node(id).shape.numel() * g.node(id).dtype.size(), id));
                     }
                 }
                 spans.sort();

@@ -14,7 +14,10 @@ pub fn parse_dtype(name: &str) -> Result<DType, Error> {
     DType::parse(name).ok_or_else(|| {
         Error::dtype(
             "dtype",
-            format!("unsupported dtype '{name}' (use 'float32' or 'int32')"),
+            format!(
+                "unsupported dtype '{name}' (rlx has float32, float16, bfloat16, float64, \
+                 int32, int64 and bool)"
+            ),
         )
     })
 }
@@ -115,6 +118,12 @@ impl PyGraph {
                 &words.iter().map(|&w| w as i32).collect::<Vec<_>>(),
                 Shape(shape),
             ),
+            other => Err(Error::dtype(
+                "constant",
+                format!(
+                    "constants are float32 or int32, got {other}; cast one with .astype('{other}')"
+                ),
+            )),
         };
         r.py_err(py)
     }

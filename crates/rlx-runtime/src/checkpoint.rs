@@ -21,6 +21,11 @@ fn to_st(d: DType) -> Dtype {
     match d {
         DType::F32 => Dtype::F32,
         DType::I32 => Dtype::I32,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
+        DType::F64 => Dtype::F64,
+        DType::I64 => Dtype::I64,
+        DType::Bool => Dtype::BOOL,
     }
 }
 
@@ -263,21 +268,17 @@ fn dtype_name(d: Dtype) -> Option<&'static str> {
 }
 
 /// Reads and validates every tensor of `path` (header, offsets, sizes, dtypes) before returning;
-/// only float32 and int32 tensors are accepted (see [`load_raw`] for the others).
+/// only tensors of rlx's dtypes ([`DType`]) are accepted (see [`load_raw`] for the others).
 pub fn load(path: &Path, max_bytes: Option<u64>) -> Result<Vec<Tensor>> {
     let (raw, _) = load_raw(path, max_bytes)?;
     raw.into_iter()
         .map(|t| {
-            let dtype = match t.dtype {
-                "float32" => DType::F32,
-                "int32" => DType::I32,
-                other => {
-                    return Err(err(
-                        path,
-                        format!("tensor '{}' has unsupported dtype {other}", t.name),
-                    ))
-                }
-            };
+            let dtype = DType::parse(t.dtype).ok_or_else(|| {
+                err(
+                    path,
+                    format!("tensor '{}' has unsupported dtype {}", t.name, t.dtype),
+                )
+            })?;
             Ok(Tensor {
                 name: t.name,
                 dtype,
@@ -403,6 +404,39 @@ mod tests {
         assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));
         fs::write(&path, b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage").unwrap();
         assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn every_dtype_round_trips_with_its_size() {
+        let dir = std::env::temp_dir().join(format!("rlx-ckpt-dtypes-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("all.safetensors");
+        let names: Vec<String> = DType::ALL.iter().map(|d| format!("t_{d}")).collect();
+        let datas: Vec<Vec<u8>> = DType::ALL
+            .iter()
+            .enumerate()
+            .map(|(k, d)| (0..3 * d.size()).map(|i| (i * 7 + k) as u8 % 2).collect())
+            .collect();
+        let shape = [3usize];
+        let tensors: Vec<(&str, DType, &[usize], &[u8])> = DType::ALL
+            .iter()
+            .enumerate()
+            .map(|(k, d)| (names[k].as_str(), *d, &shape[..], datas[k].as_slice()))
+            .collect();
+        save(&path, &tensors).unwrap();
+        let mut back = load(&path, None).unwrap();
+        back.sort_by_key(|t| DType::ALL.iter().position(|d| *d == t.dtype));
+        for (k, t) in back.iter().enumerate() {
+            assert_eq!(
+                (t.dtype, &t.data, &t.shape),
+                (DType::ALL[k], &datas[k], &vec![3])
+            );
+        }
+        // A wrong byte count for the dtype is refused at save.
+        let short = [0u8; 5];
+        let bad = save(&path, &[("x", DType::F16, &[3], &short)]);
+        assert!(matches!(bad, Err(Error::Checkpoint(_))), "{bad:?}");
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -305,6 +305,7 @@ impl Target {
 /// Checks `program` against buffers of `lens` bytes and lowers it for `target`.
 pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
     crate::validate::validate(program, lens, target.backend)?;
+    crate::validate::dtypes(program, target.backend, &[DType::F32, DType::I32])?;
     let mut b = Builder {
         plan: Plan {
             scratch_bytes: ROWS_AT,
@@ -1459,6 +1460,29 @@ mod tests {
         assert_eq!(
             std::mem::size_of::<P>(),
             128 + 8 + 8 + 64 + 1024 + 64 + 32 + 64
+        );
+    }
+
+    /// Tensors of dtypes other than float32 / int32 (even in a cast or a transpose) are a
+    /// `DTypeError` at compile naming the op and the dtype, never a wrong kernel.
+    #[test]
+    fn other_dtypes_are_refused_at_compile() {
+        let mut half = t(64, &[2, 3]);
+        half.dtype = DType::F16;
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Cast { to: DType::F16 },
+                ins: vec![t(0, &[2, 3])],
+                out: half,
+            }],
+        };
+        let e = plan(&prog, &[256], Target::CUDA).unwrap_err();
+        assert!(matches!(e, rlx_ir::Error::DType { .. }), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("[cast] the cuda backend supports only float32 and int32 tensors")
+                && msg.contains("float16"),
+            "{msg}"
         );
     }
 

@@ -55,10 +55,10 @@ impl Store {
         })
     }
 
-    /// The state an optimizer with `rule` keeps for the parameters of `params`: per parameter
+    /// The state an optimizer with `rule` keeps for the float32 tensors of `params`: per tensor
     /// its rule's buffers (`"{name}.{slot}"`), an int32 update count (`"{name}.step"`) and, for
     /// SGD, whether the momentum buffer holds a value (`"{name}.started"`). With `hyper_table`,
-    /// also the `hyper` table, one row of settings per parameter (parameter groups), which the
+    /// also the `hyper` table, one row of settings per float32 tensor (parameter groups), which the
     /// update then reads instead of the run's single set of hyper-parameters.
     pub fn for_optimizer(
         backend: &dyn Backend,
@@ -67,7 +67,14 @@ impl Store {
         hyper_table: bool,
     ) -> Result<Store> {
         let mut specs = Vec::new();
-        for p in params.entries() {
+        // Only float32 tensors are trained (gradients are float32; integer and bool buffers,
+        // and other float dtypes, which cannot be compiled yet, get no state).
+        let trainable: Vec<&StoreEntry> = params
+            .entries()
+            .iter()
+            .filter(|p| p.dtype == DType::F32)
+            .collect();
+        for p in &trainable {
             for s in rule.slots() {
                 specs.push((format!("{}.{s}", p.name), p.shape.clone(), p.dtype));
             }
@@ -79,7 +86,7 @@ impl Store {
         if hyper_table {
             specs.push((
                 "hyper".to_string(),
-                Shape::new([params.entries().len(), crate::hyper_col::LEN]),
+                Shape::new([trainable.len(), crate::hyper_col::LEN]),
                 DType::F32,
             ));
         }

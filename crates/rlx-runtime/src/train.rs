@@ -172,9 +172,11 @@ pub fn plan_update(
                 ),
             ));
         }
+        // The hyper table has one row per float32 tensor (those with optimizer state).
         let row = params
             .entries()
             .iter()
+            .filter(|e| e.dtype == DType::F32)
             .position(|e| e.name == *name)
             .ok_or_else(|| Error::input(name, "not in the weight store"))?;
         if row >= rows {

@@ -51,9 +51,11 @@ impl Instr {
 /// Whether the kernel set (the same on every backend) has `op` for these operand dtypes.
 pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
     let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
+    let classic = |t: &TRef| matches!(t.dtype, DType::F32 | DType::I32);
     match op {
-        Op::Binary(_)
-        | Op::BroadcastTo { .. }
+        Op::Binary(_) => ins.iter().all(classic),
+        // Data movement works on every dtype (by element size).
+        Op::BroadcastTo { .. }
         | Op::Transpose { .. }
         | Op::Cast { .. }
         | Op::Slice { .. }
@@ -61,11 +63,44 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
         | Op::Concat { .. } => true,
         Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
         Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
-        Op::Where => ins[1].dtype == out.dtype,
+        Op::Where => {
+            matches!(ins[0].dtype, DType::F32 | DType::I32 | DType::Bool)
+                && ins[1].dtype == out.dtype
+        }
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
         Op::Dropout { .. } => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
         _ => all_f32,
     }
+}
+
+/// Refuses a program that holds a tensor of a dtype outside `allowed`, for a backend whose
+/// kernels (even data movement and casts) cover fewer dtypes than the CPU's.
+pub fn dtypes(program: &Program, backend: &str, allowed: &[DType]) -> Result<()> {
+    for instr in &program.instrs {
+        let (reads, writes) = instr.operands();
+        if let Some(t) = reads
+            .iter()
+            .chain(&writes)
+            .find(|t| !allowed.contains(&t.dtype))
+        {
+            let what = match instr {
+                Instr::Op { op, .. } => op.name(),
+                Instr::Update(_) => "optimizer update",
+            };
+            let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
+            return Err(Error::dtype(
+                what,
+                format!(
+                    "the {backend} backend supports only {} tensors so far, this program holds a {} tensor {}; \
+                     run it on the cpu or cast with .astype('float32')",
+                    names.join(" and "),
+                    t.dtype,
+                    t.shape
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Runs every check over buffers of `lens` bytes (indexed by [`crate::Buf`]); `backend` names

@@ -196,6 +196,8 @@ class Optimizer:
         entries = {n: (s, d) for n, s, d in store.entries()}
         if not isinstance(name, str) or name not in self._param_names:
             raise InputError(f"[{type(self).__name__}] no parameter named {name!r}")
+        if f"{name}.step" not in entries:
+            raise InputError(f"[{type(self).__name__}] {name!r} has no optimizer state (only float32 tensors are trained)")
         out = {key: _read(store, f"{name}.{key}", *entries[f"{name}.{key}"]) for key in self._slots()}
         out["step"] = _read(store, f"{name}.step", *entries[f"{name}.step"])
         return out

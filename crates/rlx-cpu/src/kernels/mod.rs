@@ -1,5 +1,6 @@
 //! CPU kernels, one file per op family, plus the strided row walker they share.
 pub mod attention;
+pub mod cast;
 pub mod conv;
 pub mod elementwise;
 pub mod fused;

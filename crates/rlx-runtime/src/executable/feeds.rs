@@ -76,9 +76,18 @@ pub(super) fn check_limit(slot: &InputSlot, data: &[u8]) -> Result<()> {
     let Some((limit, what)) = slot.limit else {
         return Ok(());
     };
-    let bad = data
-        .chunks_exact(4)
-        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+    let mut values: Box<dyn Iterator<Item = i64>> = if slot.at.dtype == DType::I64 {
+        Box::new(
+            data.chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))),
+        )
+    } else {
+        Box::new(
+            data.chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64),
+        )
+    };
+    let bad = values
         // Cross-entropy leaves rows labelled -100 out (PyTorch's default ignore_index).
         .find(|&v| (v < 0 || v >= limit) && !(what == "label" && v == -100));
     match bad {
@@ -97,10 +106,11 @@ pub(super) fn check_limit(slot: &InputSlot, data: &[u8]) -> Result<()> {
     }
 }
 
-/// If input `id` is used (directly or through reshapes) as class labels or as embedding ids, the
-/// exclusive upper bound of its values, checked before any run.
+/// If input `id` is used (directly or through reshapes, or an int64 input through its cast to
+/// int32) as class labels or as embedding ids, the exclusive upper bound of its values, checked
+/// before any run (so an int64 id never wraps into a valid int32 one).
 pub(super) fn index_limit(graph: &Graph, id: usize) -> Option<(i64, &'static str)> {
-    if graph.node(id).dtype != DType::I32 {
+    if !matches!(graph.node(id).dtype, DType::I32 | DType::I64) {
         return None;
     }
     let mut sources = vec![id];
@@ -113,7 +123,10 @@ pub(super) fn index_limit(graph: &Graph, id: usize) -> Option<(i64, &'static str
     };
     for (n, node) in graph.nodes().iter().enumerate().skip(id + 1) {
         match &node.op {
-            Op::Reshape { .. } if sources.contains(&node.inputs[0]) => sources.push(n),
+            Op::Reshape { .. }
+            | Op::Cast {
+                to: DType::I32 | DType::I64,
+            } if sources.contains(&node.inputs[0]) => sources.push(n),
             Op::SoftmaxCrossEntropy if sources.contains(&node.inputs[1]) => {
                 tighten(graph.node(node.inputs[0]).shape.dims()[1], "label")
             }
