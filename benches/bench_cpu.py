@@ -486,7 +486,12 @@ def machine_info(torch_version: str | None) -> dict:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    ver = lambda name: importlib.metadata.version(name)  # noqa: E731
+    def ver(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
     so = glob.glob(os.path.join(os.path.dirname(importlib.util.find_spec("rlx").origin), "_rlx*.so"))
     built = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(so[0]))) if so else "?"
     return dict(cpu=cpu, cores=os.cpu_count(), kernel=platform.release(), python=platform.python_version(),
@@ -556,7 +561,10 @@ def main() -> None:
     print(f"torch: {tv} (measured live)" if tv else
           "torch: not installed (PyTorch column = the reference figures in TORCH_REF)", flush=True)
     info = machine_info(tv)
-    fws = ["rlx", "jax"] + (["torch"] if tv else [])
+    has_jax = importlib.util.find_spec("jax") is not None
+    if not has_jax:
+        print("jax: not installed (the JAX column stays empty; pip install jax to fill it)", flush=True)
+    fws = ["rlx"] + (["jax"] if has_jax else []) + (["torch"] if tv else [])
 
     # Which child runs are needed: rss comes from the mlp64 processes, compile from gpt + mlp64.
     jobs: list[tuple[str, list[str]]] = []
@@ -600,12 +608,12 @@ def main() -> None:
     def add(label: str, key: str, unit: str, workload: str, getter, lower_better: bool = True):
         live = {fw: pick(fw, workload, getter) for fw in fws + ["numpy"]}
         rlx_v, contended = live["rlx"]
-        jax_v = live["jax"][0]
+        jax_v, jax_contended = live.get("jax", (None, False))
         if tv:
             torch_v, torch_src = live["torch"][0], "live"
         else:
             torch_v, torch_src = TORCH_REF.get(key), "ref"
-        contended = contended or live["jax"][1] or (tv and live["torch"][1])
+        contended = contended or jax_contended or (tv and live["torch"][1])
         tgt = TARGETS.get(key)
         if tgt and rlx_v is not None:
             ok = rlx_v <= tgt[1] if tgt[0] == "<=" else rlx_v >= tgt[1]
