@@ -188,35 +188,7 @@ impl CudaProgram {
         let w = e.get();
         let code = i32::from_le_bytes([w[0], w[1], w[2], w[3]]);
         let value = i32::from_le_bytes([w[4], w[5], w[6], w[7]]);
-        match code {
-            0 => Ok(()),
-            source::err::LABEL => Err(Error::input(
-                "labels",
-                format!(
-                    "[cross_entropy] label {value} is out of range [0, {})",
-                    self.plan.classes.unwrap_or(0)
-                ),
-            )),
-            source::err::ID => Err(Error::input(
-                "ids",
-                format!(
-                    "[gather] id {value} is out of range [0, {})",
-                    self.plan.rows.unwrap_or(0)
-                ),
-            )),
-            source::err::INT_DIV_ZERO => {
-                let (name, shape) =
-                    self.plan.int_div.clone().unwrap_or_else(|| {
-                        ("floor_divide".into(), rlx_ir::Shape::new([0usize; 0]))
-                    });
-                Err(Error::Graph(format!(
-                    "[{name}] integer division by zero (the int32 divisor {shape} holds a 0)"
-                )))
-            }
-            c => Err(Error::Internal(format!(
-                "[cuda] unknown kernel error code {c}"
-            ))),
-        }
+        self.plan.flagged(code, value, "cuda")
     }
 }
 

@@ -11,7 +11,7 @@ use crate::gpu::{Dispatch, GpuLibrary};
 use crate::kernels::{self, Gemm};
 use crate::{MetalBuffer, MetalDevice};
 use rlx_ir::{Error, Result};
-use rlx_runtime::gpu_plan::{self, err, Kernel, Loc, Plan, Step, Target, P};
+use rlx_runtime::gpu_plan::{self, Kernel, Loc, Plan, Step, Target, P};
 use rlx_runtime::{Compiled, DeviceBuffer, OptimHyper, Program};
 use std::sync::Arc;
 
@@ -108,35 +108,7 @@ impl MetalProgram {
         self.scratch.read(gpu_plan::ERR_AT, &mut w)?;
         let code = i32::from_ne_bytes([w[0], w[1], w[2], w[3]]);
         let value = i32::from_ne_bytes([w[4], w[5], w[6], w[7]]);
-        match code {
-            0 => Ok(()),
-            err::LABEL => Err(Error::input(
-                "labels",
-                format!(
-                    "[cross_entropy] label {value} is out of range [0, {})",
-                    self.plan.classes.unwrap_or(0)
-                ),
-            )),
-            err::ID => Err(Error::input(
-                "ids",
-                format!(
-                    "[gather] id {value} is out of range [0, {})",
-                    self.plan.rows.unwrap_or(0)
-                ),
-            )),
-            err::INT_DIV_ZERO => {
-                let (name, shape) =
-                    self.plan.int_div.clone().unwrap_or_else(|| {
-                        ("floor_divide".into(), rlx_ir::Shape::new([0usize; 0]))
-                    });
-                Err(Error::Graph(format!(
-                    "[{name}] integer division by zero (the int32 divisor {shape} holds a 0)"
-                )))
-            }
-            c => Err(Error::Internal(format!(
-                "[metal] unknown kernel error code {c}"
-            ))),
-        }
+        self.plan.flagged(code, value, "metal")
     }
 }
 

@@ -184,6 +184,43 @@ pub struct Plan {
     pub int_div: Option<(String, Shape)>,
 }
 
+impl Plan {
+    /// The error a kernel flagged with `code` (see [`err`]) and `value` (the bad label, id...),
+    /// worded as the CPU backend words it; `Ok` for code 0. `backend` names an unknown code's
+    /// source.
+    pub fn flagged(&self, code: i32, value: i32, backend: &str) -> Result<()> {
+        match code {
+            0 => Ok(()),
+            err::LABEL => Err(Error::input(
+                "labels",
+                format!(
+                    "[cross_entropy] label {value} is out of range [0, {})",
+                    self.classes.unwrap_or(0)
+                ),
+            )),
+            err::ID => Err(Error::input(
+                "ids",
+                format!(
+                    "[gather] id {value} is out of range [0, {})",
+                    self.rows.unwrap_or(0)
+                ),
+            )),
+            err::INT_DIV_ZERO => {
+                let (name, shape) = self
+                    .int_div
+                    .clone()
+                    .unwrap_or_else(|| ("floor_divide".into(), Shape::new([0usize; 0])));
+                Err(Error::Graph(format!(
+                    "[{name}] integer division by zero (the int32 divisor {shape} holds a 0)"
+                )))
+            }
+            c => Err(Error::Internal(format!(
+                "[{backend}] unknown kernel error code {c}"
+            ))),
+        }
+    }
+}
+
 const THREADS: u32 = 256;
 
 fn grid_for(n: usize, per_block: usize) -> u32 {
