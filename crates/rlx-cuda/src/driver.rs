@@ -369,6 +369,15 @@ impl Device {
             .map_err(|e| dev_err("copy to GPU", e))
     }
 
+    /// Records a timing event on the compute stream (the profiler's marks).
+    pub fn timing(&self) -> Result<Event> {
+        let e = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(|e| dev_err("event create", e))?;
+        // SAFETY: a fresh event recorded on the live compute stream.
+        unsafe { cu::event::record(e, self.stream) }.map_err(|e| dev_err("event record", e))?;
+        Ok(Event(e))
+    }
+
     /// Waits for everything queued on the compute stream.
     pub fn sync(&self) -> Result<()> {
         // SAFETY: the stream lives as long as the device.
@@ -533,6 +542,14 @@ impl Event {
     pub fn wait(&self) -> Result<()> {
         // SAFETY: the event is live until dropped.
         unsafe { cu::event::synchronize(self.0) }.map_err(|e| dev_err("event wait", e))
+    }
+}
+
+impl Event {
+    /// Milliseconds between two timing events recorded on one stream (both complete).
+    pub fn ms_since(&self, start: &Event) -> Result<f32> {
+        // SAFETY: both events are live and were created with timing (see `Device::timing`).
+        unsafe { cu::event::elapsed(start.0, self.0) }.map_err(|e| dev_err("event time", e))
     }
 }
 

@@ -1,12 +1,12 @@
 //! Runs a planned program: resolves each operand to a device address, queues every step on the
 //! device's stream, waits, and reports the first error a kernel flagged (bad label, id, integer
 //! division by zero) as the CPU backend would.
-use crate::driver::{Device, Func, GraphExec, Pinned};
+use crate::driver::{Device, Event, Func, GraphExec, Pinned};
 use crate::mem::CudaBuffer;
 use crate::plan::{self, Kernel, Plan, Step};
 use crate::source;
 use rlx_ir::{Error, Result};
-use rlx_runtime::{Compiled, DeviceBuffer, OptimHyper, Program};
+use rlx_runtime::{profile, Compiled, DeviceBuffer, OptimHyper, Program};
 use std::sync::Arc;
 
 pub struct CudaProgram {
@@ -24,9 +24,50 @@ pub struct CudaProgram {
     err: Option<Pinned>,
     /// The captured run and the base addresses it was captured with.
     graph: Option<([u64; 6], GraphExec)>,
-    /// Graph capture: on unless `RLX_CUDA_GRAPHS=0`, and off for good once a capture failed.
+    /// Graph capture: on unless `RLX_CUDA_GRAPHS=0` or profiling, and off for good once a
+    /// capture failed.
     use_graphs: bool,
     runs: u64,
+    /// With `RLX_PROFILE=1`: milliseconds and calls per step kind, printed when dropped (runs
+    /// are then launched step by step, never replayed from a graph).
+    profile: Option<profile::Profile>,
+    /// The profiled run's timing events, one before the first step and one after each.
+    marks: Vec<Event>,
+}
+
+impl Drop for CudaProgram {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            eprint!("{}", profile::render("rlx cuda profile", p));
+        }
+    }
+}
+
+/// The profile row of step `i`: the kernel (or GEMM shape) it runs.
+fn profile_key(plan: &Plan, i: usize) -> String {
+    match &plan.steps[i] {
+        Step::Launch {
+            kernel,
+            grid,
+            block,
+            ..
+        } => match kernel {
+            Kernel::Library(name) => format!("{name} <<<{grid},{block}>>>"),
+            Kernel::Fused(f) => format!("fused#{f} <<<{grid},{block}>>>"),
+        },
+        Step::Fill { bytes, .. } => format!("fill {bytes} B"),
+        Step::Gemm { g, .. } => format!(
+            "gemm {}{} m{} n{} k{} x{}",
+            if g.ta { "T" } else { "N" },
+            if g.tb { "T" } else { "N" },
+            g.m,
+            g.n,
+            g.k,
+            g.batch
+        ),
+        Step::HyperRow { .. } => "hyper-parameter row".into(),
+        Step::HostUpdate(_) => "host update".into(),
+    }
 }
 
 fn graphs_enabled() -> bool {
@@ -36,6 +77,7 @@ fn graphs_enabled() -> bool {
 impl CudaProgram {
     pub fn new(dev: Arc<Device>, program: &Program, lens: &[usize]) -> Result<CudaProgram> {
         let plan = plan::plan(program, lens, plan::Target::CUDA)?;
+        let profiling = profile::requested();
         let lib = dev.module(&format!("{}{}", source::PRELUDE, source::LIBRARY))?;
         let fused_mod = if plan.fused.is_empty() {
             None
@@ -87,44 +129,70 @@ impl CudaProgram {
             hyper,
             err,
             graph: None,
-            use_graphs: graphs_enabled(),
+            use_graphs: graphs_enabled() && !profiling,
             runs: 0,
+            profile: profiling.then(profile::Profile::new),
+            marks: Vec::new(),
         })
     }
 
-    /// Queues every step (on the stream, or into a capture).
+    /// Queues every step (on the stream, or into a capture); with the profiler on, a timing
+    /// event after each.
     fn enqueue(&mut self, bases: &[u64; 6]) -> Result<()> {
-        let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
         let err_at = bases[plan::SCRATCH] + plan::ERR_AT as u64;
         if self.err.is_some() {
             self.dev.memset_async(err_at, 16)?;
         }
+        let mut marks = Vec::new();
+        if self.profile.is_some() {
+            marks.push(self.dev.timing()?);
+        }
         for (step, func) in self.plan.steps.iter().zip(&self.funcs) {
-            match step {
-                Step::Launch {
-                    grid,
-                    block,
-                    p,
-                    operands,
-                    ..
-                } => {
-                    let mut p = **p;
-                    for (slot, loc) in operands {
-                        p.ptr[*slot] = addr(loc);
-                    }
-                    let f = func.ok_or_else(|| Error::Internal("launch without kernel".into()))?;
-                    self.dev.launch(f, *grid, *block, &mut p)?;
-                }
-                Step::Fill { at, bytes } => self.dev.memset_async(addr(at), *bytes)?,
-                Step::Gemm { g, a, b, c } => self.dev.gemm(g, addr(a), addr(b), addr(c))?,
-                Step::HyperRow { at } => self.hyper.copy_to(addr(at))?,
-                Step::HostUpdate(_) => {
-                    return Err(Error::Internal("a host-side update in a cuda plan".into()))
-                }
+            self.enqueue_step(step, *func, bases)?;
+            if self.profile.is_some() {
+                marks.push(self.dev.timing()?);
             }
         }
         if let Some(e) = &mut self.err {
             e.copy_from(err_at)?;
+        }
+        self.marks = marks;
+        Ok(())
+    }
+
+    fn enqueue_step(&self, step: &Step, func: Option<Func>, bases: &[u64; 6]) -> Result<()> {
+        let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
+        match step {
+            Step::Launch {
+                grid,
+                block,
+                p,
+                operands,
+                ..
+            } => {
+                let mut p = **p;
+                for (slot, loc) in operands {
+                    p.ptr[*slot] = addr(loc);
+                }
+                let f = func.ok_or_else(|| Error::Internal("launch without kernel".into()))?;
+                self.dev.launch(f, *grid, *block, &mut p)
+            }
+            Step::Fill { at, bytes } => self.dev.memset_async(addr(at), *bytes),
+            Step::Gemm { g, a, b, c } => self.dev.gemm(g, addr(a), addr(b), addr(c)),
+            Step::HyperRow { at } => self.hyper.copy_to(addr(at)),
+            Step::HostUpdate(_) => Err(Error::Internal("a host-side update in a cuda plan".into())),
+        }
+    }
+
+    /// Adds the finished run's per-step times to the profile (after the stream synchronised).
+    fn take_marks(&mut self) -> Result<()> {
+        let (Some(profile), marks) = (self.profile.as_mut(), std::mem::take(&mut self.marks))
+        else {
+            return Ok(());
+        };
+        for (i, w) in marks.windows(2).enumerate() {
+            let ms = w[1].ms_since(&w[0])? as f64;
+            profile::add(profile, profile_key(&self.plan, i), ms);
         }
         Ok(())
     }
@@ -177,7 +245,8 @@ impl CudaProgram {
             Some((_, g)) => self.dev.launch_graph(g)?,
             None => self.enqueue(bases)?,
         }
-        self.dev.sync()
+        self.dev.sync()?;
+        self.take_marks()
     }
 
     /// The first failure a kernel flagged in this run, as the CPU backend reports it.

@@ -558,6 +558,266 @@ extern "C" __global__ void rlx_attention_grad(const P p) {
     for (int t = 0; t < 8; ++t) { long long d = lane + 32 * t; if (d < E) dqo[d] = dq[t]; }
   }
 }
+/* ---- tiled attention for head sizes up to EM (32 or 64): key tiles of 32 in shared memory, a
+   warp per group of query rows, lane = key for the scores, lane = feature for the sums; masked
+   key tiles are never loaded. Same record as above; the gradient kernels also take ptr6, two
+   floats per row (log-sum-exp, D = g.out) written by the dQ kernel and read by the dK/dV one. */
+#define ATT_BK 32
+template <int EM>
+__device__ __forceinline__ void att_tile(const P& p, int x, long long u, long long j, long long k0,
+                                         long long S, long long E, float* dst) {
+  for (int idx = threadIdx.x; idx < ATT_BK * EM; idx += blockDim.x) {
+    int r = idx / EM, d = idx - r * EM;
+    long long k = k0 + r;
+    dst[r * (EM + 1) + d] = (k < S && d < E) ? F(x)[att_at(p, x, u, j, k) + d] : 0.0f;
+  }
+}
+template <int EM, int BQ>
+__device__ __forceinline__ void att_rows(const P& p, int x, int ptr, long long u, long long j,
+                                         long long q0, long long L, long long E, float* dst) {
+  for (int idx = threadIdx.x; idx < BQ * EM; idx += blockDim.x) {
+    int r = idx / EM, d = idx - r * EM;
+    long long i = q0 + r;
+    dst[idx] = (i < L && d < E) ? ((const float*)p.ptr[ptr])[att_at(p, x, u, j, i) + d] : 0.0f;
+  }
+}
+/* The key range [0, end) the query rows q0..q0+rows-1 may see. */
+__device__ __forceinline__ long long att_key_end(const P& p, long long q0, long long rows, long long S) {
+  if (!p.iv[6]) return S;
+  long long e = q0 + rows + p.iv[7];
+  return e < 0 ? 0 : min(S, e);
+}
+__device__ __forceinline__ bool att_sees(const P& p, long long key, long long i, long long S) {
+  return key < S && (!p.iv[6] || key <= i + p.iv[7]);
+}
+template <int EM>
+__device__ __forceinline__ float att_dot_rows(const float* a, const float* b) {
+  float s = 0.0f;
+#pragma unroll
+  for (int d = 0; d < EM; d += 4) {
+    float4 x = *(const float4*)(a + d);
+    s += x.x * b[d] + x.y * b[d + 1] + x.z * b[d + 2] + x.w * b[d + 3];
+  }
+  return s;
+}
+/* Forward: a block per (unit, head, 64 query rows), 8 warps of 8 rows. */
+template <int EM>
+__device__ void att_fwd(const P& p) {
+  const int NE = EM / 32, BQ = 64, R = 8;
+  __shared__ __align__(16) float qs[BQ * EM];
+  __shared__ float ks[ATT_BK * (EM + 1)];
+  __shared__ float vs[ATT_BK * (EM + 1)];
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  long long tiles = (L + BQ - 1) / BQ, b = blockIdx.x, uj = b / tiles, q0 = (b - uj * tiles) * BQ;
+  long long u = uj / H, j = uj - u * H;
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  float sc = p.fv[0];
+  att_rows<EM, BQ>(p, 0, 0, u, j, q0, L, E, qs);
+  float m[R], l[R], acc[R][NE], kr[EM];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -RX_INF; l[r] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < NE; ++t) acc[r][t] = 0.0f;
+  }
+  long long kend = att_key_end(p, q0, BQ, S);
+  for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
+    __syncthreads();
+    att_tile<EM>(p, 1, u, j, k0, S, E, ks);
+    att_tile<EM>(p, 2, u, j, k0, S, Ev, vs);
+    __syncthreads();
+#pragma unroll
+    for (int d = 0; d < EM; ++d) kr[d] = ks[lane * (EM + 1) + d];
+    long long key = k0 + lane;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      int rl = w * R + r;
+      long long i = q0 + rl;
+      bool ok = att_sees(p, key, i, S);
+      float s = ok ? att_dot_rows<EM>(qs + rl * EM, kr) * sc : -RX_INF;
+      float mn = rx_max(m[r], warp_max(s));
+      if (mn == -RX_INF) continue;
+      float pr = ok ? expf(s - mn) : 0.0f, corr = expf(m[r] - mn);
+      l[r] = l[r] * corr + warp_sum(pr);
+      m[r] = mn;
+#pragma unroll
+      for (int t = 0; t < NE; ++t) acc[r][t] *= corr;
+#pragma unroll 8
+      for (int k = 0; k < ATT_BK; ++k) {
+        float pk = __shfl_sync(0xffffffffu, pr, k);
+#pragma unroll
+        for (int t = 0; t < NE; ++t) acc[r][t] += pk * vs[k * (EM + 1) + lane + 32 * t];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    long long i = q0 + w * R + r;
+    if (i < L) {
+      float* o = F(3) + att_at(p, 3, u, j, i);
+#pragma unroll
+      for (int t = 0; t < NE; ++t) { int d = lane + 32 * t; if (d < Ev) o[d] = acc[r][t] / l[r]; }
+    }
+  }
+}
+/* Gradient, part 1: a block per (unit, head, 32 query rows), 8 warps of 4 rows. Per row: the
+   log-sum-exp (first sweep over the keys), D = g.out, then dQ (second sweep). */
+template <int EM>
+__device__ void att_bwd_q(const P& p) {
+  const int NE = EM / 32, BQ = 32, R = 4;
+  __shared__ __align__(16) float qs[BQ * EM];
+  __shared__ __align__(16) float gs[BQ * EM];
+  __shared__ float ks[ATT_BK * (EM + 1)];
+  __shared__ float vs[ATT_BK * (EM + 1)];
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  long long tiles = (L + BQ - 1) / BQ, b = blockIdx.x, uj = b / tiles, q0 = (b - uj * tiles) * BQ;
+  long long u = uj / H, j = uj - u * H;
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  float sc = p.fv[0];
+  att_rows<EM, BQ>(p, 0, 0, u, j, q0, L, E, qs);
+  att_rows<EM, BQ>(p, 3, 4, u, j, q0, L, Ev, gs);
+  float m[R], l[R], dsum[R], dq[R][NE];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    m[r] = -RX_INF; l[r] = 0.0f; dsum[r] = 0.0f;
+    long long i = q0 + w * R + r;
+    if (i < L) {
+      const float* o = F(3) + att_at(p, 3, u, j, i);
+      const float* g = F(4) + att_at(p, 3, u, j, i);
+      for (long long d = lane; d < Ev; d += 32) dsum[r] += g[d] * o[d];
+    }
+    dsum[r] = warp_sum(dsum[r]);
+#pragma unroll
+    for (int t = 0; t < NE; ++t) dq[r][t] = 0.0f;
+  }
+  long long kend = att_key_end(p, q0, BQ, S);
+  for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
+    __syncthreads();
+    att_tile<EM>(p, 1, u, j, k0, S, E, ks);
+    __syncthreads();
+    long long key = k0 + lane;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      int rl = w * R + r;
+      bool ok = att_sees(p, key, q0 + rl, S);
+      float s = ok ? att_dot_rows<EM>(qs + rl * EM, ks + lane * (EM + 1)) * sc : -RX_INF;
+      float mn = rx_max(m[r], warp_max(s));
+      if (mn == -RX_INF) continue;
+      l[r] = l[r] * expf(m[r] - mn) + warp_sum(ok ? expf(s - mn) : 0.0f);
+      m[r] = mn;
+    }
+  }
+  float lse[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) lse[r] = m[r] + logf(l[r]);
+  for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
+    __syncthreads();
+    att_tile<EM>(p, 1, u, j, k0, S, E, ks);
+    att_tile<EM>(p, 2, u, j, k0, S, Ev, vs);
+    __syncthreads();
+    long long key = k0 + lane;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      int rl = w * R + r;
+      bool ok = att_sees(p, key, q0 + rl, S);
+      float ds = 0.0f;
+      if (ok) {
+        float s = att_dot_rows<EM>(qs + rl * EM, ks + lane * (EM + 1)) * sc;
+        float dp = att_dot_rows<EM>(gs + rl * EM, vs + lane * (EM + 1));
+        ds = expf(s - lse[r]) * (dp - dsum[r]) * sc;
+      }
+#pragma unroll 8
+      for (int k = 0; k < ATT_BK; ++k) {
+        float dk = __shfl_sync(0xffffffffu, ds, k);
+#pragma unroll
+        for (int t = 0; t < NE; ++t) dq[r][t] += dk * ks[k * (EM + 1) + lane + 32 * t];
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    long long i = q0 + w * R + r;
+    if (i < L) {
+      float* o = F(5) + att_at(p, 4, u, j, i);
+#pragma unroll
+      for (int t = 0; t < NE; ++t) { int d = lane + 32 * t; if (d < E) o[d] = dq[r][t]; }
+      if (lane == 0) {
+        long long row = (u * H + j) * L + i;
+        F(6)[2 * row] = lse[r];
+        F(6)[2 * row + 1] = dsum[r];
+      }
+    }
+  }
+}
+/* Gradient, part 2: a block per (unit, head, 32 keys), lane = key; the 8 warps take every 8th
+   query row that sees the tile and their dK/dV partial sums meet in shared memory. */
+template <int EM>
+__device__ void att_bwd_kv(const P& p) {
+  const int W = 8;
+  __shared__ float ks[ATT_BK * (EM + 1)];
+  __shared__ float vs[ATT_BK * (EM + 1)];
+  __shared__ __align__(16) float qg[W][2][EM];
+  __shared__ float red[ATT_BK * (2 * EM + 1)];
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  long long tiles = (S + ATT_BK - 1) / ATT_BK, b = blockIdx.x, uj = b / tiles, k0 = (b - uj * tiles) * ATT_BK;
+  long long u = uj / H, j = uj - u * H;
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  float sc = p.fv[0];
+  att_tile<EM>(p, 1, u, j, k0, S, E, ks);
+  att_tile<EM>(p, 2, u, j, k0, S, Ev, vs);
+  for (int idx = threadIdx.x; idx < ATT_BK * (2 * EM + 1); idx += blockDim.x) red[idx] = 0.0f;
+  __syncthreads();
+  float dk[EM], dv[EM];
+#pragma unroll
+  for (int d = 0; d < EM; ++d) { dk[d] = 0.0f; dv[d] = 0.0f; }
+  long long key = k0 + lane, i0 = 0;
+  if (p.iv[6]) i0 = max(0LL, k0 - p.iv[7]);
+  for (long long i = i0 + w; i < L; i += W) {
+    __syncwarp();
+    const float* q = F(0) + att_at(p, 0, u, j, i);
+    const float* g = F(4) + att_at(p, 3, u, j, i);
+#pragma unroll
+    for (int t = 0; t < EM / 32; ++t) {
+      int d = lane + 32 * t;
+      qg[w][0][d] = d < E ? q[d] : 0.0f;
+      qg[w][1][d] = d < Ev ? g[d] : 0.0f;
+    }
+    __syncwarp();
+    if (!att_sees(p, key, i, S)) continue;
+    long long row = (u * H + j) * L + i;
+    float lse = F(6)[2 * row], dsum = F(6)[2 * row + 1];
+    float s = att_dot_rows<EM>(qg[w][0], ks + lane * (EM + 1)) * sc;
+    float dp = att_dot_rows<EM>(qg[w][1], vs + lane * (EM + 1));
+    float pr = expf(s - lse), ds = pr * (dp - dsum) * sc;
+#pragma unroll
+    for (int d = 0; d < EM; d += 4) {
+      float4 x = *(const float4*)(&qg[w][0][d]);
+      float4 y = *(const float4*)(&qg[w][1][d]);
+      dk[d] += ds * x.x; dk[d + 1] += ds * x.y; dk[d + 2] += ds * x.z; dk[d + 3] += ds * x.w;
+      dv[d] += pr * y.x; dv[d + 1] += pr * y.y; dv[d + 2] += pr * y.z; dv[d + 3] += pr * y.w;
+    }
+  }
+#pragma unroll
+  for (int d = 0; d < EM; ++d) {
+    atomicAdd(&red[lane * (2 * EM + 1) + d], dk[d]);
+    atomicAdd(&red[lane * (2 * EM + 1) + EM + d], dv[d]);
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < ATT_BK * EM; idx += blockDim.x) {
+    int r = idx / EM, d = idx - r * EM;
+    long long k = k0 + r;
+    if (k < S) {
+      if (d < E) F(5)[att_at(p, 5, u, j, k) + d] = red[r * (2 * EM + 1) + d];
+      if (d < Ev) F(5)[att_at(p, 6, u, j, k) + d] = red[r * (2 * EM + 1) + EM + d];
+    }
+  }
+}
+extern "C" __global__ void __launch_bounds__(256) rlx_att_fwd_32(const P p) { att_fwd<32>(p); }
+extern "C" __global__ void __launch_bounds__(256) rlx_att_fwd_64(const P p) { att_fwd<64>(p); }
+extern "C" __global__ void __launch_bounds__(256) rlx_att_bwd_q_32(const P p) { att_bwd_q<32>(p); }
+extern "C" __global__ void __launch_bounds__(256) rlx_att_bwd_q_64(const P p) { att_bwd_q<64>(p); }
+extern "C" __global__ void __launch_bounds__(256) rlx_att_bwd_kv_32(const P p) { att_bwd_kv<32>(p); }
+extern "C" __global__ void __launch_bounds__(256) rlx_att_bwd_kv_64(const P p) { att_bwd_kv<64>(p); }
 /* ---- the training update. ctrl (ptr to struct Ctrl) carries the decisions between kernels. ---- */
 struct Ctrl { double sq1; double sq2; float go; float noskip; float scale; float micro; };
 /* Sum of squares of n floats (ptr0) added to ((double*)ptr1)[iv[0]]. */
@@ -750,6 +1010,9 @@ mod tests {
         for name in [
             "rlx_copy32",
             "rlx_attention_grad",
+            "rlx_att_fwd_64",
+            "rlx_att_bwd_q_32",
+            "rlx_att_bwd_kv_64",
             "rlx_im2col",
             "rlx_update",
             "k0",

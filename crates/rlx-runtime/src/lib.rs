@@ -13,6 +13,7 @@ pub mod expr_source;
 pub mod gpu_plan;
 pub mod listing;
 pub mod lower;
+pub mod profile;
 pub mod program;
 pub mod store;
 pub mod train;
