@@ -331,7 +331,8 @@ pub struct Target {
     /// buffers); `false`: it is planned as kernels.
     pub host_update: bool,
     /// The backend has the tiled attention kernels (`rlx_att_fwd_{32,64}`,
-    /// `rlx_att_bwd_q_{32,64}`, `rlx_att_bwd_kv_{32,64}`), used for head sizes up to 64; other
+    /// `rlx_att_bwd_q_{32,64}`, `rlx_att_bwd_kv_{32,64}`: 128 threads a block, a block per 64
+    /// query rows, 32 query rows and 32 keys), used for head sizes up to 64; other
     /// sizes, and backends without them, run the warp-per-query kernels.
     pub tiled_attention: bool,
 }
@@ -1103,7 +1104,7 @@ impl Builder {
                 } else {
                     "rlx_att_fwd_64"
                 };
-                self.launch(Kernel::Library(name), blocks(l, 64)?, THREADS, p, ops);
+                self.launch(Kernel::Library(name), blocks(l, 64)?, 128, p, ops);
                 return Ok(());
             }
             let (o, g) = if packed {
@@ -1120,9 +1121,9 @@ impl Builder {
             } else {
                 ("rlx_att_bwd_q_64", "rlx_att_bwd_kv_64")
             };
-            self.launch(Kernel::Library(nq), blocks(l, 32)?, THREADS, p, ops.clone());
+            self.launch(Kernel::Library(nq), blocks(l, 32)?, 128, p, ops.clone());
             if s > 0 {
-                self.launch(Kernel::Library(nkv), blocks(s, 32)?, THREADS, p, ops);
+                self.launch(Kernel::Library(nkv), blocks(s, 32)?, 128, p, ops);
             }
             return Ok(());
         }
