@@ -75,6 +75,27 @@ def test_mlp_training_matches_cpu(opt):
 
 
 @needs_cuda
+@pytest.mark.parametrize("opt", ["momentum", "adamw"])
+def test_tensors_larger_than_an_update_chunk_match_cpu(opt):
+    # The optimizer updates every tensor in one launch, in chunks of 16384 elements: a
+    # 32x600 weight spans two chunks.
+    make_opt = {
+        "momentum": lambda: rlx.optim.SGD(lr=0.05, momentum=0.9),
+        "adamw": lambda: rlx.optim.AdamW(lr=1e-2),
+    }[opt]
+    cpu_m, gpu_m = _pair(lambda: MLP(32, 600, 10))
+    x, y = _data()
+    specs = _specs({"x": x, "y": y})
+    s_cpu = rlx.compile_train_step(ce_loss, cpu_m, make_opt(), specs, device="cpu")
+    s_gpu = rlx.compile_train_step(ce_loss, gpu_m, make_opt(), specs, device="cuda")
+    for i in range(3):
+        xb, yb = _data(seed=i)
+        np.testing.assert_allclose(s_gpu(x=xb, y=yb), s_cpu(x=xb, y=yb), rtol=1e-4, atol=1e-5)
+    for k, p in cpu_m.parameters().items():
+        np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=1e-5, err_msg=k)
+
+
+@needs_cuda
 def test_clipping_accumulation_and_skipped_steps_match_cpu():
     cpu_m, gpu_m = _pair(lambda: MLP(32, 16, 10))
     x, y = _data()

@@ -142,6 +142,9 @@ impl CudaProgram {
             })
             .collect::<Result<Vec<_>>>()?;
         let scratch = CudaBuffer::zeroed(dev.clone(), plan.scratch_bytes)?;
+        for (off, bytes) in &plan.tables {
+            scratch.write(*off, bytes)?;
+        }
         let product = CudaBuffer::zeroed(dev.clone(), plan.product_bytes)?;
         let hyper = Pinned::new(dev.clone(), rlx_runtime::hyper_col::LEN * 4)?;
         let err_at = plan::Loc {

@@ -964,55 +964,83 @@ extern "C" __global__ void rlx_copy_unless_skipped(const P p) {
   if (c->noskip == 0.0f) return;
   GRID_LOOP(i, p.n) { F(1)[i] = F(0)[i]; }
 }
-/* One parameter's rule. ptr0 p, ptr1 g, ptr2 state0, ptr3 state1, ptr4 step (i32), ptr5 started
-   (i32 or 0), ptr6 hyper row (14 floats), ptr7 ctrl; iv[0] rule (0 sgd, 1 adam, 2 adamw,
-   3 rmsprop, 4 adagrad). The step count is read here and incremented by rlx_update_finish. */
-extern "C" __global__ void rlx_update(const P p) {
+/* The update rules (0 sgd, 1 adam, 2 adamw, 3 rmsprop, 4 adagrad) of one parameter tensor: its
+   settings from the hyper row `h` (14 floats) and the run's control block, then one element. The
+   step count is read here and incremented by rlx_update_finish. */
+struct Upd {
+  float lr, wd, mom, nesterov, b1, b2, eps, alpha, c_alpha, c_damp, c1, c2, scale, bc1, ibc2, clr;
+  int rule; bool first;
+};
+__device__ __forceinline__ Upd upd_settings(const float* h, const Ctrl* c, int step, bool first, int rule) {
+  Upd u;
+  u.lr = h[0]; u.wd = h[1]; u.mom = h[2]; u.nesterov = h[4]; u.b1 = h[5]; u.b2 = h[6]; u.eps = h[7];
+  u.alpha = h[8]; u.c_alpha = h[10]; u.c_damp = h[11]; u.c1 = h[12]; u.c2 = h[13];
+  u.scale = c->scale; u.rule = rule; u.first = first;
+  float t = (float)(step > 1 ? step : 1);
+  u.bc1 = 1.0f - powf(u.b1, t);
+  u.ibc2 = 1.0f / sqrtf(1.0f - powf(u.b2, t));
+  u.clr = u.lr / (1.0f + (float)(step - 1) * h[9]);
+  return u;
+}
+__device__ __forceinline__ void upd_one(const Upd& u, float* w, const float* g, float* s0, float* s1, long long i) {
+  float pi = w[i];
+  float gs = u.scale == 1.0f ? g[i] : g[i] * u.scale;
+  if (u.rule == 1 || u.rule == 2) {
+    bool adamw = u.rule == 2;
+    float pd = pi * (adamw ? 1.0f - u.lr * u.wd : 1.0f);
+    float gi = (adamw || u.wd == 0.0f) ? gs : gs + u.wd * pd;
+    float mi = u.b1 * s0[i] + u.c1 * gi;
+    float vi = u.b2 * s1[i] + u.c2 * gi * gi;
+    s0[i] = mi; s1[i] = vi;
+    w[i] = pd - (u.lr / u.bc1) * mi / (sqrtf(vi) * u.ibc2 + u.eps);
+    return;
+  }
+  float gi = u.wd != 0.0f ? gs + u.wd * pi : gs;
+  if (u.rule == 0) {
+    if (u.mom == 0.0f) { w[i] = pi - u.lr * gi; return; }
+    float b = u.first ? gi : u.mom * s0[i] + u.c_damp * gi;
+    s0[i] = b;
+    float d = u.nesterov != 0.0f ? gi + u.mom * b : b;
+    w[i] = pi - u.lr * d;
+  } else if (u.rule == 3) {
+    float sq = u.alpha * s0[i] + u.c_alpha * gi * gi;
+    s0[i] = sq;
+    float avg = sqrtf(sq) + u.eps;
+    if (u.mom > 0.0f) { float b = u.mom * s1[i] + gi / avg; s1[i] = b; w[i] = pi - u.lr * b; }
+    else w[i] = pi - u.lr * (gi / avg);
+  } else {
+    float sq = s0[i] + gi * gi;
+    s0[i] = sq;
+    w[i] = pi - u.clr * (gi / (sqrtf(sq) + u.eps));
+  }
+}
+/* Every parameter tensor in one launch. ptr0..ptr5 the run's buffer bases, ptr6 the table,
+   ptr7 ctrl; iv[0] rule, iv[1] tensors, iv[2] chunks, iv[3] elements a chunk. The table (u64
+   words) holds 8 words a tensor -- where its parameter, gradient, state 0, state 1, step count,
+   started flag and hyper row are (buffer << 56 | byte offset, all ones for none), then its
+   element count -- and then one word a chunk: tensor << 40 | first element. */
+__device__ __forceinline__ void* upd_at(const P& p, unsigned long long w) {
+  if (w == ~0ull) return 0;
+  return (void*)(p.ptr[w >> 56] + (w & ((1ull << 56) - 1)));
+}
+extern "C" __global__ void rlx_update_multi(const P p) {
   const Ctrl* c = (const Ctrl*)p.ptr[7];
   if (c->go == 0.0f) return;
-  const float* h = F(6);
-  float lr = h[0], wd = h[1], mom = h[2], nesterov = h[4], b1 = h[5], b2 = h[6], eps = h[7];
-  float alpha = h[8], lr_decay = h[9], c_alpha = h[10], c_damp = h[11], c1 = h[12], c2 = h[13];
-  float scale = c->scale;
-  int step = I(4)[0] + 1;
-  int rule = (int)p.iv[0];
-  float* w = F(0); const float* g = F(1); float* s0 = F(2); float* s1 = F(3);
-  bool first = p.ptr[5] != 0 && I(5)[0] == 0;
-  float t = (float)(step > 1 ? step : 1);
-  float bc1 = 1.0f - powf(b1, t);
-  float inv_bc2_sqrt = 1.0f / sqrtf(1.0f - powf(b2, t));
-  float clr = lr / (1.0f + (float)(step - 1) * lr_decay);
-  GRID_LOOP(i, p.n) {
-    float pi = w[i];
-    float gs = scale == 1.0f ? g[i] : g[i] * scale;
-    if (rule == 1 || rule == 2) {
-      bool adamw = rule == 2;
-      float pd = pi * (adamw ? 1.0f - lr * wd : 1.0f);
-      float gi = (adamw || wd == 0.0f) ? gs : gs + wd * pd;
-      float mi = b1 * s0[i] + c1 * gi;
-      float vi = b2 * s1[i] + c2 * gi * gi;
-      s0[i] = mi; s1[i] = vi;
-      w[i] = pd - (lr / bc1) * mi / (sqrtf(vi) * inv_bc2_sqrt + eps);
-      continue;
-    }
-    float gi = wd != 0.0f ? gs + wd * pi : gs;
-    if (rule == 0) {
-      if (mom == 0.0f) { w[i] = pi - lr * gi; continue; }
-      float b = first ? gi : mom * s0[i] + c_damp * gi;
-      s0[i] = b;
-      float d = nesterov != 0.0f ? gi + mom * b : b;
-      w[i] = pi - lr * d;
-    } else if (rule == 3) {
-      float s = alpha * s0[i] + c_alpha * gi * gi;
-      s0[i] = s;
-      float avg = sqrtf(s) + eps;
-      if (mom > 0.0f) { float b = mom * s1[i] + gi / avg; s1[i] = b; w[i] = pi - lr * b; }
-      else w[i] = pi - lr * (gi / avg);
-    } else {
-      float s = s0[i] + gi * gi;
-      s0[i] = s;
-      w[i] = pi - clr * (gi / (sqrtf(s) + eps));
-    }
+  const unsigned long long* tab = (const unsigned long long*)p.ptr[6];
+  long long tensors = p.iv[1], chunks = p.iv[2], per = p.iv[3];
+  for (long long k = blockIdx.x; k < chunks; k += gridDim.x) {
+    unsigned long long ch = tab[8 * tensors + k];
+    const unsigned long long* d = tab + 8 * (ch >> 40);
+    long long start = (long long)(ch & ((1ull << 40) - 1)), n = (long long)d[7];
+    const int* started = (const int*)upd_at(p, d[5]);
+    Upd u = upd_settings((const float*)upd_at(p, d[6]), c, ((const int*)upd_at(p, d[4]))[0] + 1,
+                         started != 0 && started[0] == 0, (int)p.iv[0]);
+    float* w = (float*)upd_at(p, d[0]);
+    const float* g = (const float*)upd_at(p, d[1]);
+    float* s0 = (float*)upd_at(p, d[2]);
+    float* s1 = (float*)upd_at(p, d[3]);
+    long long end = min(n, start + per);
+    for (long long i = start + threadIdx.x; i < end; i += blockDim.x) upd_one(u, w, g, s0, s1, i);
   }
 }
 /* One thread, up to 5 parameters: ptr0 ctrl; for i < iv[0]: ptr[1+3i] step, ptr[2+3i] started
@@ -1092,7 +1120,7 @@ mod tests {
             "rlx_att_bwd_q_32",
             "rlx_att_bwd_kv_64",
             "rlx_im2col",
-            "rlx_update",
+            "rlx_update_multi",
             "k0",
         ] {
             assert!(ptx.contains(name), "{name} missing from the PTX");

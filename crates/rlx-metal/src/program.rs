@@ -87,6 +87,9 @@ impl MetalProgram {
         }
         // (never empty: Metal has no zero-length buffers)
         let scratch = device.alloc(plan.scratch_bytes.max(16))?;
+        for (off, bytes) in &plan.tables {
+            scratch.write(*off, bytes)?;
+        }
         let product = device.alloc(plan.product_bytes.max(16))?;
         Ok(Self {
             device,

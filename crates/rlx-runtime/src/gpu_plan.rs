@@ -97,6 +97,8 @@ pub const ERR_AT: usize = 0;
 pub const CTRL_AT: usize = 256;
 pub const HYPER_AT: usize = 512;
 pub const ROWS_AT: usize = 1024;
+/// Elements a block of the multi-tensor update takes at a time.
+pub const UPDATE_CHUNK: usize = 16384;
 
 fn at(t: &TRef) -> Loc {
     Loc {
@@ -182,6 +184,9 @@ pub struct Plan {
     pub rows: Option<usize>,
     /// The first integer division's divisor shape (for its error message).
     pub int_div: Option<(String, Shape)>,
+    /// Constant tables `(scratch byte offset, bytes)` a backend writes into its scratch buffer
+    /// once, when it compiles the plan (the multi-tensor update's operand table).
+    pub tables: Vec<(usize, Vec<u8>)>,
 }
 
 impl Plan {
@@ -356,7 +361,13 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
         },
         target,
     };
-    for instr in &program.instrs {
+    for (i, instr) in program.instrs.iter().enumerate() {
+        if matches!(instr, Instr::Update(_)) && i + 1 != program.instrs.len() {
+            // The update's table sits past everything else in the scratch buffer.
+            return Err(Error::Internal(
+                "the optimizer update must be a program's last instruction".into(),
+            ));
+        }
         match instr {
             Instr::Op { op, ins, out } => b.op(op, ins, out)?,
             Instr::Update(u) if target.host_update => {
@@ -1432,6 +1443,10 @@ impl Builder {
             OptimRule::RmsProp => 3,
             OptimRule::Adagrad => 4,
         };
+        // Every tensor's update in one launch, over a table of where each tensor's operands are
+        // and which chunk of elements each block takes (uploaded once, at compile time).
+        let enc = |l: Loc| ((l.buf as u64) << 56) | l.offset as u64;
+        let (mut table, mut chunks) = (Vec::<u64>::new(), Vec::<u64>::new());
         let mut finish: Vec<(Loc, Option<Loc>, Loc)> = Vec::new();
         for q in &u.params {
             let row = match &u.hyper {
@@ -1443,31 +1458,52 @@ impl Builder {
                 None => scratch(HYPER_AT),
             };
             let n = q.param.numel().min(q.grad.numel());
-            let mut ops = vec![
-                (0, at(&q.param)),
-                (1, src(q)),
-                (4, at(&q.step)),
-                (6, row),
-                (7, ctrl),
-            ];
-            for (i, s) in q.state.iter().enumerate().take(2) {
-                ops.push((2 + i, at(s)));
-            }
-            if let Some(s) = &q.started {
-                ops.push((5, at(s)));
-            }
             if n > 0 {
-                let mut p = P::sized(n);
-                p.iv[0] = rule;
-                self.launch(
-                    Kernel::Library("rlx_update"),
-                    grid_for(n, THREADS as usize),
-                    THREADS,
-                    p,
-                    ops,
+                let tensor = (table.len() / 8) as u64;
+                let state = |i: usize| q.state.get(i).map_or(u64::MAX, |s| enc(at(s)));
+                table.extend([
+                    enc(at(&q.param)),
+                    enc(src(q)),
+                    state(0),
+                    state(1),
+                    enc(at(&q.step)),
+                    q.started.as_ref().map_or(u64::MAX, |s| enc(at(s))),
+                    enc(row),
+                    n as u64,
+                ]);
+                if tensor >= 1 << 23 || n as u64 >= 1 << 40 {
+                    return Err(Error::unsupported(
+                        "optimizer update",
+                        format!("{} tensors / {n} elements", tensor + 1),
+                    ));
+                }
+                chunks.extend(
+                    (0..n)
+                        .step_by(UPDATE_CHUNK)
+                        .map(|s| (tensor << 40) | s as u64),
                 );
             }
             finish.push((at(&q.step), q.started.as_ref().map(at), row));
+        }
+        if !chunks.is_empty() {
+            let (tensors, n_chunks) = (table.len() / 8, chunks.len());
+            table.extend(chunks);
+            let bytes: Vec<u8> = table.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let off = self.plan.scratch_bytes.div_ceil(256) * 256;
+            self.plan.scratch_bytes = off + bytes.len();
+            self.plan.tables.push((off, bytes));
+            let mut p = P::default();
+            p.iv[..4].copy_from_slice(&[
+                rule,
+                tensors as i64,
+                n_chunks as i64,
+                UPDATE_CHUNK as i64,
+            ]);
+            let mut ops: Vec<(usize, Loc)> =
+                (0..6).map(|b| (b, Loc { buf: b, offset: 0 })).collect();
+            ops.extend([(6, scratch(off)), (7, ctrl)]);
+            let grid = n_chunks.min(1024) as u32;
+            self.launch(Kernel::Library("rlx_update_multi"), grid, THREADS, p, ops);
         }
         // Step counts and momentum flags, five parameters per launch.
         for chunk in finish.chunks(5) {
@@ -1660,13 +1696,34 @@ mod tests {
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
         let device = plan(&prog, &[512], Target::CUDA).unwrap();
-        assert!(device.steps.iter().any(|s| matches!(
-            s,
-            Step::Launch {
-                kernel: Kernel::Library("rlx_update"),
-                ..
-            }
-        )));
+        let launches: Vec<_> = device
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Launch {
+                    kernel: Kernel::Library("rlx_update_multi"),
+                    p,
+                    operands,
+                    ..
+                } => Some((p.iv, operands.clone())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(launches.len(), 1, "one launch for every tensor");
+        let (iv, operands) = &launches[0];
+        assert_eq!(&iv[..4], &[1, 1, 1, UPDATE_CHUNK as i64]);
+        // The table: the tensor's 8 words, then its one chunk.
+        let (off, bytes) = &device.tables[0];
+        assert_eq!(operands[6].1, scratch(*off));
+        assert!(*off >= ROWS_AT && device.scratch_bytes >= off + bytes.len());
+        let words: Vec<u64> = bytes
+            .chunks(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(words.len(), 9);
+        assert_eq!(words[5], u64::MAX, "no started flag");
+        assert_eq!(words[7], 8, "elements");
+        assert_eq!(words[8], 0, "tensor 0 from element 0");
     }
 
     #[test]
