@@ -177,7 +177,14 @@ def test_gpt_training_and_cached_generation_match_cpu():
         np.testing.assert_allclose(s_gpu(idx=idx, tgt=tgt), s_cpu(idx=idx, tgt=tgt), rtol=2e-4, atol=1e-5,
                                    err_msg=f"step {i}")
     for k, p in cpu_m.parameters().items():
-        np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=2e-5, err_msg=k)
+        got, want = gpu_m.parameters()[k].numpy(), p.numpy()
+        if k.endswith("attn.qkv.bias"):
+            # The key bias shifts every score of a row alike, which softmax ignores: its gradient
+            # is zero up to rounding, and AdamW turns that rounding into steps of up to lr each,
+            # whose signs differ between backends. Those five steps are all they must agree to.
+            np.testing.assert_allclose(got[D : 2 * D], want[D : 2 * D], rtol=0, atol=5 * 3e-3, err_msg=k)
+            got, want = np.delete(got, np.s_[D : 2 * D]), np.delete(want, np.s_[D : 2 * D])
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=2e-5, err_msg=k)
     # KV-cached decoding on cuda matches the full-prefix logits on cuda and on cpu.
     full = rlx.compile(lambda m, idx: m(idx), gpu_m, {"idx": rlx.InputSpec((1, T), "int32")}, device="cuda")
     ref = full(idx=idx[:1])
