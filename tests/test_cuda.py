@@ -276,3 +276,24 @@ def test_attention_log1p_ignored_labels_and_dropout_match_cpu():
         outs.append(fn(x=z))
     np.testing.assert_allclose(outs[1], outs[0], rtol=1e-6)  # the same mask on both devices
     assert 0 < np.count_nonzero(outs[0] == 0) < z.size
+
+
+@needs_cuda
+def test_parameters_export_dlpack_on_the_gpu_without_a_copy():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA")
+    m = MLP(32, 16, 10)
+    x, y = _data()
+    step = rlx.compile_train_step(ce_loss, m, rlx.optim.SGD(lr=0.1), _specs({"x": x, "y": y}), device="cuda")
+    step(x=x, y=y)
+    w = m.fc1.weight
+    assert w.__dlpack_device__() == (2, 0)
+    t = torch.from_dlpack(w)
+    assert t.device.type == "cuda" and tuple(t.shape) == tuple(w.shape)
+    np.testing.assert_array_equal(t.cpu().numpy(), w.numpy())
+    t.mul_(0.5)  # writes the weight store itself
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(w.numpy(), t.cpu().numpy())
+    with pytest.raises(BufferError, match="without copying"):
+        w.__dlpack__(copy=True)

@@ -379,3 +379,24 @@ def test_buffer_updates_happen_inside_the_step():
     assert "running_mean" in step.graph()
     with pytest.raises(rlx.RlxError, match="only inside a traced function"):
         m.running_mean.update(np.zeros(4))
+
+
+def test_parameters_export_dlpack_without_a_copy():
+    # Before compile (host values) and after (a view of the weight store): from_dlpack shares
+    # the memory on the CPU, so writes through the consumer reach the model.
+    lin = rlx.nn.Linear(3, 2)
+    assert lin.weight.__dlpack_device__() == (1, 0)
+    np.testing.assert_array_equal(np.from_dlpack(lin.weight), lin.weight.numpy())
+    step = rlx.compile_train_step(
+        lambda m, x: (m(x) ** 2).mean(), lin, rlx.optim.SGD(lr=0.1), {"x": rlx.InputSpec((4, 3))}
+    )
+    step(x=np.ones((4, 3), np.float32))
+    w = np.from_dlpack(lin.weight)
+    assert np.shares_memory(w, lin.weight.numpy())
+    w[0, 0] = 7.0
+    assert lin.weight.numpy()[0, 0] == 7.0
+    torch = pytest.importorskip("torch")
+    t = torch.from_dlpack(lin.weight)
+    t[1, 2] = -3.0
+    assert lin.weight.numpy()[1, 2] == -3.0
+    assert t.device.type == "cpu" and tuple(t.shape) == (2, 3)

@@ -4,7 +4,7 @@ Every ``dtype: str`` below is one of rlx's dtype names: "float32", "float16", "b
 "float64", "int32", "int64", "bool" (constants: "float32" and "int32" only). Buffers of bfloat16
 and bool tensors are passed as their raw bits (uint16 / uint8 arrays)."""
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from typing_extensions import Buffer, final
 
@@ -116,6 +116,8 @@ class Store:
     def read(self, name: str) -> bytes: ...
     def read_all(self) -> list[tuple[str, bytes]]: ...
     def view(self, name: str) -> ArenaView | None: ...
+    def dlpack(self, name: str) -> Any | None: ...
+    def dlpack_device(self) -> tuple[int, int] | None: ...
 
 @final
 class Executable:

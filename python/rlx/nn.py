@@ -153,6 +153,33 @@ class Parameter:
             values = values.copy()
         return values if dtype is None else values.astype(dtype, copy=False)
 
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None) -> Any:
+        """DLPack export: ``torch.from_dlpack(param)`` (or CuPy's, JAX's, numpy's) reads and writes
+        the parameter's memory itself, with no copy, on the CPU and on CUDA alike.
+
+        rlx's runs are complete when they return, so the memory is ready on any ``stream``. The
+        consumer must not use the tensor while a step of this model runs (as with numpy views).
+
+        Example:
+            >>> w = torch.from_dlpack(model.fc1.weight)   # same memory, on rlx's device
+        """
+        if self._store is not None and self._store.dlpack_device() is not None:
+            if copy:
+                raise BufferError(f"[{self._name}] rlx exports GPU memory without copying; copy=True is not supported")
+            if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
+                raise BufferError(f"[{self._name}] the parameter is on {self.__dlpack_device__()}, not {tuple(dl_device)}")
+            return self._store.dlpack(self._name)
+        kw: dict[str, Any] = {"stream": stream}
+        for k, v in (("max_version", max_version), ("dl_device", dl_device), ("copy", copy)):
+            if v is not None:
+                kw[k] = v
+        return self.numpy().__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(DLPack device type, ordinal)``: ``(1, 0)`` for host memory, ``(2, n)`` for ``cuda:n``."""
+        dev = None if self._store is None else self._store.dlpack_device()
+        return (1, 0) if dev is None else (int(dev[0]), int(dev[1]))
+
     def _assign(self, values: np.ndarray) -> None:
         """Overwrites the values in place (shape and dtype already checked)."""
         values = contiguous(values, _NP[self._dtype])

@@ -50,6 +50,10 @@ impl DeviceBuffer for CudaBuffer {
         None
     }
 
+    fn device_ptr(&self) -> Option<(u64, usize)> {
+        Some((self.ptr, self.dev.ordinal))
+    }
+
     fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
         check_range("write", offset, data.len(), self.len)?;
         self.dev.write(self.ptr + offset as u64, data)

@@ -2,6 +2,7 @@
 #![warn(unsafe_op_in_unsafe_fn)]
 mod buffer;
 mod devices;
+mod dlpack;
 mod errors;
 mod exec;
 mod gate;

@@ -116,6 +116,21 @@ impl PyStore {
             .collect())
     }
 
+    /// A DLPack capsule over tensor `name` in GPU memory (no copy), or None when the memory is
+    /// not a GPU's (host-visible memory exports through its numpy view).
+    fn dlpack(&self, py: Python<'_>, name: &str) -> PyResult<Option<Py<PyAny>>> {
+        let e = self
+            .store
+            .entry(name)
+            .ok_or_else(|| to_py(py, Error::input(name, "no such tensor")))?;
+        crate::dlpack::export(py, self.store.buffer(), e.offset, e.shape.dims(), e.dtype)
+    }
+
+    /// `(DLPack device type, ordinal)` of the store's GPU memory, or None for host memory.
+    fn dlpack_device(&self) -> Option<(i32, usize)> {
+        crate::dlpack::device(self.store.buffer().as_ref())
+    }
+
     /// A zero-copy view of tensor `name`, or None when the device memory is not host-visible.
     fn view(&self, py: Python<'_>, name: &str) -> PyResult<Option<ArenaView>> {
         let e = self

@@ -78,6 +78,11 @@ pub trait DeviceBuffer: Send + Sync + Any {
     /// Reading or writing through it is `unsafe`: the caller must order its accesses with runs
     /// and copies (zero-copy numpy views leave that to the user, as any shared host array does).
     fn host_ptr(&self) -> Option<std::ptr::NonNull<u8>>;
+    /// The device address of byte 0 and the device's ordinal, where the memory is a GPU's
+    /// (CUDA): what a DLPack export hands to other frameworks. `None` elsewhere.
+    fn device_ptr(&self) -> Option<(u64, usize)> {
+        None
+    }
     /// Copies `data` into the buffer at `offset` (bounds-checked).
     fn write(&self, offset: usize, data: &[u8]) -> Result<()>;
     /// Copies bytes at `offset` into `out` (bounds-checked).
