@@ -28,6 +28,7 @@
 //! ```
 #![warn(unsafe_op_in_unsafe_fn)]
 
+pub mod bf16dot;
 mod copy;
 mod exec;
 pub mod f16c;

@@ -93,6 +93,7 @@ pub fn matmul_epilogue(
             (0..r).map(|i| at(pa, i).max(at(pb, i))).collect()
         };
         od.extend([m, n]);
+        debug_assert_eq!(od, product_dims(ad, bd, ta, tb));
         return PRODUCT.with(|p| {
             let mut p = p.borrow_mut();
             if p.len() < out.len() {
@@ -416,6 +417,24 @@ fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
     }
 }
 
+/// The dims of `op(a) @ op(b)`: the broadcast batch dims, then `m x n`.
+pub fn product_dims(ad: &[usize], bd: &[usize], ta: bool, tb: bool) -> Vec<usize> {
+    let (pa, pb) = (&ad[..ad.len() - 2], &bd[..bd.len() - 2]);
+    let r = pa.len().max(pb.len());
+    let at = |p: &[usize], i: usize| {
+        if i + p.len() >= r {
+            p[i + p.len() - r]
+        } else {
+            1
+        }
+    };
+    let mut od: Vec<usize> = (0..r).map(|i| at(pa, i).max(at(pb, i))).collect();
+    let m = if ta { ad[ad.len() - 1] } else { ad[ad.len() - 2] };
+    let n = if tb { bd[bd.len() - 2] } else { bd[bd.len() - 1] };
+    od.extend([m, n]);
+    od
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -553,3 +572,4 @@ mod tests {
         }
     }
 }
+

@@ -6,6 +6,7 @@ pub mod elementwise;
 pub mod fused;
 pub mod layout;
 pub mod math;
+pub mod lowp;
 pub mod matmul;
 pub mod nn;
 pub mod optim;

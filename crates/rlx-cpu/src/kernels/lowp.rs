@@ -1,0 +1,287 @@
+//! Matrix products of bfloat16 or float16 operands, accumulated and returned in float32 (the
+//! mixed-precision matmul). bfloat16 runs the AVX512-BF16 kernel (`crate::bf16dot`) where the
+//! CPU has it: operands packed into bfloat16 pairs, tiles of `MR x NR` float32 sums. Otherwise
+//! (and always for float16, which F16C widens) the operands are widened to float32, exactly, and
+//! the float32 GEMM runs: the same products, summed in another order.
+use super::matmul::{matmul as matmul_f32, PAR_FLOPS};
+use super::{cast, Strided};
+use crate::bf16dot::{self, Kernel, MR, NR};
+use rayon::prelude::*;
+
+/// Row blocks of this many rows are the unit of parallel work of the bfloat16 kernel.
+const MC: usize = 4 * MR;
+
+/// The low-precision operands of one product (both the same dtype).
+#[derive(Clone, Copy)]
+pub enum Lowp<'a> {
+    BF16(&'a [u16], &'a [u16]),
+    F16(&'a [u16], &'a [u16]),
+}
+
+/// `out = op(a) @ op(b)` (float32) for bfloat16 or float16 `a`, `b`; shapes, transposes and
+/// batch broadcasting as `matmul::matmul`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    ops: Lowp,
+    ad: &[usize],
+    ta: bool,
+    bd: &[usize],
+    tb: bool,
+    out: &mut [f32],
+    od: &[usize],
+) {
+    let (a, b) = match ops {
+        Lowp::BF16(a, b) => match bf16dot::kernel() {
+            Some(kern) => return bf16_matmul(kern, a, ad, ta, b, bd, tb, out, od),
+            None => (widen_bf16(a), widen_bf16(b)),
+        },
+        Lowp::F16(a, b) => (widen_f16(a), widen_f16(b)),
+    };
+    matmul_f32(&a, ad, ta, &b, bd, tb, out, od)
+}
+
+fn widen_bf16(x: &[u16]) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    cast::cast(cast::Src::BF16(x), cast::Dst::F32(&mut out));
+    out
+}
+
+fn widen_f16(x: &[u16]) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    cast::cast(cast::Src::F16(x), cast::Dst::F32(&mut out));
+    out
+}
+
+/// A strided bfloat16 matrix: element (i, j) at `data[off + i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [u16],
+    off: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl View<'_> {
+    #[inline]
+    fn at(&self, i: usize, j: usize) -> u32 {
+        self.data[self.off + i * self.rs + j * self.cs] as u32
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bf16_matmul(
+    kern: Kernel,
+    a: &[u16],
+    ad: &[usize],
+    ta: bool,
+    b: &[u16],
+    bd: &[usize],
+    tb: bool,
+    out: &mut [f32],
+    od: &[usize],
+) {
+    let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+    let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+    let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
+    let n = if tb { rb } else { cb };
+    let (a_rs, a_cs) = if ta { (1, ca) } else { (ca, 1) };
+    let (b_rs, b_cs) = if tb { (1, cb) } else { (cb, 1) };
+    if out.is_empty() {
+        return;
+    }
+    if k == 0 {
+        out.fill(0.0);
+        return;
+    }
+    let ob = &od[..od.len() - 2];
+    let batch: usize = ob.iter().product();
+    let a_batch: usize = ad[..ad.len() - 2].iter().product();
+    let b_batch: usize = bd[..bd.len() - 2].iter().product();
+    let view = |data, off, rs, cs| View { data, off, rs, cs };
+    // A stack of row-major matrices times one shared matrix is one tall GEMM.
+    if b_batch == 1 && !ta && a_batch == batch {
+        let par = batch * m * n * k >= PAR_FLOPS;
+        let bp = pack_b(view(b, 0, b_rs, b_cs), k, n);
+        return gemm(kern, out, batch * m, n, k, view(a, 0, a_rs, a_cs), &bp, par);
+    }
+    let sa = Strided::broadcast(&ad[..ad.len() - 2], ob);
+    let sb = Strided::broadcast(&bd[..bd.len() - 2], ob);
+    let offset = |s: &Strided, mut i: usize, size: usize| {
+        let mut off = 0;
+        for d in (0..ob.len()).rev() {
+            off += (i % ob[d]) * s.strides[d];
+            i /= ob[d];
+        }
+        off * size
+    };
+    let big = m * n * k >= PAR_FLOPS;
+    let one = |(bi, o): (usize, &mut [f32]), par: bool| {
+        let av = view(a, offset(&sa, bi, ra * ca), a_rs, a_cs);
+        let bp = pack_b(view(b, offset(&sb, bi, rb * cb), b_rs, b_cs), k, n);
+        gemm(kern, o, m, n, k, av, &bp, par);
+    };
+    if big || batch == 1 {
+        out.chunks_mut(m * n).enumerate().for_each(|c| one(c, big));
+    } else {
+        out.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|c| one(c, false));
+    }
+}
+
+/// `b` (`k x n`) packed for the kernel: `n / NR` (rounded up) panels, each `kp = k / 2`
+/// (rounded up) steps of `NR` pairs; columns past `n` and the row past an odd `k` are zeros.
+fn pack_b(b: View, k: usize, n: usize) -> Vec<u32> {
+    let kp = k.div_ceil(2);
+    let panels = n.div_ceil(NR);
+    let mut out = vec![0u32; panels * kp * NR];
+    for (q, panel) in out.chunks_mut(kp * NR).enumerate() {
+        let cols = NR.min(n - q * NR);
+        for (p, step) in panel.chunks_mut(NR).enumerate() {
+            let r = 2 * p;
+            for (j, v) in step[..cols].iter_mut().enumerate() {
+                let c = q * NR + j;
+                let hi = if r + 1 < k { b.at(r + 1, c) } else { 0 };
+                *v = b.at(r, c) | hi << 16;
+            }
+        }
+    }
+    out
+}
+
+/// Rows `r0..r0 + rows` of `a` (`rows <= MC`) packed for the kernel: tiles of `MR` rows, each
+/// `kp` steps of `MR` pairs; rows past the end and the column past an odd `k` are zeros.
+fn pack_a(a: View, r0: usize, rows: usize, k: usize, buf: &mut Vec<u32>) {
+    let kp = k.div_ceil(2);
+    let tiles = rows.div_ceil(MR);
+    buf.clear();
+    buf.resize(tiles * kp * MR, 0);
+    for (t, tile) in buf.chunks_mut(kp * MR).enumerate() {
+        let live = MR.min(rows - t * MR);
+        for (p, step) in tile.chunks_mut(MR).enumerate() {
+            let c = 2 * p;
+            for (r, v) in step[..live].iter_mut().enumerate() {
+                let i = r0 + t * MR + r;
+                let hi = if c + 1 < k { a.at(i, c + 1) } else { 0 };
+                *v = a.at(i, c) | hi << 16;
+            }
+        }
+    }
+}
+
+/// `out (m x n, row-major) = a (m x k) @ b`, `b` packed by `pack_b`; row blocks of `MC` rows
+/// run in parallel when `parallel`.
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    kern: Kernel,
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    a: View,
+    bp: &[u32],
+    parallel: bool,
+) {
+    let kp = k.div_ceil(2);
+    let block = |(blk, o): (usize, &mut [f32])| {
+        let r0 = blk * MC;
+        let rows = o.len() / n;
+        let mut ap = Vec::new();
+        pack_a(a, r0, rows, k, &mut ap);
+        let mut tile = [0.0f32; MR * NR];
+        for (q, panel) in bp.chunks(kp * NR).enumerate() {
+            let cols = NR.min(n - q * NR);
+            for (t, at) in ap.chunks(kp * MR).enumerate() {
+                kern.tile(kp, at, panel, &mut tile);
+                let live = MR.min(rows - t * MR);
+                for r in 0..live {
+                    let row = (t * MR + r) * n + q * NR;
+                    o[row..row + cols].copy_from_slice(&tile[r * NR..r * NR + cols]);
+                }
+            }
+        }
+    };
+    let out = &mut out[..m * n];
+    if parallel {
+        out.par_chunks_mut(MC * n).enumerate().for_each(block);
+    } else {
+        out.chunks_mut(MC * n).enumerate().for_each(block);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf16(x: f32) -> u16 {
+        cast::f32_to_bf16(x)
+    }
+
+    /// Every shape and transpose on both paths against a float64 product of the same bfloat16
+    /// values (their products are exact in float32; only the summation order differs).
+    #[test]
+    fn both_paths_match_float64_for_odd_shapes_and_transposes() {
+        let shapes = [(1, 1, 1), (7, 33, 65), (65, 130, 7), (33, 1, 130), (130, 65, 33)];
+        for kernel in [false, true] {
+            if kernel && !bf16dot::available() {
+                continue;
+            }
+            bf16dot::force(kernel);
+            for &(m, k, n) in &shapes {
+                let av: Vec<f32> = (0..m * k).map(|v| (v as f32 * 0.37).sin()).collect();
+                let bv: Vec<f32> = (0..k * n).map(|v| (v as f32 * 0.11).cos()).collect();
+                let a16: Vec<u16> = av.iter().map(|&x| bf16(x)).collect();
+                let b16: Vec<u16> = bv.iter().map(|&x| bf16(x)).collect();
+                let ar: Vec<f64> = a16.iter().map(|&h| cast::bf16_to_f32(h) as f64).collect();
+                let br: Vec<f64> = b16.iter().map(|&h| cast::bf16_to_f32(h) as f64).collect();
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let at: Vec<u16> = if ta {
+                        (0..k * m).map(|i| a16[(i % m) * k + i / m]).collect()
+                    } else {
+                        a16.clone()
+                    };
+                    let bt: Vec<u16> = if tb {
+                        (0..n * k).map(|i| b16[(i % k) * n + i / k]).collect()
+                    } else {
+                        b16.clone()
+                    };
+                    let ad = if ta { [k, m] } else { [m, k] };
+                    let bd = if tb { [n, k] } else { [k, n] };
+                    let mut out = vec![f32::NAN; m * n];
+                    matmul(Lowp::BF16(&at, &bt), &ad, ta, &bd, tb, &mut out, &[m, n]);
+                    for i in 0..m {
+                        for j in 0..n {
+                            let want: f64 = (0..k).map(|p| ar[i * k + p] * br[p * n + j]).sum();
+                            let got = out[i * n + j] as f64;
+                            assert!(
+                                (got - want).abs() <= 1e-5 * (1.0 + k as f64),
+                                "kernel={kernel} {m}x{k}x{n} ta={ta} tb={tb} ({i},{j}): {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        bf16dot::force(true);
+    }
+
+    #[test]
+    fn batched_with_a_broadcast_operand_matches_per_batch_products() {
+        let (m, k, n) = (9, 17, 40);
+        let a: Vec<u16> = (0..3 * m * k).map(|v| bf16((v as f32 * 0.3).sin())).collect();
+        let b: Vec<u16> = (0..k * n).map(|v| bf16((v as f32 * 0.7).cos())).collect();
+        let mut out = vec![0.0; 3 * m * n];
+        matmul(Lowp::BF16(&a, &b), &[3, m, k], false, &[1, k, n], false, &mut out, &[3, m, n]);
+        for bi in 0..3 {
+            let mut one = vec![0.0; m * n];
+            let a1 = &a[bi * m * k..(bi + 1) * m * k];
+            matmul(Lowp::BF16(a1, &b), &[m, k], false, &[k, n], false, &mut one, &[m, n]);
+            assert_eq!(&out[bi * m * n..(bi + 1) * m * n], &one[..]);
+        }
+        // float16 widens: exact products of exactly representable values.
+        let h: Vec<u16> = [1.0f32, 2.0, 3.0, 4.0].iter().map(|&x| cast::f32_to_f16(x)).collect();
+        let mut o = vec![0.0; 4];
+        matmul(Lowp::F16(&h, &h), &[2, 2], false, &[2, 2], false, &mut o, &[2, 2]);
+        assert_eq!(o, [7.0, 10.0, 15.0, 22.0]);
+    }
+}
