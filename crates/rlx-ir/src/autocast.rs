@@ -10,8 +10,8 @@ use crate::{DType, Error, Graph, NodeId, Op, Result};
 use std::collections::HashMap;
 
 /// `graph` with a cast to `to` in front of each operand of every float32 matmul (one cast per
-/// source node, shared by all the matmuls that read it). Node ids change; inputs, params and
-/// outputs keep their names and order.
+/// source node, shared by all the matmuls that read it), and where each node of `graph` went
+/// (`map[old] = new`). Inputs, params and outputs keep their names and order.
 ///
 /// ```
 /// use rlx_ir::{autocast, DType, Graph, Op, Shape};
@@ -21,13 +21,14 @@ use std::collections::HashMap;
 /// let w = g.param("w", Shape::new([3, 2]), DType::F32)?;
 /// let y = g.add(Op::MatMul { trans_a: false, trans_b: false }, &[x, w])?;
 /// g.set_outputs(vec![y])?;
-/// let h = autocast(&g, DType::BF16)?;
+/// let (h, map) = autocast(&g, DType::BF16)?;
+/// assert_eq!(h.outputs(), [map[y]]);
 /// let out = h.node(h.outputs()[0]);
 /// assert_eq!(out.dtype, DType::F32);
 /// assert!(out.inputs.iter().all(|&i| h.node(i).dtype == DType::BF16));
 /// # Ok::<(), rlx_ir::Error>(())
 /// ```
-pub fn autocast(graph: &Graph, to: DType) -> Result<Graph> {
+pub fn autocast(graph: &Graph, to: DType) -> Result<(Graph, Vec<NodeId>)> {
     if !to.is_low_precision() {
         return Err(Error::dtype(
             "autocast",
@@ -63,7 +64,7 @@ pub fn autocast(graph: &Graph, to: DType) -> Result<Graph> {
         map.push(new);
     }
     out.set_outputs(graph.outputs().iter().map(|&o| map[o]).collect())?;
-    Ok(out)
+    Ok((out, map))
 }
 
 #[cfg(test)]
@@ -99,7 +100,8 @@ mod tests {
             )
             .unwrap();
         g.set_outputs(vec![loss]).unwrap();
-        let a = autocast(&g, DType::BF16).unwrap();
+        let (a, map) = autocast(&g, DType::BF16).unwrap();
+        assert_eq!(a.outputs(), [map[loss]]);
         let casts: Vec<_> = a
             .nodes()
             .iter()
