@@ -66,17 +66,17 @@ def run_gemm(env_extra):
 
 
 def test_bf16_gemm_matches_float64_on_both_kernel_paths():
-    portable = run_gemm({"RLX_CPU_BF16": "portable"})
-    assert portable["path"] == "portable"
-    detected = run_gemm({})
-    assert detected["path"] == ("avx512bf16" if cpu_has_avx512_bf16() else "portable")
-    for res in (portable, detected):
+    default = run_gemm({"RLX_CPU_BF16": ""})
+    assert default["path"] == "portable"  # the AVX512-BF16 kernel is opt-in
+    kernel = run_gemm({"RLX_CPU_BF16": "avx512bf16"})
+    assert kernel["path"] == ("avx512bf16" if cpu_has_avx512_bf16() else "portable")
+    for res in (default, kernel):
         assert len(res["errs"]) == 24
         for case, err in res["errs"].items():
             # Exact products, float32 sums: a few float32 ulps of sum |a||b|.
             assert err < 1e-6, (res["path"], case, err)
     # RLX_CPU_ISA=portable turns the AVX512-BF16 kernel off too.
-    assert run_gemm({"RLX_CPU_ISA": "portable"})["path"] == "portable"
+    assert run_gemm({"RLX_CPU_BF16": "avx512bf16", "RLX_CPU_ISA": "portable"})["path"] == "portable"
 
 
 def test_float16_matmul_and_mixed_operands():

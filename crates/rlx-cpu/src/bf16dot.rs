@@ -1,9 +1,13 @@
 //! The AVX512-BF16 micro-kernel of the bfloat16 GEMM (`kernels/lowp.rs` packs the operands and
 //! drives it): `vdpbf16ps` multiplies pairs of bfloat16 values and adds both products to float32
-//! accumulators. Whether it may run is decided here, by run-time detection, with a switch that
-//! forces the portable path (`RLX_CPU_BF16=portable`, `RLX_CPU_ISA=portable`, or [`force`]) so
-//! tests compare the two. The `unsafe` of calling target-feature code and of its vector loads
-//! and stores lives only in this file.
+//! accumulators. Whether it runs is decided here, once per process: only when the CPU has
+//! AVX512F and AVX512-BF16 (run-time detection) and `RLX_CPU_BF16=avx512bf16` asks for it (or
+//! [`force`]). It is opt-in because on the Sapphire Rapids-class Xeon it was measured on,
+//! `vdpbf16ps` retires fewer flops per cycle than two float32 FMA ports, so widening the
+//! operands to float32 and running the float32 GEMM (the portable path) was faster (see
+//! BENCHMARKS.md); CPUs with one 512-bit FMA port may gain from it. `RLX_CPU_ISA=portable` turns
+//! it off too. The `unsafe` of calling target-feature code and of its vector loads and stores
+//! lives only in this file.
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// Rows of one micro-tile.
@@ -36,10 +40,11 @@ pub fn in_use() -> bool {
         ON => true,
         OFF => false,
         _ => {
-            let portable = |var: &str| {
-                std::env::var(var).is_ok_and(|v| v.eq_ignore_ascii_case("portable"))
+            let is = |var: &str, value: &str| {
+                std::env::var(var).is_ok_and(|v| v.eq_ignore_ascii_case(value))
             };
-            let on = available() && !portable("RLX_CPU_BF16") && !portable("RLX_CPU_ISA");
+            let on =
+                available() && is("RLX_CPU_BF16", "avx512bf16") && !is("RLX_CPU_ISA", "portable");
             let _ = CHOSEN.compare_exchange(
                 UNSET,
                 if on { ON } else { OFF },

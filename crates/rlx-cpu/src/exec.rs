@@ -289,9 +289,15 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                 unsafe { b.get_mut(out) },
                 od,
             ),
-            Some(ops) => lowp::matmul(ops, sh(0), *trans_a, sh(1), *trans_b, unsafe {
-                b.get_mut(out)
-            }, od),
+            Some(ops) => lowp::matmul(
+                ops,
+                sh(0),
+                *trans_a,
+                sh(1),
+                *trans_b,
+                unsafe { b.get_mut(out) },
+                od,
+            ),
         },
         Op::Reduce { op: r, axes, .. } => {
             reduce::reduce(*r, f(0), sh(0), axes, unsafe { b.get_mut(out) })

@@ -429,8 +429,16 @@ pub fn product_dims(ad: &[usize], bd: &[usize], ta: bool, tb: bool) -> Vec<usize
         }
     };
     let mut od: Vec<usize> = (0..r).map(|i| at(pa, i).max(at(pb, i))).collect();
-    let m = if ta { ad[ad.len() - 1] } else { ad[ad.len() - 2] };
-    let n = if tb { bd[bd.len() - 2] } else { bd[bd.len() - 1] };
+    let m = if ta {
+        ad[ad.len() - 1]
+    } else {
+        ad[ad.len() - 2]
+    };
+    let n = if tb {
+        bd[bd.len() - 2]
+    } else {
+        bd[bd.len() - 1]
+    };
     od.extend([m, n]);
     od
 }
@@ -572,4 +580,3 @@ mod tests {
         }
     }
 }
-

@@ -1,8 +1,8 @@
 //! Matrix products of bfloat16 or float16 operands, accumulated and returned in float32 (the
-//! mixed-precision matmul). bfloat16 runs the AVX512-BF16 kernel (`crate::bf16dot`) where the
-//! CPU has it: operands packed into bfloat16 pairs, tiles of `MR x NR` float32 sums. Otherwise
-//! (and always for float16, which F16C widens) the operands are widened to float32, exactly, and
-//! the float32 GEMM runs: the same products, summed in another order.
+//! mixed-precision matmul). By default the operands are widened to float32, exactly (F16C for
+//! float16), and the float32 GEMM runs. bfloat16 may instead run the AVX512-BF16 kernel
+//! (`crate::bf16dot`, opt-in): operands packed into bfloat16 pairs, tiles of `MR x NR` float32
+//! sums. Both give the same exact products, summed in another order.
 use super::matmul::{matmul as matmul_f32, PAR_FLOPS};
 use super::{cast, Strided};
 use crate::bf16dot::{self, Kernel, MR, NR};
@@ -59,13 +59,6 @@ struct View<'a> {
     off: usize,
     rs: usize,
     cs: usize,
-}
-
-impl View<'_> {
-    #[inline]
-    fn at(&self, i: usize, j: usize) -> u32 {
-        self.data[self.off + i * self.rs + j * self.cs] as u32
-    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -129,43 +122,84 @@ fn bf16_matmul(
     }
 }
 
-/// `b` (`k x n`) packed for the kernel: `n / NR` (rounded up) panels, each `kp = k / 2`
-/// (rounded up) steps of `NR` pairs; columns past `n` and the row past an odd `k` are zeros.
-fn pack_b(b: View, k: usize, n: usize) -> Vec<u32> {
-    let kp = k.div_ceil(2);
-    let panels = n.div_ceil(NR);
-    let mut out = vec![0u32; panels * kp * NR];
-    for (q, panel) in out.chunks_mut(kp * NR).enumerate() {
-        let cols = NR.min(n - q * NR);
-        for (p, step) in panel.chunks_mut(NR).enumerate() {
-            let r = 2 * p;
-            for (j, v) in step[..cols].iter_mut().enumerate() {
-                let c = q * NR + j;
-                let hi = if r + 1 < k { b.at(r + 1, c) } else { 0 };
-                *v = b.at(r, c) | hi << 16;
+/// Packs `live <= width` lanes (from `lane0`) of a strided bfloat16 matrix into `out`: `kp`
+/// steps of `width` pairs, `out[p * width + l]` holding elements `2p` (low half) and `2p + 1`
+/// (high half) along k of lane `l`; lanes past `live` and the element past an odd `k` stay
+/// zero (`out` comes zeroed). Lane `l`, k-index `c` is `data[off + l * ls + c * ks]`.
+#[allow(clippy::too_many_arguments)]
+fn pack_pairs(
+    data: &[u16],
+    off: usize,
+    ls: usize,
+    ks: usize,
+    lane0: usize,
+    live: usize,
+    k: usize,
+    width: usize,
+    out: &mut [u32],
+) {
+    let pairs = k / 2;
+    if ks == 1 {
+        // Each lane's k elements are contiguous: read lane by lane.
+        for l in 0..live {
+            let base = off + (lane0 + l) * ls;
+            let src = &data[base..base + k];
+            for (p, two) in src.chunks_exact(2).enumerate() {
+                out[p * width + l] = two[0] as u32 | (two[1] as u32) << 16;
+            }
+            if k % 2 == 1 {
+                out[pairs * width + l] = src[k - 1] as u32;
             }
         }
+    } else if ls == 1 {
+        // Lanes are contiguous: read two k-rows at a time.
+        for p in 0..k.div_ceil(2) {
+            let r0 = off + 2 * p * ks + lane0;
+            let lo = &data[r0..r0 + live];
+            let o = &mut out[p * width..p * width + live];
+            if 2 * p + 1 < k {
+                let hi = &data[r0 + ks..r0 + ks + live];
+                for ((v, &a), &b) in o.iter_mut().zip(lo).zip(hi) {
+                    *v = a as u32 | (b as u32) << 16;
+                }
+            } else {
+                for (v, &a) in o.iter_mut().zip(lo) {
+                    *v = a as u32;
+                }
+            }
+        }
+    } else {
+        for p in 0..k.div_ceil(2) {
+            for l in 0..live {
+                let at = |c: usize| data[off + (lane0 + l) * ls + c * ks] as u32;
+                let hi = if 2 * p + 1 < k { at(2 * p + 1) } else { 0 };
+                out[p * width + l] = at(2 * p) | hi << 16;
+            }
+        }
+    }
+}
+
+/// `b` (`k x n`) packed for the kernel: `n / NR` (rounded up) panels of `kp = k / 2` (rounded
+/// up) steps of `NR` pairs (see `pack_pairs`: the lanes are `b`'s columns).
+fn pack_b(b: View, k: usize, n: usize) -> Vec<u32> {
+    let kp = k.div_ceil(2);
+    let mut out = vec![0u32; n.div_ceil(NR) * kp * NR];
+    for (q, panel) in out.chunks_mut(kp * NR).enumerate() {
+        let live = NR.min(n - q * NR);
+        pack_pairs(b.data, b.off, b.cs, b.rs, q * NR, live, k, NR, panel);
     }
     out
 }
 
 /// Rows `r0..r0 + rows` of `a` (`rows <= MC`) packed for the kernel: tiles of `MR` rows, each
-/// `kp` steps of `MR` pairs; rows past the end and the column past an odd `k` are zeros.
+/// `kp` steps of `MR` pairs (see `pack_pairs`: the lanes are `a`'s rows).
 fn pack_a(a: View, r0: usize, rows: usize, k: usize, buf: &mut Vec<u32>) {
     let kp = k.div_ceil(2);
-    let tiles = rows.div_ceil(MR);
     buf.clear();
-    buf.resize(tiles * kp * MR, 0);
+    buf.resize(rows.div_ceil(MR) * kp * MR, 0);
     for (t, tile) in buf.chunks_mut(kp * MR).enumerate() {
         let live = MR.min(rows - t * MR);
-        for (p, step) in tile.chunks_mut(MR).enumerate() {
-            let c = 2 * p;
-            for (r, v) in step[..live].iter_mut().enumerate() {
-                let i = r0 + t * MR + r;
-                let hi = if c + 1 < k { a.at(i, c + 1) } else { 0 };
-                *v = a.at(i, c) | hi << 16;
-            }
-        }
+        pack_pairs(a.data, a.off, a.rs, a.cs, r0 + t * MR, live, k, MR, tile);
     }
 }
 
@@ -221,7 +255,13 @@ mod tests {
     /// values (their products are exact in float32; only the summation order differs).
     #[test]
     fn both_paths_match_float64_for_odd_shapes_and_transposes() {
-        let shapes = [(1, 1, 1), (7, 33, 65), (65, 130, 7), (33, 1, 130), (130, 65, 33)];
+        let shapes = [
+            (1, 1, 1),
+            (7, 33, 65),
+            (65, 130, 7),
+            (33, 1, 130),
+            (130, 65, 33),
+        ];
         for kernel in [false, true] {
             if kernel && !bf16dot::available() {
                 continue;
@@ -262,26 +302,55 @@ mod tests {
                 }
             }
         }
-        bf16dot::force(true);
+        bf16dot::force(false);
     }
 
     #[test]
     fn batched_with_a_broadcast_operand_matches_per_batch_products() {
         let (m, k, n) = (9, 17, 40);
-        let a: Vec<u16> = (0..3 * m * k).map(|v| bf16((v as f32 * 0.3).sin())).collect();
+        let a: Vec<u16> = (0..3 * m * k)
+            .map(|v| bf16((v as f32 * 0.3).sin()))
+            .collect();
         let b: Vec<u16> = (0..k * n).map(|v| bf16((v as f32 * 0.7).cos())).collect();
         let mut out = vec![0.0; 3 * m * n];
-        matmul(Lowp::BF16(&a, &b), &[3, m, k], false, &[1, k, n], false, &mut out, &[3, m, n]);
+        matmul(
+            Lowp::BF16(&a, &b),
+            &[3, m, k],
+            false,
+            &[1, k, n],
+            false,
+            &mut out,
+            &[3, m, n],
+        );
         for bi in 0..3 {
             let mut one = vec![0.0; m * n];
             let a1 = &a[bi * m * k..(bi + 1) * m * k];
-            matmul(Lowp::BF16(a1, &b), &[m, k], false, &[k, n], false, &mut one, &[m, n]);
+            matmul(
+                Lowp::BF16(a1, &b),
+                &[m, k],
+                false,
+                &[k, n],
+                false,
+                &mut one,
+                &[m, n],
+            );
             assert_eq!(&out[bi * m * n..(bi + 1) * m * n], &one[..]);
         }
         // float16 widens: exact products of exactly representable values.
-        let h: Vec<u16> = [1.0f32, 2.0, 3.0, 4.0].iter().map(|&x| cast::f32_to_f16(x)).collect();
+        let h: Vec<u16> = [1.0f32, 2.0, 3.0, 4.0]
+            .iter()
+            .map(|&x| cast::f32_to_f16(x))
+            .collect();
         let mut o = vec![0.0; 4];
-        matmul(Lowp::F16(&h, &h), &[2, 2], false, &[2, 2], false, &mut o, &[2, 2]);
+        matmul(
+            Lowp::F16(&h, &h),
+            &[2, 2],
+            false,
+            &[2, 2],
+            false,
+            &mut o,
+            &[2, 2],
+        );
         assert_eq!(o, [7.0, 10.0, 15.0, 22.0]);
     }
 }
