@@ -26,6 +26,7 @@ __all__ = [
     "check_device",
     "checkpoint_header",
     "cpu_isa",
+    "cpu_bf16_path",
     "devices",
     "load_checkpoint",
     "load_checkpoint_raw",
