@@ -171,6 +171,26 @@ def test_mlp_gradients_in_bf16_and_fp16_are_close_to_float32_but_not_equal():
     assert all(v.dtype == "float32" for v in mlp()._tensors().values())
 
 
+def test_convolution_gradients_in_bf16_are_close_to_float32():
+    def run(precision):
+        rlx.seed(7)
+        model = rlx.nn.Sequential(rlx.nn.Conv2d(3, 8, 3, padding=1), rlx.nn.ReLU(), rlx.nn.Flatten(),
+                                  rlx.nn.Linear(8 * 6 * 6, 4))
+        spec = {"x": rlx.InputSpec((5, 3, 6, 6)), "y": rlx.InputSpec((5,), "int32")}
+        step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model, rlx.optim.SGD(0.0), spec,
+                                      precision=precision)
+        rng = np.random.default_rng(8)
+        step(x=rng.normal(size=(5, 3, 6, 6)).astype(np.float32), y=rng.integers(0, 4, 5).astype(np.int32))
+        return {k: np.array(v) for k, v in step.grads.items()}, step.graph()
+
+    g32, _ = run("fp32")
+    g16, listing = run("bf16")
+    assert "im2col" in listing and "bfloat16" in listing
+    for k in g32:
+        rel = np.linalg.norm(g16[k] - g32[k]) / np.linalg.norm(g32[k])
+        assert 0 < rel < 3e-2, (k, rel)
+
+
 def test_compile_bf16_inference_rounds_matmul_operands_to_bf16():
     model = rlx.nn.Linear(40, 7)
     rng = np.random.default_rng(2)

@@ -188,12 +188,16 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             let xs: Vec<(&[f32], &[usize])> = (2..ins.len()).map(|i| (f(i), sh(i))).collect();
             // SAFETY: the contract of `run_op`.
             if let Some(ops) = unsafe { lowp_operands(b, op, ins)? } {
-                let product = fused::product_dims(sh(0), sh(1), *trans_a, *trans_b);
-                let mut p = vec![0.0f32; out.shape.numel()];
-                lowp::matmul(ops, sh(0), *trans_a, sh(1), *trans_b, &mut p, &product);
-                let mut srcs: Vec<(&[f32], &[usize])> = vec![(&p, epilogue.shape.dims())];
-                srcs.extend_from_slice(&xs);
-                fused::fused(epilogue, &srcs, unsafe { b.get_mut(out) });
+                fused::matmul_epilogue_lowp(
+                    epilogue,
+                    ops,
+                    sh(0),
+                    *trans_a,
+                    sh(1),
+                    *trans_b,
+                    &xs,
+                    unsafe { b.get_mut(out) },
+                );
                 return Ok(());
             }
             fused::matmul_epilogue(

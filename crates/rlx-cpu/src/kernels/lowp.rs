@@ -30,26 +30,43 @@ pub fn matmul(
     out: &mut [f32],
     od: &[usize],
 ) {
-    let (a, b) = match ops {
+    let (a, b, bf16) = match ops {
         Lowp::BF16(a, b) => match bf16dot::kernel() {
             Some(kern) => return bf16_matmul(kern, a, ad, ta, b, bd, tb, out, od),
-            None => (widen_bf16(a), widen_bf16(b)),
+            None => (a, b, true),
         },
-        Lowp::F16(a, b) => (widen_f16(a), widen_f16(b)),
+        Lowp::F16(a, b) => (a, b, false),
     };
-    matmul_f32(&a, ad, ta, &b, bd, tb, out, od)
+    let src = |x| {
+        if bf16 {
+            cast::Src::BF16(x)
+        } else {
+            cast::Src::F16(x)
+        }
+    };
+    // The widened operands live in per-thread buffers kept between calls (a fresh allocation
+    // of a few MB per product costs its page faults every time).
+    let widened = |wa: &mut Vec<f32>, wb: &mut Vec<f32>, out: &mut [f32]| {
+        wa.resize(a.len(), 0.0);
+        wb.resize(b.len(), 0.0);
+        cast::cast(src(a), cast::Dst::F32(wa));
+        cast::cast(src(b), cast::Dst::F32(wb));
+        matmul_f32(wa, ad, ta, wb, bd, tb, out, od)
+    };
+    WIDE.with(|w| match w.try_borrow_mut() {
+        Ok(mut w) => {
+            let (wa, wb) = &mut *w;
+            widened(wa, wb, out)
+        }
+        // Re-entered on this thread (not expected: products do not nest): fresh buffers.
+        Err(_) => widened(&mut Vec::new(), &mut Vec::new(), out),
+    })
 }
 
-fn widen_bf16(x: &[u16]) -> Vec<f32> {
-    let mut out = vec![0.0; x.len()];
-    cast::cast(cast::Src::BF16(x), cast::Dst::F32(&mut out));
-    out
-}
-
-fn widen_f16(x: &[u16]) -> Vec<f32> {
-    let mut out = vec![0.0; x.len()];
-    cast::cast(cast::Src::F16(x), cast::Dst::F32(&mut out));
-    out
+thread_local! {
+    static WIDE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    };
 }
 
 /// A strided bfloat16 matrix: element (i, j) at `data[off + i * rs + j * cs]`.
