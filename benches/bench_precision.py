@@ -4,6 +4,7 @@ PyTorch eager in float32 and under CPU autocast (bfloat16), 2 threads each.
     python benches/bench_precision.py                  # both workloads, a few minutes on 2 cores
     python benches/bench_precision.py --steps 30       # quicker
     python benches/bench_precision.py --curve 300      # also: tiny GPT loss, bf16 vs fp32, 300 steps
+    python benches/bench_precision.py --gemm 512       # also: one n^3 GEMM, float32 vs both bf16 paths
 
 Workloads:
   gpt   the tiny GPT of benches/bench_cpu.py (vocab 256, d128, 4 heads, 2 pre-LN blocks, B16 x T64,
@@ -33,8 +34,10 @@ MLP = dict(d_in=512, hidden=1024, classes=10, batch=256)
 
 
 def gpt_batches(steps: int, seed: int = 0):
+    # A learnable stream (a random walk over the vocabulary: each token is the last plus 1..3),
+    # so the loss falls from ln(256) towards ln(3) and the curves have something to compare.
     rng = np.random.default_rng(seed)
-    stream = rng.integers(0, GPT["vocab"], 1 << 16)
+    stream = np.cumsum(rng.integers(1, 4, 1 << 16)) % GPT["vocab"]
     for _ in range(steps):
         at = rng.integers(0, len(stream) - GPT["seq"] - 1, GPT["batch"])
         w = np.stack([stream[a:a + GPT["seq"] + 1] for a in at]).astype(np.int32)
@@ -140,6 +143,34 @@ def child(fw: str, precision: str, workload: str, steps: int, warmup: int) -> di
     return {"ms": 1e3 * statistics.median(times), "first_s": first, "loss": losses[-1], "losses": losses}
 
 
+GEMM_CHILD = r"""
+import sys, time, json
+import ml_dtypes, numpy as np, rlx
+from rlx import _rlx
+n, dt = int(sys.argv[1]), sys.argv[2]
+g = rlx.Graph()
+x, y = g.input("a", (n, n), dt), g.input("b", (n, n), dt)
+g.output(x @ y)
+exe = g.compile("cpu")
+a = np.random.default_rng(0).normal(size=(n, n)).astype(ml_dtypes.bfloat16 if dt == "bfloat16" else np.float32)
+exe.run(a=a, b=a)
+ts = []
+for _ in range(10):
+    t = time.perf_counter(); exe.run(a=a, b=a); ts.append(time.perf_counter() - t)
+print(json.dumps({"path": _rlx.cpu_bf16_path(), "gflops": 2 * n ** 3 / min(ts) / 1e9}))
+"""
+
+
+def gemm_row(n: int, threads: int) -> str:
+    cells = []
+    for dt, path in (("float32", ""), ("bfloat16", ""), ("bfloat16", "avx512bf16")):
+        env = {**os.environ, "RLX_NUM_THREADS": str(threads), "RLX_CPU_BF16": path}
+        out = subprocess.run([sys.executable, "-c", GEMM_CHILD, str(n), dt], capture_output=True, text=True, env=env)
+        r = json.loads(out.stdout) if out.returncode == 0 else {"path": "error", "gflops": float("nan")}
+        cells.append(f"{r['gflops']:.0f} ({dt}, {r['path'] if dt == 'bfloat16' else 'gemm crate'})")
+    return f"| GEMM n={n}, {threads} thread(s), GFLOP/s (best of 10) | " + " | ".join(cells) + " |"
+
+
 def run_child(fw: str, precision: str, workload: str, steps: int, warmup: int) -> dict:
     env = {**os.environ, "RLX_NUM_THREADS": str(THREADS), "OMP_NUM_THREADS": str(THREADS)}
     out = subprocess.run([sys.executable, __file__, "--child", fw, precision, workload, str(steps), str(warmup)],
@@ -159,6 +190,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--only", default="gpt,mlp")
     ap.add_argument("--curve", type=int, default=0, help="also compare tiny-GPT losses over this many steps")
+    ap.add_argument("--gemm", type=int, default=0, help="also time one n x n x n GEMM per path")
     ap.add_argument("--child", nargs=5)
     args = ap.parse_args()
     if args.child:
@@ -171,7 +203,7 @@ def main() -> None:
           f"after {args.warmup}")
     print("| workload | rlx fp32 ms | rlx bf16 ms | torch fp32 ms | torch autocast bf16 ms | rlx bf16 / torch bf16 |")
     print("|---|---|---|---|---|---|")
-    for w in args.only.split(","):
+    for w in filter(None, args.only.split(",")):
         cells = {(fw, p): run_child(fw, p, w, args.steps, args.warmup)
                  for fw in ("rlx", "torch") for p in ("fp32", "bf16")}
         ms = {k: v.get("ms", float("nan")) for k, v in cells.items()}
@@ -186,7 +218,10 @@ def main() -> None:
         a, b = np.array(f32).reshape(-1, 10).mean(1), np.array(b16).reshape(-1, 10).mean(1)
         rel = np.abs(b - a) / a
         print(f"tiny GPT loss over {args.curve} steps (10-step means): fp32 {a[0]:.4f} -> {a[-1]:.4f}, "
-              f"bf16 {b[0]:.4f} -> {b[-1]:.4f}, max relative difference {rel.max():.4f}")
+              f"bf16 {b[0]:.4f} -> {b[-1]:.4f}, max relative difference {rel.max():.2e}")
+    if args.gemm:
+        for threads in (1, THREADS):
+            print(gemm_row(args.gemm, threads))
     print(f"load after: {uptime()}")
 
 
