@@ -2,10 +2,10 @@
 //! drives it): `vdpbf16ps` multiplies pairs of bfloat16 values and adds both products to float32
 //! accumulators. Whether it runs is decided here, once per process: only when the CPU has
 //! AVX512F and AVX512-BF16 (run-time detection) and `RLX_CPU_BF16=avx512bf16` asks for it (or
-//! [`force`]). It is opt-in because on the Sapphire Rapids-class Xeon it was measured on,
-//! `vdpbf16ps` retires fewer flops per cycle than two float32 FMA ports, so widening the
-//! operands to float32 and running the float32 GEMM (the portable path) was faster (see
-//! BENCHMARKS.md); CPUs with one 512-bit FMA port may gain from it. `RLX_CPU_ISA=portable` turns
+//! [`force`]). It is opt-in because on the Sapphire Rapids-class Xeon it was measured on it ran
+//! at about half the rate of the float32 GEMM on widened operands (the portable path, see
+//! BENCHMARKS.md): there `vdpbf16ps` does not outpace two 512-bit float32 FMA ports. CPUs with
+//! one 512-bit FMA port may gain from it. `RLX_CPU_ISA=portable` turns
 //! it off too. The `unsafe` of calling target-feature code and of its vector loads and stores
 //! lives only in this file.
 use std::sync::atomic::{AtomicU8, Ordering};
