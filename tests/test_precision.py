@@ -317,3 +317,22 @@ def test_tiny_gpt_bf16_loss_curve_within_2_percent_of_float32():
     rel = np.abs(w16 - w32) / w32
     assert rel.max() < 0.02, rel
     assert not np.array_equal(f32, b16)
+
+
+def test_mixed_precision_with_none_dimensions_and_clipping():
+    # One executable per batch size, each autocast; the fp16 step's gradient norm (for clipping)
+    # is the norm of the unscaled gradients.
+    spec = {"x": rlx.InputSpec((None, 12)), "y": rlx.InputSpec((None,), "int32")}
+    loss = lambda m, x, y: rlx.cross_entropy(m(x), y)  # noqa: E731
+    rng = np.random.default_rng(9)
+    steps = {p: rlx.compile_train_step(loss, mlp(), rlx.optim.SGD(0.0), spec, precision=p, clip_grad_norm=1e9)
+             for p in ("fp32", "bf16", "fp16")}
+    for n in (3, 10):
+        x = rng.normal(size=(n, 12)).astype(np.float32)
+        y = rng.integers(0, 5, n).astype(np.int32)
+        losses = {p: s(x=x, y=y) for p, s in steps.items()}
+        norms = {p: s.grad_norm for p, s in steps.items()}
+        for p in ("bf16", "fp16"):
+            assert abs(losses[p] - losses["fp32"]) < 2e-2 * abs(losses["fp32"])
+            assert abs(norms[p] - norms["fp32"]) < 3e-2 * norms["fp32"], (p, n, norms)
+    assert steps["fp16"].loss_scale == 65536.0 and steps["fp16"].skipped == 0
