@@ -215,8 +215,9 @@ def scaled_step(**kw):
     rlx.seed(5)
     lin = rlx.nn.Linear(4, 3)
     spec = {"x": rlx.InputSpec((8, 4)), "y": rlx.InputSpec((8, 3))}
-    step = rlx.compile_train_step(lambda m, x, y: rlx.mse_loss(m(x), y), lin, rlx.optim.Adam(1e-2), spec,
-                                  precision="fp16", **kw)
+    opt = rlx.optim.Adam(1e-2)
+    step = rlx.compile_train_step(lambda m, x, y: rlx.mse_loss(m(x), y), lin, opt, spec, precision="fp16", **kw)
+    step.opt = opt
     rng = np.random.default_rng(6)
     return lin, step, rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 3)).astype(np.float32)
 
@@ -232,6 +233,9 @@ def test_fp16_overflow_step_is_skipped_and_the_scale_halves():
     assert step.loss_scale == 2.0 ** 39
     for k, v in lin.state_dict().items():
         np.testing.assert_array_equal(np.array(v), before[k])
+    # The optimizer state did not move either (Adam's moments and step count stay zero).
+    state = step.opt.state_dict()["state"]
+    assert state and all(not np.any(a) for slots in state.values() for a in slots.values()), state
     # Halving until the gradients fit, then updates happen with unscaled gradients.
     for _ in range(40):
         skipped = step.skipped
@@ -241,6 +245,8 @@ def test_fp16_overflow_step_is_skipped_and_the_scale_halves():
     # |dloss/dy| is about 0.1 here: the first scale that fits float16 (max 65504) is near 2**19.
     assert 2.0 ** 16 <= step.loss_scale <= 2.0 ** 20 and step.skipped > 1
     assert not np.array_equal(np.array(lin.weight.numpy()), before["weight"])
+    state = step.opt.state_dict()["state"]
+    assert all(np.any(a) for slots in state.values() for a in slots.values()), state
     # The gradients the update used are the true ones: compare with a float32 step.
     rlx.seed(5)
     ref = rlx.nn.Linear(4, 3)

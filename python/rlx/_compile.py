@@ -22,8 +22,10 @@ from .optim import Optimizer
 # Serialises building executables (rare: a first call with a new size). Module-level so that
 # rlx's fork hooks (rlx/__init__.py) can hold it across a fork().
 _BUILD_LOCK = threading.Lock()
-#: Inputs the caller never gives: the dropout seed, set by the step itself.
-_HIDDEN = frozenset({RNG_INPUT, "rlx.loss_scale"})
+#: The hidden scalar input that carries the fp16 loss scale into a train step.
+LOSS_SCALE_INPUT = "rlx.loss_scale"
+#: Inputs the caller never gives: the dropout seed and the loss scale, set by the step itself.
+_HIDDEN = frozenset({RNG_INPUT, LOSS_SCALE_INPUT})
 
 class InputSpec:
     """The shape and dtype of one named input of a compiled function. A dimension given as
@@ -111,8 +113,6 @@ def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], s
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: The dtype matmuls (and so convolutions) compute in under each mixed precision.
 _LOW = {"bf16": "bfloat16", "fp16": "float16"}
-#: The hidden scalar input that carries the fp16 loss scale into a train step.
-LOSS_SCALE_INPUT = "rlx.loss_scale"
 
 
 def _check_precision(where: str, precision: Any, device: str) -> str:
