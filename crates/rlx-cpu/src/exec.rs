@@ -8,27 +8,13 @@ pub struct CpuProgram {
     instrs: Vec<Instr>,
     lens: Vec<usize>,
     /// With `RLX_PROFILE=1`: seconds and calls per instruction kind, printed when dropped.
-    profile: Option<std::collections::BTreeMap<String, (f64, u64)>>,
+    profile: Option<rlx_runtime::profile::Profile>,
 }
 
 impl Drop for CpuProgram {
     fn drop(&mut self) {
         if let Some(p) = &self.profile {
-            let total: f64 = p.values().map(|v| v.0).sum();
-            let mut rows: Vec<_> = p.iter().collect();
-            rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
-            eprintln!(
-                "rlx profile: {:.3} ms over {} instruction kinds",
-                total * 1e3,
-                rows.len()
-            );
-            for (k, (t, n)) in rows {
-                eprintln!(
-                    "  {k:<40} {:9.3} ms {:5.1}% {n:8} calls",
-                    t * 1e3,
-                    100.0 * t / total.max(1e-12)
-                );
-            }
+            eprint!("{}", rlx_runtime::profile::render("rlx profile", p));
         }
     }
 }
@@ -48,9 +34,7 @@ impl CpuProgram {
     /// one of its inputs — the invariants `mem::Bases` relies on to hand out slices.
     pub fn new(program: &Program, lens: &[usize]) -> Result<CpuProgram> {
         rlx_runtime::validate::validate(program, lens, "cpu")?;
-        let profile = std::env::var("RLX_PROFILE")
-            .is_ok_and(|v| v == "1")
-            .then(Default::default);
+        let profile = rlx_runtime::profile::requested().then(Default::default);
         Ok(CpuProgram {
             instrs: program.instrs.clone(),
             lens: lens.to_vec(),
@@ -89,9 +73,7 @@ impl CpuProgram {
                 Instr::Update(plan) => unsafe { crate::train::run(b, plan, hyper)? },
             }
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
-                let e = p.entry(profile_key(instr)).or_default();
-                e.0 += t0.elapsed().as_secs_f64();
-                e.1 += 1;
+                rlx_runtime::profile::add(p, profile_key(instr), t0.elapsed().as_secs_f64() * 1e3);
             }
         }
         Ok(())

@@ -7,6 +7,7 @@
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{result as cu, sys};
 use rlx_ir::{Error, Result};
+use rlx_runtime::backend::check_range;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -369,6 +370,15 @@ impl Device {
             .map_err(|e| dev_err("copy to GPU", e))
     }
 
+    /// Records a timing event on the compute stream (the profiler's marks).
+    pub fn timing(&self) -> Result<Event> {
+        let e = cu::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+            .map_err(|e| dev_err("event create", e))?;
+        // SAFETY: a fresh event recorded on the live compute stream.
+        unsafe { cu::event::record(e, self.stream) }.map_err(|e| dev_err("event record", e))?;
+        Ok(Event(e))
+    }
+
     /// Waits for everything queued on the compute stream.
     pub fn sync(&self) -> Result<()> {
         // SAFETY: the stream lives as long as the device.
@@ -533,6 +543,14 @@ impl Event {
     pub fn wait(&self) -> Result<()> {
         // SAFETY: the event is live until dropped.
         unsafe { cu::event::synchronize(self.0) }.map_err(|e| dev_err("event wait", e))
+    }
+}
+
+impl Event {
+    /// Milliseconds between two timing events recorded on one stream (both complete).
+    pub fn ms_since(&self, start: &Event) -> Result<f32> {
+        // SAFETY: both events are live and were created with timing (see `Device::timing`).
+        unsafe { cu::event::elapsed(start.0, self.0) }.map_err(|e| dev_err("event time", e))
     }
 }
 
@@ -711,9 +729,32 @@ impl Pinned {
 
     /// Queues a copy of all of it to `dst` on the compute stream (capturable).
     pub fn copy_to(&self, dst: u64) -> Result<()> {
-        // SAFETY: the memory lives as long as `self`, which the program holds for all runs.
-        let src = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
-        // SAFETY: the plan checked the destination range.
+        self.copy_range_to(0, self.len, dst)
+    }
+
+    /// Bytes `pos..pos + data.len()` (clamped to the allocation) become `data`. The caller
+    /// orders this with the copies that read them.
+    pub fn set_at(&mut self, pos: usize, data: &[u8]) {
+        let n = data.len().min(self.len.saturating_sub(pos));
+        // SAFETY: `pos + n <= len`; `&mut self` excludes other writers.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(pos), n) };
+    }
+
+    /// Bytes `pos..pos + out.len()` (clamped to the allocation), as the last synchronised copy
+    /// left them.
+    pub fn get_at(&self, pos: usize, out: &mut [u8]) {
+        let n = out.len().min(self.len.saturating_sub(pos));
+        // SAFETY: `pos + n <= len`, initialised (zeroed at allocation).
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(pos), out.as_mut_ptr(), n) };
+    }
+
+    /// Queues a copy of bytes `pos..pos + len` to `dst` on the compute stream (capturable).
+    pub fn copy_range_to(&self, pos: usize, len: usize, dst: u64) -> Result<()> {
+        check_range("pinned copy", pos, len, self.len)?;
+        // SAFETY: the range lies in the allocation, which lives as long as `self`, and the
+        // program holding `self` outlives its runs.
+        let src = unsafe { std::slice::from_raw_parts(self.ptr.add(pos), len) };
+        // SAFETY: the caller checked the destination range.
         unsafe { cu::memcpy_htod_async(dst, src, self.dev.stream) }
             .map_err(|e| dev_err("copy to GPU", e))
     }
@@ -722,9 +763,16 @@ impl Pinned {
 impl Pinned {
     /// Queues a copy of `len` bytes at `src` into this memory on the compute stream (capturable).
     pub fn copy_from(&mut self, src: u64) -> Result<()> {
-        // SAFETY: the memory lives as long as `self`; `&mut self` excludes other users.
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
-        // SAFETY: the plan checked the source range; the caller synchronises before reading.
+        self.copy_range_from(0, self.len, src)
+    }
+
+    /// Queues a copy of `len` bytes at `src` into bytes `pos..pos + len` on the compute stream
+    /// (capturable).
+    pub fn copy_range_from(&mut self, pos: usize, len: usize, src: u64) -> Result<()> {
+        check_range("pinned copy", pos, len, self.len)?;
+        // SAFETY: the range lies in the allocation; `&mut self` excludes other users.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(pos), len) };
+        // SAFETY: the caller checked the source range and synchronises before reading.
         unsafe { cu::memcpy_dtoh_async(dst, src, self.dev.stream) }
             .map_err(|e| dev_err("copy to host", e))
     }
@@ -733,6 +781,10 @@ impl Pinned {
     pub fn get(&self) -> Vec<u8> {
         // SAFETY: `len` initialised bytes (zeroed at allocation).
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }.to_vec()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
     }
 }
 

@@ -1,12 +1,13 @@
 //! Runs a planned program: resolves each operand to a device address, queues every step on the
 //! device's stream, waits, and reports the first error a kernel flagged (bad label, id, integer
 //! division by zero) as the CPU backend would.
-use crate::driver::{Device, Func, GraphExec, Pinned};
+use crate::driver::{Device, Event, Func, GraphExec, Pinned};
 use crate::mem::CudaBuffer;
 use crate::plan::{self, Kernel, Plan, Step};
 use crate::source;
 use rlx_ir::{Error, Result};
-use rlx_runtime::{Compiled, DeviceBuffer, OptimHyper, Program};
+use rlx_runtime::backend::{check_range, io_buffer};
+use rlx_runtime::{profile, Compiled, DeviceBuffer, HostRead, HostWrite, OptimHyper, Program};
 use std::sync::Arc;
 
 pub struct CudaProgram {
@@ -22,11 +23,89 @@ pub struct CudaProgram {
     hyper: Pinned,
     /// The error word, copied back by every run of a program with kernels that can fail.
     err: Option<Pinned>,
-    /// The captured run and the base addresses it was captured with.
-    graph: Option<([u64; 6], GraphExec)>,
-    /// Graph capture: on unless `RLX_CUDA_GRAPHS=0`, and off for good once a capture failed.
+    /// The captured run and what it was captured with (base addresses, host copies).
+    graph: Option<(GraphKey, GraphExec)>,
+    /// The host copies of the current run, through pinned memory (see [`Compiled::run_io`]).
+    io: Io,
+    /// Graph capture: on unless `RLX_CUDA_GRAPHS=0` or profiling, and off for good once a
+    /// capture failed.
     use_graphs: bool,
     runs: u64,
+    /// With `RLX_PROFILE=1`: milliseconds and calls per step kind, printed when dropped (runs
+    /// are then launched step by step, never replayed from a graph).
+    profile: Option<profile::Profile>,
+    /// The profiled run's timing events, one before the first step and one after each.
+    marks: Vec<Event>,
+}
+
+/// One host copy of a run: `len` bytes between byte `pos` of the pinned memory and the device
+/// address `at`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct IoCopy {
+    at: u64,
+    len: usize,
+    pos: usize,
+}
+
+/// A run's host copies: feeds in before the steps, outputs out after them, each through pinned
+/// memory so that they join the run's submission (and its captured graph).
+#[derive(Default)]
+struct Io {
+    writes: Vec<IoCopy>,
+    reads: Vec<IoCopy>,
+    pin_in: Option<Pinned>,
+    pin_out: Option<Pinned>,
+}
+
+/// What a captured graph depends on: the buffers' base addresses and the host copies.
+type GraphKey = ([u64; 6], Vec<IoCopy>, Vec<IoCopy>);
+
+/// Lays `sizes` out one after another, 64-byte aligned; returns the positions and the total.
+fn layout(sizes: impl Iterator<Item = usize>) -> (Vec<usize>, usize) {
+    let mut at = 0;
+    let pos = sizes
+        .map(|n| {
+            let p = at;
+            at += n.div_ceil(64) * 64;
+            p
+        })
+        .collect();
+    (pos, at)
+}
+
+impl Drop for CudaProgram {
+    fn drop(&mut self) {
+        if let Some(p) = &self.profile {
+            eprint!("{}", profile::render("rlx cuda profile", p));
+        }
+    }
+}
+
+/// The profile row of step `i`: the kernel (or GEMM shape) it runs.
+fn profile_key(plan: &Plan, i: usize) -> String {
+    match &plan.steps[i] {
+        Step::Launch {
+            kernel,
+            grid,
+            block,
+            ..
+        } => match kernel {
+            Kernel::Library(name) => format!("{name} <<<{grid},{block}>>>"),
+            Kernel::Fused(f) => format!("fused#{f} <<<{grid},{block}>>>"),
+        },
+        Step::Fill { bytes, .. } => format!("fill {bytes} B"),
+        Step::Gemm { g, .. } => format!(
+            "gemm {}{} m{} n{} k{} x{}",
+            if g.ta { "T" } else { "N" },
+            if g.tb { "T" } else { "N" },
+            g.m,
+            g.n,
+            g.k,
+            g.batch
+        ),
+        Step::HyperRow { .. } => "hyper-parameter row".into(),
+        Step::HostUpdate(_) => "host update".into(),
+    }
 }
 
 fn graphs_enabled() -> bool {
@@ -36,6 +115,7 @@ fn graphs_enabled() -> bool {
 impl CudaProgram {
     pub fn new(dev: Arc<Device>, program: &Program, lens: &[usize]) -> Result<CudaProgram> {
         let plan = plan::plan(program, lens, plan::Target::CUDA)?;
+        let profiling = profile::requested();
         let lib = dev.module(&format!("{}{}", source::PRELUDE, source::LIBRARY))?;
         let fused_mod = if plan.fused.is_empty() {
             None
@@ -87,44 +167,81 @@ impl CudaProgram {
             hyper,
             err,
             graph: None,
-            use_graphs: graphs_enabled(),
+            io: Io::default(),
+            use_graphs: graphs_enabled() && !profiling,
             runs: 0,
+            profile: profiling.then(profile::Profile::new),
+            marks: Vec::new(),
         })
     }
 
-    /// Queues every step (on the stream, or into a capture).
+    /// Queues every step (on the stream, or into a capture); with the profiler on, a timing
+    /// event after each.
     fn enqueue(&mut self, bases: &[u64; 6]) -> Result<()> {
-        let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
         let err_at = bases[plan::SCRATCH] + plan::ERR_AT as u64;
         if self.err.is_some() {
             self.dev.memset_async(err_at, 16)?;
         }
+        if let Some(pin) = &self.io.pin_in {
+            for w in self.io.writes.iter().filter(|w| w.len > 0) {
+                pin.copy_range_to(w.pos, w.len, w.at)?;
+            }
+        }
+        let mut marks = Vec::new();
+        if self.profile.is_some() {
+            marks.push(self.dev.timing()?);
+        }
         for (step, func) in self.plan.steps.iter().zip(&self.funcs) {
-            match step {
-                Step::Launch {
-                    grid,
-                    block,
-                    p,
-                    operands,
-                    ..
-                } => {
-                    let mut p = **p;
-                    for (slot, loc) in operands {
-                        p.ptr[*slot] = addr(loc);
-                    }
-                    let f = func.ok_or_else(|| Error::Internal("launch without kernel".into()))?;
-                    self.dev.launch(f, *grid, *block, &mut p)?;
-                }
-                Step::Fill { at, bytes } => self.dev.memset_async(addr(at), *bytes)?,
-                Step::Gemm { g, a, b, c } => self.dev.gemm(g, addr(a), addr(b), addr(c))?,
-                Step::HyperRow { at } => self.hyper.copy_to(addr(at))?,
-                Step::HostUpdate(_) => {
-                    return Err(Error::Internal("a host-side update in a cuda plan".into()))
-                }
+            self.enqueue_step(step, *func, bases)?;
+            if self.profile.is_some() {
+                marks.push(self.dev.timing()?);
             }
         }
         if let Some(e) = &mut self.err {
             e.copy_from(err_at)?;
+        }
+        if let Some(pin) = &mut self.io.pin_out {
+            for r in self.io.reads.iter().filter(|r| r.len > 0) {
+                pin.copy_range_from(r.pos, r.len, r.at)?;
+            }
+        }
+        self.marks = marks;
+        Ok(())
+    }
+
+    fn enqueue_step(&self, step: &Step, func: Option<Func>, bases: &[u64; 6]) -> Result<()> {
+        let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
+        match step {
+            Step::Launch {
+                grid,
+                block,
+                p,
+                operands,
+                ..
+            } => {
+                let mut p = **p;
+                for (slot, loc) in operands {
+                    p.ptr[*slot] = addr(loc);
+                }
+                let f = func.ok_or_else(|| Error::Internal("launch without kernel".into()))?;
+                self.dev.launch(f, *grid, *block, &mut p)
+            }
+            Step::Fill { at, bytes } => self.dev.memset_async(addr(at), *bytes),
+            Step::Gemm { g, a, b, c } => self.dev.gemm(g, addr(a), addr(b), addr(c)),
+            Step::HyperRow { at } => self.hyper.copy_to(addr(at)),
+            Step::HostUpdate(_) => Err(Error::Internal("a host-side update in a cuda plan".into())),
+        }
+    }
+
+    /// Adds the finished run's per-step times to the profile (after the stream synchronised).
+    fn take_marks(&mut self) -> Result<()> {
+        let (Some(profile), marks) = (self.profile.as_mut(), std::mem::take(&mut self.marks))
+        else {
+            return Ok(());
+        };
+        for (i, w) in marks.windows(2).enumerate() {
+            let ms = w[1].ms_since(&w[0])? as f64;
+            profile::add(profile, profile_key(&self.plan, i), ms);
         }
         Ok(())
     }
@@ -153,14 +270,15 @@ impl CudaProgram {
             None => {}
         }
         self.runs += 1;
-        if self.graph.as_ref().is_some_and(|(b, _)| b != bases) {
+        let key: GraphKey = (*bases, self.io.writes.clone(), self.io.reads.clone());
+        if self.graph.as_ref().is_some_and(|(k, _)| *k != key) {
             self.graph = None;
         }
         if self.use_graphs && self.graph.is_none() && self.runs >= 2 {
             self.dev.begin_capture()?;
             let queued = self.enqueue(bases);
             match (queued.is_ok(), self.dev.end_capture(queued.is_ok())) {
-                (true, Ok(g)) => self.graph = Some((*bases, g)),
+                (true, Ok(g)) => self.graph = Some((key, g)),
                 (_, e) => {
                     if std::env::var("RLX_CUDA_DEBUG").is_ok_and(|v| v == "1") {
                         eprintln!(
@@ -177,7 +295,8 @@ impl CudaProgram {
             Some((_, g)) => self.dev.launch_graph(g)?,
             None => self.enqueue(bases)?,
         }
-        self.dev.sync()
+        self.dev.sync()?;
+        self.take_marks()
     }
 
     /// The first failure a kernel flagged in this run, as the CPU backend reports it.
@@ -198,6 +317,17 @@ impl Compiled for CudaProgram {
         buffers: &[&dyn DeviceBuffer],
         hyper: Option<&OptimHyper>,
     ) -> Result<()> {
+        // SAFETY: the caller upholds `run`'s contract, which `run_io` shares.
+        unsafe { self.run_io(buffers, hyper, &[], &mut []) }
+    }
+
+    unsafe fn run_io(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&OptimHyper>,
+        writes: &[HostWrite<'_>],
+        reads: &mut [HostRead<'_>],
+    ) -> Result<()> {
         let mut bases = [0u64; 6];
         for (i, &len) in self.lens.iter().enumerate() {
             if len == 0 {
@@ -215,22 +345,76 @@ impl Compiled for CudaProgram {
                     b.len()
                 )));
             }
-            let c = CudaBuffer::of(*b).ok_or_else(|| {
-                Error::Device("a cuda program runs only over cuda buffers".into())
-            })?;
-            if c.device().ordinal != self.dev.ordinal {
-                return Err(Error::Device(
-                    "a buffer of another GPU was given to this program".into(),
-                ));
-            }
-            bases[i] = c.device_ptr();
+            bases[i] = self.device_base(*b)?;
         }
         bases[plan::SCRATCH] = self.scratch.device_ptr();
         bases[plan::PRODUCT] = self.product.device_ptr();
+        let io = |buf: usize, offset: usize, len: usize| -> Result<u64> {
+            let b = io_buffer(buffers, buf)?;
+            check_range("host copy", offset, len, b.len())?;
+            Ok(self.device_base(b)? + offset as u64)
+        };
+        let (wpos, win) = layout(writes.iter().map(|w| w.data.len()));
+        let (rpos, rout) = layout(reads.iter().map(|r| r.out.len()));
+        let new_writes = writes
+            .iter()
+            .zip(&wpos)
+            .map(|(w, &pos)| {
+                Ok(IoCopy {
+                    at: io(w.buf, w.offset, w.data.len())?,
+                    len: w.data.len(),
+                    pos,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let new_reads = reads
+            .iter()
+            .zip(&rpos)
+            .map(|(r, &pos)| {
+                Ok(IoCopy {
+                    at: io(r.buf, r.offset, r.out.len())?,
+                    len: r.out.len(),
+                    pos,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
         let dev = self.dev.clone();
         let _one_at_a_time = dev.run_lock.lock().unwrap_or_else(|p| p.into_inner());
         dev.bind()?;
+        // Pinned memory grows (never shrinks); a new allocation invalidates the captured graph.
+        for (pin, need) in [(&mut self.io.pin_in, win), (&mut self.io.pin_out, rout)] {
+            if need > 0 && pin.as_ref().is_none_or(|p| p.len() < need) {
+                *pin = Some(Pinned::new(dev.clone(), need)?);
+                self.graph = None;
+            }
+        }
+        if let Some(pin) = &mut self.io.pin_in {
+            for (w, c) in writes.iter().zip(&new_writes) {
+                pin.set_at(c.pos, w.data);
+            }
+        }
+        self.io.writes = new_writes;
+        self.io.reads = new_reads;
         self.run_steps(&bases, hyper)?;
+        if let Some(pin) = &self.io.pin_out {
+            for (r, c) in reads.iter_mut().zip(&self.io.reads) {
+                pin.get_at(c.pos, r.out);
+            }
+        }
         self.flagged()
+    }
+}
+
+impl CudaProgram {
+    /// The device address of a buffer of this program's GPU.
+    fn device_base(&self, b: &dyn DeviceBuffer) -> Result<u64> {
+        let c = CudaBuffer::of(b)
+            .ok_or_else(|| Error::Device("a cuda program runs only over cuda buffers".into()))?;
+        if c.device().ordinal != self.dev.ordinal {
+            return Err(Error::Device(
+                "a buffer of another GPU was given to this program".into(),
+            ));
+        }
+        Ok(c.device_ptr())
     }
 }

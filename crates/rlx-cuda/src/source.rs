@@ -558,6 +558,344 @@ extern "C" __global__ void rlx_attention_grad(const P p) {
     for (int t = 0; t < 8; ++t) { long long d = lane + 32 * t; if (d < E) dqo[d] = dq[t]; }
   }
 }
+/* ---- tiled attention for head sizes up to EM (32 or 64), 128 threads a block. Tiles of queries
+   and keys go to shared memory transposed (feature-major), and each thread computes a small
+   register block of every tile product (scores, probabilities x values, gradients), as a GEMM
+   would; key tiles a causal mask hides are never loaded. Same record as the warp kernels above;
+   the gradient kernels also take ptr6, two floats per query row (log-sum-exp, D = g.out),
+   written by the dQ kernel and read by the dK/dV kernel. ---- */
+#define ATT_BK 32
+#define ATT_LD 36
+/* rows r0..r0+n-1 of tensor x (record slot x, pointer slot ptr) transposed into dst[d * ld + r],
+   zero outside the tensor. */
+__device__ __forceinline__ void att_load_t(const P& p, int x, int ptr, long long u, long long j,
+                                          long long r0, int n, long long R, long long E, int em,
+                                          float* dst, int ld) {
+  for (int idx = threadIdx.x; idx < n * em; idx += blockDim.x) {
+    int r = idx / em, d = idx - r * em;
+    long long i = r0 + r;
+    dst[d * ld + r] = (i < R && d < E) ? ((const float*)p.ptr[ptr])[att_at(p, x, u, j, i) + d] : 0.0f;
+  }
+}
+__device__ __forceinline__ long long att_key_end(const P& p, long long q0, long long rows, long long S) {
+  if (!p.iv[6]) return S;
+  long long e = q0 + rows + p.iv[7];
+  return e < 0 ? 0 : min(S, e);
+}
+__device__ __forceinline__ bool att_sees(const P& p, long long key, long long i, long long S) {
+  return key < S && (!p.iv[6] || key <= i + p.iv[7]);
+}
+/* Reductions over the `w` consecutive lanes that share a row group. */
+__device__ __forceinline__ float grp_max(float v, int w) {
+  for (int o = 1; o < w; o <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float grp_sum(float v, int w) {
+  for (int o = 1; o < w; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+/* Forward: a block per (unit, head, 64 query rows); thread (rg, cg) = (t / 8, t % 8) owns rows
+   4rg..4rg+3, keys 4cg..4cg+3 of a score tile and features cg*EM/8.. of the output. */
+template <int EM>
+__device__ void att_fwd(const P& p) {
+  const int BQ = 64, QLD = BQ + 4, DT = EM / 8;
+  __shared__ __align__(16) float qT[EM * QLD];
+  __shared__ __align__(16) float kT[EM * ATT_LD];
+  __shared__ __align__(16) float vs[ATT_BK * EM];
+  __shared__ __align__(16) float pT[ATT_BK * QLD];
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  long long tiles = (L + BQ - 1) / BQ, b = blockIdx.x, uj = b / tiles, q0 = (b - uj * tiles) * BQ;
+  long long u = uj / H, j = uj - u * H;
+  int t = threadIdx.x, rg = t >> 3, cg = t & 7, r0 = rg * 4;
+  float sc = p.fv[0];
+  att_load_t(p, 0, 0, u, j, q0, BQ, L, E, EM, qT, QLD);
+  float m[4], l[4], acc[4][DT];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m[i] = -RX_INF; l[i] = 0.0f;
+#pragma unroll
+    for (int d = 0; d < DT; ++d) acc[i][d] = 0.0f;
+  }
+  long long kend = att_key_end(p, q0, BQ, S);
+  for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
+    __syncthreads();
+    att_load_t(p, 1, 1, u, j, k0, ATT_BK, S, E, EM, kT, ATT_LD);
+    for (int idx = t; idx < ATT_BK * EM; idx += blockDim.x) {
+      int k = idx / EM, d = idx - k * EM;
+      vs[idx] = (k0 + k < S && d < Ev) ? F(2)[att_at(p, 2, u, j, k0 + k) + d] : 0.0f;
+    }
+    __syncthreads();
+    float s[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[i][c] = 0.0f;
+#pragma unroll 8
+    for (int d = 0; d < EM; ++d) {
+      float4 a = *(const float4*)&qT[d * QLD + r0];
+      float4 k = *(const float4*)&kT[d * ATT_LD + cg * 4];
+      float av[4] = {a.x, a.y, a.z, a.w}, kv[4] = {k.x, k.y, k.z, k.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s[i][c] += av[i] * kv[c];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      long long row = q0 + r0 + i;
+      float mx = -RX_INF;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[i][c] = att_sees(p, k0 + cg * 4 + c, row, S) ? s[i][c] * sc : -RX_INF;
+        mx = fmaxf(mx, s[i][c]);
+      }
+      float mn = fmaxf(m[i], grp_max(mx, 8));
+      float base = mn == -RX_INF ? 0.0f : mn;
+      float corr = expf(m[i] - base), sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[i][c] = expf(s[i][c] - base);
+        sum += s[i][c];
+      }
+      l[i] = l[i] * corr + grp_sum(sum, 8);
+      m[i] = mn;
+#pragma unroll
+      for (int d = 0; d < DT; ++d) acc[i][d] *= corr;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) pT[(cg * 4 + c) * QLD + r0 + i] = s[i][c];
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int k = 0; k < ATT_BK; ++k) {
+      float4 a = *(const float4*)&pT[k * QLD + r0];
+      float av[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int d4 = 0; d4 < DT; d4 += 4) {
+        float4 v = *(const float4*)&vs[k * EM + cg * DT + d4];
+        float vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][d4 + e] += av[i] * vv[e];
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    long long row = q0 + r0 + i;
+    if (row < L) {
+      float* o = F(3) + att_at(p, 3, u, j, row);
+#pragma unroll
+      for (int d = 0; d < DT; ++d) { int f = cg * DT + d; if (f < Ev) o[f] = acc[i][d] / l[i]; }
+    }
+  }
+}
+/* Scores (times scale, masked to -inf) of the 32x32 tile: rows 4rg.., keys 2cg.. of thread
+   (rg, cg) = (t / 16, t % 16), from feature-major tiles aT (rows) and bT (keys). */
+template <int EM>
+__device__ __forceinline__ void att_tile32(const float* aT, const float* bT, int r0, int c0,
+                                           float s[4][2]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { s[i][0] = 0.0f; s[i][1] = 0.0f; }
+#pragma unroll 8
+  for (int d = 0; d < EM; ++d) {
+    float4 a = *(const float4*)&aT[d * ATT_LD + r0];
+    float2 k = *(const float2*)&bT[d * ATT_LD + c0];
+    float av[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { s[i][0] += av[i] * k.x; s[i][1] += av[i] * k.y; }
+  }
+}
+/* Gradient, part 1: a block per (unit, head, 32 query rows). Per row: the log-sum-exp (first
+   sweep over the key tiles) and D = g.out, then dQ = dS K (second sweep). */
+template <int EM>
+__device__ void att_bwd_q(const P& p) {
+  const int BQ = 32, DT = EM / 16;
+  __shared__ __align__(16) float qT[EM * ATT_LD];
+  __shared__ __align__(16) float gT[EM * ATT_LD];
+  __shared__ __align__(16) float kT[EM * ATT_LD];
+  __shared__ __align__(16) float vT[EM * ATT_LD];
+  __shared__ __align__(16) float dsT[ATT_BK * ATT_LD];
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  long long tiles = (L + BQ - 1) / BQ, b = blockIdx.x, uj = b / tiles, q0 = (b - uj * tiles) * BQ;
+  long long u = uj / H, j = uj - u * H;
+  int t = threadIdx.x, rg = t >> 4, cg = t & 15, r0 = rg * 4, c0 = cg * 2;
+  float sc = p.fv[0];
+  att_load_t(p, 0, 0, u, j, q0, BQ, L, E, EM, qT, ATT_LD);
+  att_load_t(p, 3, 4, u, j, q0, BQ, L, Ev, EM, gT, ATT_LD);
+  float m[4], l[4], dsum[4], dq[4][DT];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m[i] = -RX_INF; l[i] = 0.0f;
+    long long row = q0 + r0 + i;
+    float part = 0.0f;
+    if (row < L) {
+      const float* o = F(3) + att_at(p, 3, u, j, row);
+      const float* g = F(4) + att_at(p, 3, u, j, row);
+      for (long long d = cg; d < Ev; d += 16) part += g[d] * o[d];
+    }
+    dsum[i] = grp_sum(part, 16);
+#pragma unroll
+    for (int d = 0; d < DT; ++d) dq[i][d] = 0.0f;
+  }
+  long long kend = att_key_end(p, q0, BQ, S);
+  float s[4][2];
+  for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
+    __syncthreads();
+    att_load_t(p, 1, 1, u, j, k0, ATT_BK, S, E, EM, kT, ATT_LD);
+    __syncthreads();
+    att_tile32<EM>(qT, kT, r0, c0, s);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      long long row = q0 + r0 + i;
+      float mx = -RX_INF;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        s[i][c] = att_sees(p, k0 + c0 + c, row, S) ? s[i][c] * sc : -RX_INF;
+        mx = fmaxf(mx, s[i][c]);
+      }
+      float mn = fmaxf(m[i], grp_max(mx, 16));
+      float base = mn == -RX_INF ? 0.0f : mn;
+      l[i] = l[i] * expf(m[i] - base) + grp_sum(expf(s[i][0] - base) + expf(s[i][1] - base), 16);
+      m[i] = mn;
+    }
+  }
+  float lse[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) lse[i] = m[i] + logf(l[i]);
+  for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
+    __syncthreads();
+    att_load_t(p, 1, 1, u, j, k0, ATT_BK, S, E, EM, kT, ATT_LD);
+    att_load_t(p, 2, 2, u, j, k0, ATT_BK, S, Ev, EM, vT, ATT_LD);
+    __syncthreads();
+    float dp[4][2];
+    att_tile32<EM>(qT, kT, r0, c0, s);
+    att_tile32<EM>(gT, vT, r0, c0, dp);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      long long row = q0 + r0 + i;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float ds = att_sees(p, k0 + c0 + c, row, S)
+                       ? expf(s[i][c] * sc - lse[i]) * (dp[i][c] - dsum[i]) * sc : 0.0f;
+        dsT[(c0 + c) * ATT_LD + r0 + i] = ds;
+      }
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int k = 0; k < ATT_BK; ++k) {
+      float4 a = *(const float4*)&dsT[k * ATT_LD + r0];
+      float av[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int d = 0; d < DT; ++d) {
+        float kv = kT[(cg * DT + d) * ATT_LD + k];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dq[i][d] += av[i] * kv;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    long long row = q0 + r0 + i;
+    if (row < L) {
+      float* o = F(5) + att_at(p, 4, u, j, row);
+#pragma unroll
+      for (int d = 0; d < DT; ++d) { int f = cg * DT + d; if (f < E) o[f] = dq[i][d]; }
+      if (cg == 0) {
+        long long at = (u * H + j) * L + row;
+        F(6)[2 * at] = lse[i];
+        F(6)[2 * at + 1] = dsum[i];
+      }
+    }
+  }
+}
+/* Gradient, part 2: a block per (unit, head, 32 keys), over every 32-row query tile that sees
+   them: dV += P^T g, dK += dS^T Q. Thread (kg, fg) = (t / 16, t % 16) owns keys 4kg.. and
+   features fg*EM/16.. of dK and dV. */
+template <int EM>
+__device__ void att_bwd_kv(const P& p) {
+  const int BQ = 32, DT = EM / 16;
+  __shared__ __align__(16) float qT[EM * ATT_LD];
+  __shared__ __align__(16) float gT[EM * ATT_LD];
+  __shared__ __align__(16) float kT[EM * ATT_LD];
+  __shared__ __align__(16) float vT[EM * ATT_LD];
+  __shared__ __align__(16) float ps[BQ * ATT_LD];
+  __shared__ __align__(16) float dss[BQ * ATT_LD];
+  __shared__ float stat[BQ * 2];
+  long long H = p.iv[1], L = p.iv[2], S = p.iv[3], E = p.iv[4], Ev = p.iv[5];
+  long long tiles = (S + ATT_BK - 1) / ATT_BK, b = blockIdx.x, uj = b / tiles, k0 = (b - uj * tiles) * ATT_BK;
+  long long u = uj / H, j = uj - u * H;
+  int t = threadIdx.x, rg = t >> 4, cg = t & 15, r0 = rg * 4, c0 = cg * 2;
+  float sc = p.fv[0];
+  att_load_t(p, 1, 1, u, j, k0, ATT_BK, S, E, EM, kT, ATT_LD);
+  att_load_t(p, 2, 2, u, j, k0, ATT_BK, S, Ev, EM, vT, ATT_LD);
+  float dk[4][DT], dv[4][DT];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int d = 0; d < DT; ++d) { dk[i][d] = 0.0f; dv[i][d] = 0.0f; }
+  long long first = 0;
+  if (p.iv[6]) first = max(0LL, k0 - p.iv[7]) / BQ * BQ;
+  float s[4][2], dp[4][2];
+  for (long long q0 = first; q0 < L; q0 += BQ) {
+    __syncthreads();
+    att_load_t(p, 0, 0, u, j, q0, BQ, L, E, EM, qT, ATT_LD);
+    att_load_t(p, 3, 4, u, j, q0, BQ, L, Ev, EM, gT, ATT_LD);
+    if (t < BQ) {
+      long long row = q0 + t;
+      long long at = (u * H + j) * L + row;
+      stat[2 * t] = row < L ? F(6)[2 * at] : RX_INF;
+      stat[2 * t + 1] = row < L ? F(6)[2 * at + 1] : 0.0f;
+    }
+    __syncthreads();
+    att_tile32<EM>(qT, kT, r0, c0, s);
+    att_tile32<EM>(gT, vT, r0, c0, dp);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      long long row = q0 + r0 + i;
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        bool ok = row < L && att_sees(p, k0 + c0 + c, row, S);
+        float pr = ok ? expf(s[i][c] * sc - stat[2 * (r0 + i)]) : 0.0f;
+        ps[(r0 + i) * ATT_LD + c0 + c] = pr;
+        dss[(r0 + i) * ATT_LD + c0 + c] = pr * (dp[i][c] - stat[2 * (r0 + i) + 1]) * sc;
+      }
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int r = 0; r < BQ; ++r) {
+      float4 pa = *(const float4*)&ps[r * ATT_LD + r0];
+      float4 da = *(const float4*)&dss[r * ATT_LD + r0];
+      float pv[4] = {pa.x, pa.y, pa.z, pa.w}, dv4[4] = {da.x, da.y, da.z, da.w};
+#pragma unroll
+      for (int d = 0; d < DT; ++d) {
+        float g = gT[(cg * DT + d) * ATT_LD + r], q = qT[(cg * DT + d) * ATT_LD + r];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) { dv[i][d] += pv[i] * g; dk[i][d] += dv4[i] * q; }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    long long key = k0 + r0 + i;
+    if (key < S) {
+      float* ko = F(5) + att_at(p, 5, u, j, key);
+      float* vo = F(5) + att_at(p, 6, u, j, key);
+#pragma unroll
+      for (int d = 0; d < DT; ++d) {
+        int f = cg * DT + d;
+        if (f < E) ko[f] = dk[i][d];
+        if (f < Ev) vo[f] = dv[i][d];
+      }
+    }
+  }
+}
+extern "C" __global__ void __launch_bounds__(128) rlx_att_fwd_32(const P p) { att_fwd<32>(p); }
+extern "C" __global__ void __launch_bounds__(128) rlx_att_fwd_64(const P p) { att_fwd<64>(p); }
+extern "C" __global__ void __launch_bounds__(128) rlx_att_bwd_q_32(const P p) { att_bwd_q<32>(p); }
+extern "C" __global__ void __launch_bounds__(128) rlx_att_bwd_q_64(const P p) { att_bwd_q<64>(p); }
+extern "C" __global__ void __launch_bounds__(128) rlx_att_bwd_kv_32(const P p) { att_bwd_kv<32>(p); }
+extern "C" __global__ void __launch_bounds__(128) rlx_att_bwd_kv_64(const P p) { att_bwd_kv<64>(p); }
 /* ---- the training update. ctrl (ptr to struct Ctrl) carries the decisions between kernels. ---- */
 struct Ctrl { double sq1; double sq2; float go; float noskip; float scale; float micro; };
 /* Sum of squares of n floats (ptr0) added to ((double*)ptr1)[iv[0]]. */
@@ -750,6 +1088,9 @@ mod tests {
         for name in [
             "rlx_copy32",
             "rlx_attention_grad",
+            "rlx_att_fwd_64",
+            "rlx_att_bwd_q_32",
+            "rlx_att_bwd_kv_64",
             "rlx_im2col",
             "rlx_update",
             "k0",

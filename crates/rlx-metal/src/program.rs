@@ -19,6 +19,7 @@ use std::sync::Arc;
 pub const TARGET: Target = Target {
     backend: "metal",
     host_update: true,
+    tiled_attention: false,
 };
 
 /// A program lowered to kernel launches.

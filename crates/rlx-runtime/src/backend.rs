@@ -116,6 +116,56 @@ pub trait Compiled: Send {
         buffers: &[&dyn DeviceBuffer],
         hyper: Option<&crate::OptimHyper>,
     ) -> Result<()>;
+
+    /// [`Compiled::run`] with the host copies of one step around it: every `writes` entry is
+    /// copied into its buffer before the run, every `reads` entry filled from its buffer after
+    /// it. The default does exactly that with the buffers' `write` and `read`; a GPU backend
+    /// folds the copies into the run's own submission (one wait instead of one per copy).
+    ///
+    /// # Safety
+    /// As for [`Compiled::run`]. The copies' ranges are checked.
+    #[allow(unsafe_code)] // same contract as `run`
+    unsafe fn run_io(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&crate::OptimHyper>,
+        writes: &[HostWrite<'_>],
+        reads: &mut [HostRead<'_>],
+    ) -> Result<()> {
+        for w in writes {
+            io_buffer(buffers, w.buf)?.write(w.offset, w.data)?;
+        }
+        // SAFETY: the caller upholds `run`'s contract for this call.
+        unsafe { self.run(buffers, hyper)? };
+        for r in reads.iter_mut() {
+            io_buffer(buffers, r.buf)?.read(r.offset, r.out)?;
+        }
+        Ok(())
+    }
+}
+
+/// Host bytes copied into buffer `buf` (an index into a run's buffers) at `offset` before a run.
+pub struct HostWrite<'a> {
+    pub buf: usize,
+    pub offset: usize,
+    pub data: &'a [u8],
+}
+
+/// Bytes of buffer `buf` at `offset` copied into `out` after a run.
+pub struct HostRead<'a> {
+    pub buf: usize,
+    pub offset: usize,
+    pub out: &'a mut [u8],
+}
+
+/// The run's buffer `buf` for a host copy, or a bounds error.
+pub fn io_buffer<'b>(buffers: &[&'b dyn DeviceBuffer], buf: usize) -> Result<&'b dyn DeviceBuffer> {
+    buffers.get(buf).copied().ok_or_else(|| {
+        crate::Error::Bounds(format!(
+            "[host copy] buffer {buf} is not one of the run's {} buffers",
+            buffers.len()
+        ))
+    })
 }
 
 /// Checks that `offset..offset+len` lies inside a buffer of `size` bytes.

@@ -707,117 +707,143 @@ pub fn fused_instructions_match_reference(backend: &Arc<dyn Backend>) {
             .map(|b| from_bytes(b))
             .collect()
     };
-    // Separate layout: 2 blocks, L=3, S=4, E=2, Ev=3, key j visible to query i when j <= i+1.
-    let (u, l, s, e, ev, scale, causal) = (2, 3, 4, 2, 3, 0.6f32, Some(1));
-    let (q, k, v, gy) = (
-        data(u * l * e, 0.1),
-        data(u * s * e, 0.9),
-        data(u * s * ev, 1.7),
-        data(u * l * ev, 2.5),
-    );
-    let mut g = Graph::new();
+    // Separate layout: (blocks, L, S, E, Ev, causal offset). Key j is visible to query i when
+    // j <= i + offset. Sizes cross the GPU kernels' tiles (64 query rows, 32 keys, head sizes
+    // up to 32 / 64 / beyond).
     let f = DType::F32;
-    let qi = g.input("q", Shape::new([u, l, e]), f).unwrap();
-    let ki = g.input("k", Shape::new([u, s, e]), f).unwrap();
-    let vi = g.input("v", Shape::new([u, s, ev]), f).unwrap();
-    let gi = g.input("g", Shape::new([u, l, ev]), f).unwrap();
-    let attrs = |grad: bool, heads: Option<usize>| {
-        if grad {
-            Op::AttentionGrad {
-                scale,
-                causal,
-                heads,
-            }
-        } else {
-            Op::Attention {
-                scale,
-                causal,
-                heads,
-            }
-        }
-    };
-    let o = g.add(attrs(false, None), &[qi, ki, vi]).unwrap();
-    let d = g.add(attrs(true, None), &[qi, ki, vi, o, gi]).unwrap();
-    g.set_outputs(vec![o, d]).unwrap();
-    let got = run(&g, &[("q", &q), ("k", &k), ("v", &v), ("g", &gy)]);
-    let mut want = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
-    for b in 0..u {
-        let r = attention_ref(
-            &wide(&q[b * l * e..][..l * e]),
-            &wide(&k[b * s * e..][..s * e]),
-            &wide(&v[b * s * ev..][..s * ev]),
-            &wide(&gy[b * l * ev..][..l * ev]),
-            (l, s, e, ev),
-            scale as f64,
-            causal,
+    let scale = 0.6f32;
+    for (u, l, s, e, ev, causal) in [
+        (2, 3, 4, 2, 3, Some(1)),
+        (3, 33, 33, 32, 32, None),
+        (1, 70, 67, 40, 48, Some(3)),
+        (1, 5, 9, 72, 8, None),
+    ] {
+        let (q, k, v, gy) = (
+            data(u * l * e, 0.1),
+            data(u * s * e, 0.9),
+            data(u * s * ev, 1.7),
+            data(u * l * ev, 2.5),
         );
-        for (w, x) in want.iter_mut().zip(r) {
-            w.extend(x);
-        }
-    }
-    close(&got[0], &want[0], "attention");
-    let flat: Vec<f64> = want[1..].concat();
-    close(&got[1], &flat, "attention_grad [dq | dk | dv]");
-
-    // Packed layout: qkv (B=2, T=4, 3 * H=2 * E=2), causal offset 0.
-    let (b, t, h, e) = (2, 4, 2, 2);
-    let qkv = data(b * t * 3 * h * e, 0.3);
-    let gy = data(b * t * h * e, 1.1);
-    let mut g = Graph::new();
-    let xi = g.input("qkv", Shape::new([b, t, 3 * h * e]), f).unwrap();
-    let gi = g.input("g", Shape::new([b, t, h * e]), f).unwrap();
-    let causal = Some(0);
-    let packed = |grad: bool| {
-        let heads = Some(h);
-        if grad {
-            Op::AttentionGrad {
-                scale,
-                causal,
-                heads,
+        let mut g = Graph::new();
+        let qi = g.input("q", Shape::new([u, l, e]), f).unwrap();
+        let ki = g.input("k", Shape::new([u, s, e]), f).unwrap();
+        let vi = g.input("v", Shape::new([u, s, ev]), f).unwrap();
+        let gi = g.input("g", Shape::new([u, l, ev]), f).unwrap();
+        let attrs = |grad: bool, heads: Option<usize>| {
+            if grad {
+                Op::AttentionGrad {
+                    scale,
+                    causal,
+                    heads,
+                }
+            } else {
+                Op::Attention {
+                    scale,
+                    causal,
+                    heads,
+                }
             }
-        } else {
-            Op::Attention {
-                scale,
-                causal,
-                heads,
-            }
-        }
-    };
-    let o = g.add(packed(false), &[xi]).unwrap();
-    let d = g.add(packed(true), &[xi, o, gi]).unwrap();
-    g.set_outputs(vec![o, d]).unwrap();
-    let got = run(&g, &[("qkv", &qkv), ("g", &gy)]);
-    let (mut want_o, mut want_d) = (vec![0.0; b * t * h * e], vec![0.0; qkv.len()]);
-    let w3 = 3 * h * e;
-    for bi in 0..b {
-        for j in 0..h {
-            let cut = |x: &[f32], width: usize, col: usize| -> Vec<f64> {
-                (0..t)
-                    .flat_map(|ti| (0..e).map(move |c| (ti, c)))
-                    .map(|(ti, c)| x[(bi * t + ti) * width + col + c] as f64)
-                    .collect()
-            };
+        };
+        let o = g.add(attrs(false, None), &[qi, ki, vi]).unwrap();
+        let d = g.add(attrs(true, None), &[qi, ki, vi, o, gi]).unwrap();
+        g.set_outputs(vec![o, d]).unwrap();
+        let got = run(&g, &[("q", &q), ("k", &k), ("v", &v), ("g", &gy)]);
+        let mut want = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+        for b in 0..u {
             let r = attention_ref(
-                &cut(&qkv, w3, j * e),
-                &cut(&qkv, w3, (h + j) * e),
-                &cut(&qkv, w3, (2 * h + j) * e),
-                &cut(&gy, h * e, j * e),
-                (t, t, e, e),
+                &wide(&q[b * l * e..][..l * e]),
+                &wide(&k[b * s * e..][..s * e]),
+                &wide(&v[b * s * ev..][..s * ev]),
+                &wide(&gy[b * l * ev..][..l * ev]),
+                (l, s, e, ev),
                 scale as f64,
                 causal,
             );
-            for ti in 0..t {
-                for c in 0..e {
-                    want_o[(bi * t + ti) * h * e + j * e + c] = r[0][ti * e + c];
-                    for (part, x) in r[1..].iter().enumerate() {
-                        want_d[(bi * t + ti) * w3 + (part * h + j) * e + c] = x[ti * e + c];
+            for (w, x) in want.iter_mut().zip(r) {
+                w.extend(x);
+            }
+        }
+        close(
+            &got[0],
+            &want[0],
+            &format!("attention {:?}", (u, l, s, e, ev)),
+        );
+        let flat: Vec<f64> = want[1..].concat();
+        close(
+            &got[1],
+            &flat,
+            &format!("attention_grad [dq | dk | dv] {:?}", (u, l, s, e, ev)),
+        );
+    }
+
+    // Packed layout: qkv (B, T, 3 * H * E), causal offset 0.
+    for (b, t, h, e) in [(2, 4, 2, 2), (1, 80, 2, 64)] {
+        let qkv = data(b * t * 3 * h * e, 0.3);
+        let gy = data(b * t * h * e, 1.1);
+        let mut g = Graph::new();
+        let xi = g.input("qkv", Shape::new([b, t, 3 * h * e]), f).unwrap();
+        let gi = g.input("g", Shape::new([b, t, h * e]), f).unwrap();
+        let causal = Some(0);
+        let packed = |grad: bool| {
+            let heads = Some(h);
+            if grad {
+                Op::AttentionGrad {
+                    scale,
+                    causal,
+                    heads,
+                }
+            } else {
+                Op::Attention {
+                    scale,
+                    causal,
+                    heads,
+                }
+            }
+        };
+        let o = g.add(packed(false), &[xi]).unwrap();
+        let d = g.add(packed(true), &[xi, o, gi]).unwrap();
+        g.set_outputs(vec![o, d]).unwrap();
+        let got = run(&g, &[("qkv", &qkv), ("g", &gy)]);
+        let (mut want_o, mut want_d) = (vec![0.0; b * t * h * e], vec![0.0; qkv.len()]);
+        let w3 = 3 * h * e;
+        for bi in 0..b {
+            for j in 0..h {
+                let cut = |x: &[f32], width: usize, col: usize| -> Vec<f64> {
+                    (0..t)
+                        .flat_map(|ti| (0..e).map(move |c| (ti, c)))
+                        .map(|(ti, c)| x[(bi * t + ti) * width + col + c] as f64)
+                        .collect()
+                };
+                let r = attention_ref(
+                    &cut(&qkv, w3, j * e),
+                    &cut(&qkv, w3, (h + j) * e),
+                    &cut(&qkv, w3, (2 * h + j) * e),
+                    &cut(&gy, h * e, j * e),
+                    (t, t, e, e),
+                    scale as f64,
+                    causal,
+                );
+                for ti in 0..t {
+                    for c in 0..e {
+                        want_o[(bi * t + ti) * h * e + j * e + c] = r[0][ti * e + c];
+                        for (part, x) in r[1..].iter().enumerate() {
+                            want_d[(bi * t + ti) * w3 + (part * h + j) * e + c] = x[ti * e + c];
+                        }
                     }
                 }
             }
         }
+        close(
+            &got[0],
+            &want_o,
+            &format!("packed attention {:?}", (b, t, h, e)),
+        );
+        close(
+            &got[1],
+            &want_d,
+            &format!("packed attention_grad {:?}", (b, t, h, e)),
+        );
     }
-    close(&got[0], &want_o, "packed attention");
-    close(&got[1], &want_d, "packed attention_grad");
 
     // relu(a @ b^T + bias) as one MatMulEpilogue; sum_to((x * y), [3]) as one FusedSumTo;
     // normalize_grad(x, y) + z as one NormalizeGradAdd.

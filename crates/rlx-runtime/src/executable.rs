@@ -6,7 +6,8 @@
 use crate::backend::check_range;
 use crate::lower::lower_with_region;
 use crate::{
-    Backend, Buf, Compiled, DeviceBuffer, Error, Instr, OptimHyper, Program, Result, Store, TRef,
+    Backend, Buf, Compiled, DeviceBuffer, Error, HostRead, HostWrite, Instr, OptimHyper, Program,
+    Result, Store, TRef,
 };
 use rlx_ir::Graph;
 use std::sync::{Arc, Mutex};
@@ -335,9 +336,37 @@ impl Executable {
         }
         let _params = self.params.lock();
         let _state = self.state.as_ref().map(|s| s.lock());
+        // Without a separate update, the feeds and the outputs read travel with the run itself
+        // (on a GPU: copies in the run's own submission); otherwise around the runs.
+        let fold = inner.update.is_none();
+        let mut writes = Vec::with_capacity(feeds.len());
         for (name, data) in feeds {
             let slot = find_slot(&inner.inputs, name)?;
-            self.arena.write(slot.at.offset, data)?;
+            if fold {
+                writes.push(HostWrite {
+                    buf: Buf::Arena as usize,
+                    offset: slot.at.offset,
+                    data,
+                });
+            } else {
+                self.arena.write(slot.at.offset, data)?;
+            }
+        }
+        let mut outs: Vec<Vec<u8>> = read
+            .iter()
+            .map(|&i| vec![0; self.outputs[i].bytes()])
+            .collect();
+        let mut reads: Vec<HostRead<'_>> = Vec::new();
+        if fold {
+            reads = read
+                .iter()
+                .zip(outs.iter_mut())
+                .map(|(&i, out)| HostRead {
+                    buf: self.outputs[i].buf as usize,
+                    offset: self.outputs[i].offset,
+                    out,
+                })
+                .collect();
         }
         let empty;
         let state_buf: &dyn DeviceBuffer = match &self.state {
@@ -369,7 +398,7 @@ impl Executable {
             // the copy engine only writes the other set.
             #[allow(unsafe_code)]
             unsafe {
-                pf.variants[set].run(&bufs, hyper)?
+                pf.variants[set].run_io(&bufs, hyper, &writes, &mut reads)?
             };
         } else {
             consumed = None;
@@ -377,7 +406,7 @@ impl Executable {
             // run locks are held, so no other run, write or read of these buffers goes on.
             #[allow(unsafe_code)]
             unsafe {
-                inner.compiled.run(&bufs, hyper)?
+                inner.compiled.run_io(&bufs, hyper, &writes, &mut reads)?
             };
         }
         if let (Some(update), true) = (inner.update.as_mut(), phase != Phase::Gradients) {
@@ -388,14 +417,14 @@ impl Executable {
             };
         }
         let _ = &consumed;
-        read.iter()
-            .map(|&i| {
+        drop(reads);
+        if !fold {
+            for (&i, out) in read.iter().zip(outs.iter_mut()) {
                 let o = &self.outputs[i];
-                let mut out = vec![0; o.bytes()];
-                bufs[o.buf as usize].read(o.offset, &mut out)?;
-                Ok(out)
-            })
-            .collect()
+                bufs[o.buf as usize].read(o.offset, out)?;
+            }
+        }
+        Ok(outs)
     }
 }
 

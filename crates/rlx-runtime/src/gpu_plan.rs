@@ -113,7 +113,7 @@ fn scratch(offset: usize) -> Loc {
 }
 
 /// Which module a kernel is in.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kernel {
     Library(&'static str),
     /// Index into [`Plan::fused`].
@@ -330,12 +330,18 @@ pub struct Target {
     /// `true`: the update stays one [`Step::HostUpdate`] (run by the host over host-visible
     /// buffers); `false`: it is planned as kernels.
     pub host_update: bool,
+    /// The backend has the tiled attention kernels (`rlx_att_fwd_{32,64}`,
+    /// `rlx_att_bwd_q_{32,64}`, `rlx_att_bwd_kv_{32,64}`: 128 threads a block, a block per 64
+    /// query rows, 32 query rows and 32 keys), used for head sizes up to 64; other
+    /// sizes, and backends without them, run the warp-per-query kernels.
+    pub tiled_attention: bool,
 }
 
 impl Target {
     pub const CUDA: Target = Target {
         backend: "cuda",
         host_update: false,
+        tiled_attention: true,
     };
 }
 
@@ -1081,6 +1087,46 @@ impl Builder {
             (at(&ins[0]), at(&ins[1]), at(&ins[2]))
         };
         let mut ops = vec![(0, q), (1, k), (2, v)];
+        if self.target.tiled_attention && e <= 64 && ev <= 64 {
+            let em = if e.max(ev) <= 32 { 32 } else { 64 };
+            let blocks = |n: usize, per: usize| -> Result<u32> {
+                u32::try_from(units * h * n.div_ceil(per)).map_err(|_| {
+                    Error::unsupported(
+                        "attention",
+                        format!("{units}x{h} heads of {n} rows are too many for one launch"),
+                    )
+                })
+            };
+            if !grad {
+                ops.push((3, at(out)));
+                let name = if em == 32 {
+                    "rlx_att_fwd_32"
+                } else {
+                    "rlx_att_fwd_64"
+                };
+                self.launch(Kernel::Library(name), blocks(l, 64)?, 128, p, ops);
+                return Ok(());
+            }
+            let (o, g) = if packed {
+                (&ins[1], &ins[2])
+            } else {
+                (&ins[3], &ins[4])
+            };
+            // Two floats per query row (log-sum-exp, g.out), passed from the dQ kernel to the
+            // dK/dV kernel.
+            self.plan.scratch_bytes = self.plan.scratch_bytes.max(ROWS_AT + rows * 8);
+            ops.extend([(3, at(o)), (4, at(g)), (5, at(out)), (6, scratch(ROWS_AT))]);
+            let (nq, nkv) = if em == 32 {
+                ("rlx_att_bwd_q_32", "rlx_att_bwd_kv_32")
+            } else {
+                ("rlx_att_bwd_q_64", "rlx_att_bwd_kv_64")
+            };
+            self.launch(Kernel::Library(nq), blocks(l, 32)?, 128, p, ops.clone());
+            if s > 0 {
+                self.launch(Kernel::Library(nkv), blocks(s, 32)?, 128, p, ops);
+            }
+            return Ok(());
+        }
         let name = if grad {
             let (o, g) = if packed {
                 (&ins[1], &ins[2])
@@ -1609,6 +1655,7 @@ mod tests {
         let host = Target {
             backend: "metal",
             host_update: true,
+            tiled_attention: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -1720,6 +1767,70 @@ mod tests {
         assert_eq!(&p.iv[..8], &[2, 3, 8, 8, 4, 4, 1, 0]);
         assert_eq!(&p.st[1][..4], &[8 * 36, 4, 36, 12]);
         assert_eq!(&p.st[3][..4], &[8 * 12, 4, 12, 0]);
+        // On CUDA: the tiled kernel, one block per (unit, head, 64 query rows).
+        let Step::Launch { kernel, grid, .. } = &pl.steps[0] else {
+            panic!()
+        };
+        assert_eq!((*kernel, *grid), (Kernel::Library("rlx_att_fwd_32"), 2 * 3));
+        // Without tiled kernels (Metal): one warp per query row.
+        let metal = Target {
+            backend: "metal",
+            host_update: true,
+            tiled_attention: false,
+        };
+        let pl = plan(&prog, &[8192], metal).unwrap();
+        let Step::Launch { kernel, .. } = &pl.steps[0] else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_attention"));
+    }
+
+    #[test]
+    fn tiled_attention_gradient_is_a_dq_and_a_dkdv_launch_sharing_row_statistics() {
+        // Separate q [2, 70, 40], k and v [2, 33, 40]: head size 40 takes the 64-wide kernels.
+        let (q, kv) = (2 * 70 * 40 * 4, 2 * 33 * 40 * 4);
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::AttentionGrad {
+                    scale: 0.25,
+                    causal: None,
+                    heads: None,
+                },
+                ins: vec![
+                    t(0, &[2, 70, 40]),
+                    t(q, &[2, 33, 40]),
+                    t(q + kv, &[2, 33, 40]),
+                    t(q + 2 * kv, &[2, 70, 40]),
+                    t(2 * q + 2 * kv, &[2, 70, 40]),
+                ],
+                out: t(3 * q + 2 * kv, &[q / 4 + 2 * kv / 4]),
+            }],
+        };
+        let pl = plan(&prog, &[4 * q + 4 * kv], Target::CUDA).unwrap();
+        let names: Vec<_> = pl
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Launch {
+                    kernel,
+                    grid,
+                    operands,
+                    ..
+                } => {
+                    assert_eq!(operands[6].1, scratch(ROWS_AT));
+                    (*kernel, *grid)
+                }
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(
+            names,
+            [
+                (Kernel::Library("rlx_att_bwd_q_64"), 2 * 3),
+                (Kernel::Library("rlx_att_bwd_kv_64"), 2 * 2)
+            ]
+        );
+        assert!(pl.scratch_bytes >= ROWS_AT + 2 * 70 * 8);
     }
 
     #[test]

@@ -13,12 +13,15 @@ pub mod expr_source;
 pub mod gpu_plan;
 pub mod listing;
 pub mod lower;
+pub mod profile;
 pub mod program;
 pub mod store;
 pub mod train;
 pub mod validate;
 
-pub use backend::{Backend, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, HostBytes};
+pub use backend::{
+    Backend, Compiled, CopyDst, CopyEngine, CopySrc, DeviceBuffer, HostBytes, HostRead, HostWrite,
+};
 pub use executable::{Executable, InputSlot, MemoryReport, OptimizerSetup, Phase};
 pub use program::{
     hyper_col, stat, Buf, Instr, OptimHyper, OptimRule, Program, TRef, UpdateParam, UpdatePlan,

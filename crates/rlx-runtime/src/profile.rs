@@ -1,0 +1,55 @@
+//! The per-instruction profile every backend keeps under `RLX_PROFILE=1`: time and calls per
+//! instruction kind, printed to stderr when the program is dropped.
+use std::collections::BTreeMap;
+
+/// Milliseconds and calls, keyed by instruction kind.
+pub type Profile = BTreeMap<String, (f64, u64)>;
+
+/// Whether `RLX_PROFILE=1` asks for a profile.
+pub fn requested() -> bool {
+    std::env::var("RLX_PROFILE").is_ok_and(|v| v == "1")
+}
+
+/// Adds one call of `ms` milliseconds to `key`'s row.
+pub fn add(p: &mut Profile, key: String, ms: f64) {
+    let e = p.entry(key).or_default();
+    e.0 += ms;
+    e.1 += 1;
+}
+
+/// The profile as text, slowest kind first, headed by `title`.
+pub fn render(title: &str, p: &Profile) -> String {
+    let total: f64 = p.values().map(|v| v.0).sum();
+    let mut rows: Vec<_> = p.iter().collect();
+    rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+    let mut s = format!(
+        "{title}: {total:.3} ms over {} instruction kinds\n",
+        rows.len()
+    );
+    for (k, (t, n)) in rows {
+        s.push_str(&format!(
+            "  {k:<40} {t:9.3} ms {:5.1}% {n:8} calls\n",
+            100.0 * t / total.max(1e-12)
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_come_slowest_first_with_shares_and_calls() {
+        let mut p = Profile::new();
+        add(&mut p, "small".into(), 1.0);
+        add(&mut p, "big".into(), 2.0);
+        add(&mut p, "big".into(), 1.0);
+        let s = render("t", &p);
+        let lines: Vec<&str> = s.lines().collect();
+        assert_eq!(lines[0], "t: 4.000 ms over 2 instruction kinds");
+        assert!(lines[1].trim_start().starts_with("big") && lines[1].contains("75.0%"));
+        assert!(lines[1].trim_end().ends_with("2 calls"));
+        assert!(lines[2].trim_start().starts_with("small") && lines[2].contains("25.0%"));
+    }
+}
