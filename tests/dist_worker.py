@@ -1,8 +1,10 @@
 """One rank of the data-parallel tests (tests/test_distributed.py runs it under mpirun).
 
 usage: dist_worker.py SCENARIO OUT_DIR, with SCENARIO one of
-  train-<optimizer>-<clip>   20 steps of the test MLP on this rank's share of a fixed batch; every
-                             rank writes its final weights to OUT_DIR/rank<r>.npz
+  train-<optimizer>[-clip|-bf16|-fp16]
+                             20 steps of the test MLP on this rank's share of a fixed batch (with
+                             clipping, or in mixed precision); every rank writes its final
+                             weights to OUT_DIR/rank<r>.npz
   raise                      rank 1 raises at its third step (the others must not hang)
   die                        rank 1 exits abruptly at its third step
   save                       rank 0 writes the model and optimizer; the others must see the files
@@ -44,10 +46,11 @@ def main(scenario, out):
     model = models.MLP(D_IN, D_H + (r if kind == "mismatch" else 0), D_OUT)
     opt = optimizer(rest[0] if rest else "adamw")
     clip = 1.0 if rest[1:] == ["clip"] else None
+    precision = rest[1] if rest[1:] in (["bf16"], ["fp16"]) else "fp32"
     try:
         step = rlx.compile_train_step(models.ce_loss, model, opt,
                                       {"x": rlx.InputSpec((B, D_IN)), "y": rlx.InputSpec((B,), "int32")},
-                                      clip_grad_norm=clip, distributed=True)
+                                      clip_grad_norm=clip, distributed=True, precision=precision)
     except dist.DistributedError as e:
         if kind != "mismatch":
             raise

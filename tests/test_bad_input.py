@@ -936,7 +936,7 @@ BAD_OPS = {
     "embedding-id-range": lambda x: rlx.embedding(x, np.array([2], np.int32)),
     "astype-complex": lambda x: x.astype("complex64"),
     "float16-compute": lambda x: rlx.tanh(x.astype("float16")),
-    "bfloat16-matmul": lambda x: x.astype("bfloat16") @ x.T.astype("bfloat16"),
+    "bfloat16-float16-matmul": lambda x: x.astype("bfloat16") @ x.T.astype("float16"),
     "bool": lambda x: x if x else x,
     "int-const-overflow": lambda x: x.astype("int32") + 2**31,
 }

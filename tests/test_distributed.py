@@ -47,7 +47,7 @@ def run_ranks(scenario, out, n=2, timeout=120):
     return p, time.monotonic() - start
 
 
-def reference(opt_name, clip, world=2):
+def reference(opt_name, clip, world=2, precision="fp32"):
     """One process, the whole batch (world * B rows), rank 0's initial weights."""
     rlx.seed(100)
     model = models.MLP(dist_worker.D_IN, dist_worker.D_H, dist_worker.D_OUT)
@@ -55,7 +55,7 @@ def reference(opt_name, clip, world=2):
     b = dist_worker.B * world
     step = rlx.compile_train_step(models.ce_loss, model, opt,
                                   {"x": rlx.InputSpec((b, dist_worker.D_IN)), "y": rlx.InputSpec((b,), "int32")},
-                                  clip_grad_norm=clip)
+                                  clip_grad_norm=clip, precision=precision)
     x, y = dist_worker.data(world)
     for _ in range(dist_worker.STEPS):
         step(x=x, y=y)
@@ -63,16 +63,20 @@ def reference(opt_name, clip, world=2):
 
 
 @needs_mpi
-@pytest.mark.parametrize("scenario", ["train-sgd", "train-adamw", "train-adamw-clip"])
+@pytest.mark.parametrize("scenario", ["train-sgd", "train-adamw", "train-adamw-clip", "train-adamw-bf16",
+                                      "train-adamw-fp16"])
 def test_two_ranks_match_one_process_with_the_whole_batch(tmp_path, scenario):
     p, _ = run_ranks(scenario, tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    _, opt_name, *clip = scenario.split("-")
-    want = reference(opt_name, 1.0 if clip else None)
+    _, opt_name, *extra = scenario.split("-")
+    precision = extra[0] if extra and extra[0] in ("bf16", "fp16") else "fp32"
+    want = reference(opt_name, 1.0 if extra == ["clip"] else None, precision=precision)
+    # Mixed precision: the same roundings, summed in another order over the ranks.
+    tol = (1e-5, 1e-6) if precision == "fp32" else (2e-3, 2e-4)
     r0, r1 = (np.load(tmp_path / f"rank{r}.npz") for r in (0, 1))
     for name, w in want.items():
         np.testing.assert_array_equal(r0[name], r1[name], err_msg=f"ranks disagree on {name}")
-        np.testing.assert_allclose(r0[name], w, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(r0[name], w, rtol=tol[0], atol=tol[1], err_msg=name)
 
 
 @needs_mpi

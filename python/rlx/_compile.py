@@ -22,8 +22,10 @@ from .optim import Optimizer
 # Serialises building executables (rare: a first call with a new size). Module-level so that
 # rlx's fork hooks (rlx/__init__.py) can hold it across a fork().
 _BUILD_LOCK = threading.Lock()
-#: Inputs the caller never gives: the dropout seed, set by the step itself.
-_HIDDEN = frozenset({RNG_INPUT})
+#: The hidden scalar input that carries the fp16 loss scale into a train step.
+LOSS_SCALE_INPUT = "rlx.loss_scale"
+#: Inputs the caller never gives: the dropout seed and the loss scale, set by the step itself.
+_HIDDEN = frozenset({RNG_INPUT, LOSS_SCALE_INPUT})
 
 class InputSpec:
     """The shape and dtype of one named input of a compiled function. A dimension given as
@@ -107,8 +109,22 @@ def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], s
     return t, out, nodes
 
 
-#: ``compile_train_step(precision=...)`` values.
+#: ``compile_train_step(precision=...)`` / ``compile(precision=...)`` values.
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: The dtype matmuls (and so convolutions) compute in under each mixed precision.
+_LOW = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _check_precision(where: str, precision: Any, device: str) -> str:
+    """Checks ``precision=``; mixed precision runs on the CPU only so far (before the device is
+    looked up, so the error is the same with or without the GPU)."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise InputError(f"[{where}] precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    if precision != "fp32" and device.split(":")[0] != "cpu":
+        raise UnsupportedError(
+            f"[{where}] precision={precision!r} (mixed precision) runs on the CPU only so far; device "
+            f"{device!r} computes in float32: use precision='fp32' there")
+    return precision
 
 
 def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[str, InputSpec], bound: set[str]) -> dict[str, np.ndarray]:
@@ -297,7 +313,13 @@ class TrainStep(_Compiled):
 
     def __init__(self, loss_fn: Callable[..., Any], model: Module, optimizer: Optimizer, specs: dict[str, InputSpec],
                  device: str, options: dict[str, Any]) -> None:
-        self._loss_fn, self._optimizer, self._device, self._options = loss_fn, optimizer, device, options
+        self._loss_fn, self._optimizer, self._device = loss_fn, optimizer, device
+        # Python-side settings (mixed precision, the fp16 loss scaler); the rest goes native.
+        self._precision = options.pop("precision", "fp32")
+        scaler = options.pop("scaler", None)
+        self._options = options
+        self._scale, self._growth = (scaler if scaler is not None else (1.0, 0))
+        self._good = 0
         self._init_compiled(model, specs)
         self._grads: dict[str, np.ndarray] | None = None
         self._grad_norm = float("nan")
@@ -325,11 +347,26 @@ class TrainStep(_Compiled):
         trainable = [n for n, _, _ in store.entries() if tensors[n].requires_grad and not tensors[n]._is_buffer]
         if not trainable:
             raise RlxError("every parameter is frozen (requires_grad=False): nothing to train")
-        backward = t.graph.grad(out._id, [nodes[n] for n in trainable])
         aux_names = list(aux)
         names_of = {id(p): n for n, p in tensors.items()}
         updates = [(names_of[i], v) for i, (b, v) in t.__dict__.get("buffer_updates", {}).items() if i in names_of]
         extra = [aux[n]._id for n in aux_names] + [v._id for _, v in updates]
+        graph, loss, wrt = t.graph, out._id, [nodes[n] for n in trainable]
+        if self._precision != "fp32":
+            # Matmuls read low-precision casts of their operands; autodiff then makes the
+            # backward products low precision too, and float32 gradients reach the masters.
+            graph, where = graph.autocast(_LOW[self._precision])
+            loss, wrt, extra = where[loss], [where[i] for i in wrt], [where[i] for i in extra]
+        if self._precision == "fp16":
+            # Dynamic loss scaling: differentiate loss * scale, divide the gradients by the
+            # scale (so the update, the norm and the non-finite check see true gradients) and
+            # report the unscaled loss.
+            scale = graph.reshape(graph.input(LOSS_SCALE_INPUT, [1], "float32"), [])
+            backward = graph.grad(graph.binary("mul", loss, scale), wrt)
+            grads = [backward.binary("div", g, scale) for g in backward.outputs()[1:]]
+            backward.set_outputs([loss, *grads])
+        else:
+            backward = graph.grad(loss, wrt)
         n_before = len(backward.outputs())
         if extra:
             backward.set_outputs(list(backward.outputs()) + extra)
@@ -358,6 +395,9 @@ class TrainStep(_Compiled):
         feeds = _check_feeds(var.names, arrays, var.specs, _HIDDEN)
         hyper = self._optimizer._prepare(var.state)
         self._bind_rng(var)
+        if LOSS_SCALE_INPUT in var.names:
+            var.exe.bind(LOSS_SCALE_INPUT, np.array([self._scale], np.float32))
+        skipped_before = var.skipped
         if self._comm is None:
             out = var.exe.run(feeds, hyper, var.read)
         else:
@@ -373,6 +413,8 @@ class TrainStep(_Compiled):
         stats = np.frombuffer(out[-1], dtype=np.float32)
         self._grad_norm = float(stats[0])
         var.skipped = float(stats[1])
+        if self._precision == "fp16":
+            self._rescale(var.skipped > skipped_before)
         loss = struct.unpack("<f", out[0])[0]
         if not var.aux:
             return loss
@@ -381,6 +423,38 @@ class TrainStep(_Compiled):
             shape, dtype = var.outs[i]
             aux[name] = np.frombuffer(raw, dtype=_NP[dtype]).reshape(shape)
         return loss, aux
+
+    def _rescale(self, skipped: bool) -> None:
+        """The fp16 loss scaler after a call: a skipped (overflowing) step halves the scale, and
+        ``growth_interval`` good steps in a row double it (PyTorch's ``GradScaler`` rule)."""
+        if skipped:
+            self._scale, self._good = max(self._scale / 2.0, 2.0 ** -24), 0
+            return
+        self._good += 1
+        if self._good >= self._growth:
+            self._scale, self._good = min(self._scale * 2.0, 2.0 ** 64), 0
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the next call multiplies the loss by (``precision="fp16"``: dynamic,
+        halved after a step whose gradients overflow, doubled after ``growth_interval`` good
+        steps); 1.0 for the other precisions, which do not scale.
+
+        Example:
+            >>> step.loss_scale
+            65536.0
+        """
+        return float(self._scale)
+
+    @property
+    def precision(self) -> str:
+        """``"fp32"``, ``"bf16"`` or ``"fp16"``, as compiled.
+
+        Example:
+            >>> step.precision
+            'bf16'
+        """
+        return self._precision
 
     @property
     def grads(self) -> dict[str, np.ndarray]:
@@ -496,8 +570,9 @@ class Function(_Compiled):
     """
 
     def __init__(self, forward_fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], device: str,
-                 training: bool) -> None:
+                 training: bool, precision: str = "fp32") -> None:
         self._forward_fn, self._device, self._training = forward_fn, device, training
+        self._precision = precision
         self._bound: set[str] = set()
         self._init_compiled(model, specs)
         if not self._dynamic:
@@ -516,7 +591,10 @@ class Function(_Compiled):
                 raise RlxError(f"forward_fn must return rlx.Tensor(s), got {type(o).__name__}")
             ids.append(o._id)
         t.graph.set_outputs(ids)
-        exe = _rlx.Executable(t.graph, store, self._device, None)
+        graph = t.graph
+        if self._precision != "fp32":
+            graph, _ = graph.autocast(_LOW[self._precision])
+        exe = _rlx.Executable(graph, store, self._device, None)
         var = _Variant(exe, specs)
         var.tuple = isinstance(out, tuple)
         return self._with_rng(var)
@@ -594,7 +672,8 @@ class Function(_Compiled):
 def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Optimizer,
                        inputs: Mapping[str, Any], device: str = "cpu", *, clip_grad_norm: float | None = None,
                        accumulate: int = 1, skip_nonfinite: bool = False, distributed: bool = False,
-                       precision: str = "fp32") -> TrainStep:
+                       precision: str = "fp32", loss_scale: float = 65536.0,
+                       growth_interval: int = 2000) -> TrainStep:
     """Traces ``loss_fn(model, **tensors)`` (in train mode), differentiates it w.r.t. every
     trainable parameter and compiles forward, backward and the optimizer update into one
     executable on ``device``.
@@ -613,8 +692,16 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
             parameters are broadcast at compile, and each call averages the gradients over the
             ranks (one in-place all-reduce of the arena's gradient region) before the update.
             Every rank must call the step the same number of times.
-        precision: ``"fp32"`` (the default and, so far, the only one implemented): everything in
-            float32. ``"bf16"`` and ``"fp16"`` (mixed precision) raise ``UnsupportedError``.
+        precision: ``"fp32"`` (the default): everything in float32. ``"bf16"``: mixed precision
+            as PyTorch's autocast: matmuls (so linear layers, convolutions and the attention
+            projections) multiply bfloat16 operands and sum in float32; reductions, softmax,
+            norms, attention scores, losses and the update stay float32, and the weights and
+            optimizer state stay float32 masters. ``"fp16"``: the same in float16, with dynamic
+            loss scaling (``step.loss_scale``): a step whose gradients overflow changes nothing
+            (counted in ``step.skipped``) and halves the scale. CPU only so far.
+        loss_scale: the first loss scale of ``precision="fp16"`` (PyTorch's default, 2**16).
+        growth_interval: ``precision="fp16"`` doubles the scale after this many good steps in a
+            row (PyTorch's default, 2000).
 
     Example:
         >>> step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model,
@@ -626,12 +713,11 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
     if not isinstance(optimizer, Optimizer):
         raise RlxError(f"compile_train_step needs an rlx.optim optimizer, got {type(optimizer).__name__}")
     _check.function("compile_train_step", "loss_fn", loss_fn)
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise InputError(f"[compile_train_step] precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    if precision != "fp32":
-        raise UnsupportedError(
-            f"[compile_train_step] precision={precision!r} (mixed precision) is not implemented yet; "
-            "use precision='fp32'")
+    precision = _check_precision("compile_train_step", precision, _check.device(device))
+    scale = _check.number("compile_train_step", "loss_scale", loss_scale, lo=0.0)
+    if not (np.isfinite(scale) and scale > 0.0):
+        raise InputError(f"[compile_train_step] loss_scale must be a positive finite number, got {loss_scale!r}")
+    growth = _check.integer("compile_train_step", "growth_interval", growth_interval, lo=1)
     device = _rlx.check_device(_check.device(device))
     _check_compute_dtypes("compile_train_step", model)
     specs = _specs(inputs)
@@ -654,13 +740,23 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
         options["distributed"] = True
     if options["accumulate"] > 1 and any(s.dynamic for s in specs.values()):
         raise UnsupportedError("[compile_train_step] accumulate > 1 needs fixed input shapes (no None dimensions)")
+    options["precision"] = precision
+    if precision == "fp16":
+        if options["accumulate"] > 1:
+            raise UnsupportedError("[compile_train_step] precision='fp16' with accumulate > 1 is not supported yet "
+                                   "(the loss scale would change between the accumulated calls)")
+        # Loss scaling needs the step to skip overflowing gradients.
+        options["skip_nonfinite"] = True
+        options["scaler"] = (scale, growth)
     return TrainStep(loss_fn, model, optimizer, specs, device, options)
 
 
 def compile(forward_fn: Callable[..., Any], model: Module, inputs: Mapping[str, Any], device: str = "cpu",
-            training: bool = False) -> Function:
+            training: bool = False, *, precision: str = "fp32") -> Function:
     """Traces ``forward_fn(model, **tensors)`` into an inference executable on ``device``, in
-    eval mode unless ``training=True``.
+    eval mode unless ``training=True``. ``precision="bf16"`` / ``"fp16"`` runs the matmuls with
+    low-precision operands and float32 sums, the rest in float32 (as ``compile_train_step``);
+    CPU only so far.
 
     Example:
         >>> predict = rlx.compile(lambda m, x: m(x), model, {"x": rlx.InputSpec((10, 64))})
@@ -669,9 +765,10 @@ def compile(forward_fn: Callable[..., Any], model: Module, inputs: Mapping[str, 
     if not isinstance(model, Module):
         raise RlxError(f"compile needs an rlx.nn.Module, got {type(model).__name__}")
     _check.function("compile", "forward_fn", forward_fn)
+    precision = _check_precision("compile", precision, _check.device(device))
     device = _rlx.check_device(_check.device(device))
     _check_compute_dtypes("compile", model)
     specs = _specs(inputs)
     if not isinstance(training, (bool, np.bool_)):
         raise InputError(f"[compile] training must be True or False, got {training!r}")
-    return Function(forward_fn, model, specs, device, bool(training))
+    return Function(forward_fn, model, specs, device, bool(training), precision)

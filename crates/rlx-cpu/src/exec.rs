@@ -105,6 +105,31 @@ macro_rules! by_size {
     };
 }
 
+/// The bfloat16 or float16 operands of a matmul (`None` for float32 ones).
+///
+/// # Safety
+/// As `run_op`: the operands are only read and no output of the instruction overlaps them.
+unsafe fn lowp_operands<'a>(
+    b: &'a Bases,
+    op: &Op,
+    ins: &[TRef],
+) -> Result<Option<kernels::lowp::Lowp<'a>>> {
+    use kernels::lowp::Lowp;
+    // SAFETY: the caller's contract (inputs are read-only and disjoint from the output).
+    let bits = |i: usize| unsafe { b.get::<u16>(&ins[i]) };
+    Ok(match (ins[0].dtype, ins[1].dtype) {
+        (DType::F32, DType::F32) => None,
+        (DType::BF16, DType::BF16) => Some(Lowp::BF16(bits(0), bits(1))),
+        (DType::F16, DType::F16) => Some(Lowp::F16(bits(0), bits(1))),
+        (x, y) => {
+            return Err(Error::Internal(format!(
+                "[{}] reached the cpu kernel with {x} x {y} operands",
+                op.name()
+            )))
+        }
+    })
+}
+
 fn last(dims: &[usize]) -> usize {
     dims.last().copied().unwrap_or(1)
 }
@@ -143,6 +168,20 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             epilogue,
         } => {
             let xs: Vec<(&[f32], &[usize])> = (2..ins.len()).map(|i| (f(i), sh(i))).collect();
+            // SAFETY: the contract of `run_op`.
+            if let Some(ops) = unsafe { lowp_operands(b, op, ins)? } {
+                fused::matmul_epilogue_lowp(
+                    epilogue,
+                    ops,
+                    sh(0),
+                    *trans_a,
+                    sh(1),
+                    *trans_b,
+                    &xs,
+                    unsafe { b.get_mut(out) },
+                );
+                return Ok(());
+            }
             fused::matmul_epilogue(
                 epilogue,
                 f(0),
@@ -224,16 +263,28 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                 }
             }
         },
-        Op::MatMul { trans_a, trans_b } => matmul::matmul(
-            f(0),
-            sh(0),
-            *trans_a,
-            f(1),
-            sh(1),
-            *trans_b,
-            unsafe { b.get_mut(out) },
-            od,
-        ),
+        // SAFETY: the contract of `run_op`.
+        Op::MatMul { trans_a, trans_b } => match unsafe { lowp_operands(b, op, ins)? } {
+            None => matmul::matmul(
+                f(0),
+                sh(0),
+                *trans_a,
+                f(1),
+                sh(1),
+                *trans_b,
+                unsafe { b.get_mut(out) },
+                od,
+            ),
+            Some(ops) => lowp::matmul(
+                ops,
+                sh(0),
+                *trans_a,
+                sh(1),
+                *trans_b,
+                unsafe { b.get_mut(out) },
+                od,
+            ),
+        },
         Op::Reduce { op: r, axes, .. } => {
             reduce::reduce(*r, f(0), sh(0), axes, unsafe { b.get_mut(out) })
         }

@@ -5,7 +5,8 @@
 //! instruction's slices, after `CpuProgram::new` checked every range and that no output overlaps
 //! an input; implementing the `unsafe` `Compiled::run`), `isa.rs` (calling the AVX2+FMA copy of a
 //! kernel loop after feature detection), `f16c.rs` (the F16C float16 conversions, after feature
-//! detection) and `kernels/matmul.rs` (the GEMM call, its bounds asserted first). Kernels themselves are safe code over slices.
+//! detection), `bf16dot.rs` (the AVX512-BF16 micro-kernel, after feature detection) and
+//! `kernels/matmul.rs` (the GEMM call, its bounds asserted first). Kernels themselves are safe code over slices.
 //!
 //! ```
 //! use rlx_ir::{DType, Graph, Op, Shape, UnaryOp};
@@ -28,6 +29,7 @@
 //! ```
 #![warn(unsafe_op_in_unsafe_fn)]
 
+pub mod bf16dot;
 mod copy;
 mod exec;
 pub mod f16c;

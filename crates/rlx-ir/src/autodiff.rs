@@ -293,6 +293,15 @@ fn vjp(
         Op::MatMul { trans_a, trans_b } => {
             let (a, b) = (ins[0], ins[1]);
             let (ta, tb) = (*trans_a, *trans_b);
+            // A mixed-precision product's gradients are mixed-precision products too: the
+            // float32 `gy` is cast to the operands' dtype, and the float32 results flow back
+            // (the VJP of the cast that made an operand passes a float32 gradient on as is).
+            let low = g.node(a).dtype;
+            let gy = if low.is_low_precision() {
+                g.add(Op::Cast { to: low }, &[gy])?
+            } else {
+                gy
+            };
             let da = if ta {
                 g.add(
                     Op::MatMul {

@@ -72,6 +72,14 @@ impl DType {
         matches!(self, DType::F32 | DType::F16 | DType::BF16 | DType::F64)
     }
 
+    /// True for bfloat16 and float16: the dtypes of mixed-precision compute. A matmul of two
+    /// operands of one of them multiplies in that precision, sums in float32 and returns
+    /// float32 (PyTorch's autocast returns the low-precision dtype; rlx keeps the float32 sum,
+    /// which the ops after a matmul, e.g. a bias add or a norm, use at no extra cost).
+    pub fn is_low_precision(self) -> bool {
+        matches!(self, DType::BF16 | DType::F16)
+    }
+
     /// The message (after the `[op]` prefix) for an op whose kernels do not exist for these
     /// operand dtypes yet, e.g. `float16 x float16 is not supported yet; cast to float32 with
     /// .astype('float32')`.

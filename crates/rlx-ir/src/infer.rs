@@ -593,13 +593,17 @@ fn unsupported(name: &str, ins: &[&Node]) -> Error {
 
 fn matmul(a: &Node, b: &Node, ta: bool, tb: bool) -> Result<(Shape, DType)> {
     let (sa, sb) = (&a.shape, &b.shape);
-    if [a.dtype, b.dtype]
-        .iter()
-        .any(|d| !matches!(d, DType::F32 | DType::I32))
+    // bfloat16 and float16 pairs are the mixed-precision matmul: low-precision products summed
+    // in float32, with a float32 result (see `DType::is_low_precision`).
+    let lowp = a.dtype == b.dtype && a.dtype.is_low_precision();
+    if !lowp
+        && [a.dtype, b.dtype]
+            .iter()
+            .any(|d| !matches!(d, DType::F32 | DType::I32))
     {
         return Err(unsupported("matmul", &[a, b]));
     }
-    if a.dtype != DType::F32 || b.dtype != DType::F32 {
+    if !lowp && (a.dtype != DType::F32 || b.dtype != DType::F32) {
         return Err(Error::dtype(
             "matmul",
             format!("expects float32 operands, got {} and {}", a.dtype, b.dtype),
@@ -728,11 +732,18 @@ mod tests {
             trans_a: false,
             trans_b: true,
         };
-        let e = g.add(mm, &[h, h]).unwrap_err();
+        // A low-precision pair is the mixed-precision matmul (float32 result); a mixed pair is
+        // refused.
+        let p = g.add(mm.clone(), &[h, h]).unwrap();
+        assert_eq!(
+            (&g.node(p).shape, g.node(p).dtype),
+            (&Shape::new([2, 2]), DType::F32)
+        );
+        let e = g.add(mm, &[h, f]).unwrap_err();
         assert!(matches!(e, Error::DType { .. }));
         assert_eq!(
             e.to_string(),
-            "[matmul] float16 x float16 is not supported yet; cast to float32 with .astype('float32')"
+            "[matmul] float16 x float32 is not supported yet; cast to float32 with .astype('float32')"
         );
         let e = g.add(Op::Binary(BinaryOp::Add), &[f, h]).unwrap_err();
         assert!(

@@ -1,6 +1,7 @@
 //! rlx-ir: the device-free heart of rlx — graph, ops, shape inference, autodiff, memory planning.
 #![forbid(unsafe_code)]
 
+pub mod autocast;
 pub mod autodiff;
 pub mod copy;
 pub mod dtype;
@@ -13,6 +14,7 @@ pub mod op;
 pub mod planner;
 pub mod shape;
 
+pub use autocast::autocast;
 pub use autodiff::grad;
 pub use copy::{AsyncCopy, BarrierToken};
 pub use dtype::DType;

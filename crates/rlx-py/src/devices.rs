@@ -28,6 +28,12 @@ pub fn cpu_isa() -> &'static str {
     rlx_cpu::isa::current().name()
 }
 
+/// The bfloat16 matmul path in use on the CPU: `"avx512bf16"` or `"portable"`.
+#[pyfunction]
+pub fn cpu_bf16_path() -> &'static str {
+    rlx_cpu::bf16dot::path_name()
+}
+
 /// Normalises a device name, raising `DeviceError` for unknown or absent devices.
 #[pyfunction]
 pub fn check_device(py: Python<'_>, device: &str) -> PyResult<String> {

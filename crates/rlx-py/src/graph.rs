@@ -446,6 +446,15 @@ impl PyGraph {
             .map(|graph| PyGraph { graph })
     }
 
+    /// The mixed-precision rewrite (`rlx_ir::autocast`): the new graph and, for each node id of
+    /// this one, its id there.
+    fn autocast(&self, py: Python<'_>, dtype: &str) -> PyResult<(PyGraph, Vec<NodeId>)> {
+        let dt = parse_dtype(dtype).py_err(py)?;
+        crate::errors::guard(|| rlx_ir::autocast(&self.graph, dt))
+            .py_err(py)
+            .map(|(graph, map)| (PyGraph { graph }, map))
+    }
+
     fn verify(&self, py: Python<'_>) -> PyResult<()> {
         self.graph.verify().py_err(py)
     }

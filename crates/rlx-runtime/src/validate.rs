@@ -69,6 +69,13 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
         }
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,
         Op::Dropout { .. } => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
+        // The mixed-precision matmul: two bfloat16 (or two float16) operands, float32 result
+        // (a backend whose memory cannot hold those dtypes refuses them in `dtypes` first).
+        Op::MatMul { .. } | Op::MatMulEpilogue { .. }
+            if ins[0].dtype == ins[1].dtype && ins[0].dtype.is_low_precision() =>
+        {
+            ins[2..].iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32
+        }
         _ => all_f32,
     }
 }

@@ -93,6 +93,7 @@ pub fn matmul_epilogue(
             (0..r).map(|i| at(pa, i).max(at(pb, i))).collect()
         };
         od.extend([m, n]);
+        debug_assert_eq!(od, product_dims(ad, bd, ta, tb));
         return PRODUCT.with(|p| {
             let mut p = p.borrow_mut();
             if p.len() < out.len() {
@@ -414,6 +415,59 @@ fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
         BinaryOp::Eq => zip(a, b, dst, |x, y| mask(x == y)),
         BinaryOp::Ne => zip(a, b, dst, |x, y| mask(x != y)),
     }
+}
+
+/// `matmul_epilogue` for bfloat16 or float16 operands (`lowp::matmul`): the float32 product is
+/// computed whole into the per-thread scratch, then the epilogue runs over it.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_epilogue_lowp(
+    f: &Fused,
+    ops: super::lowp::Lowp,
+    ad: &[usize],
+    ta: bool,
+    bd: &[usize],
+    tb: bool,
+    xs: &[(&[f32], &[usize])],
+    out: &mut [f32],
+) {
+    let od = product_dims(ad, bd, ta, tb);
+    PRODUCT.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.len() < out.len() {
+            p.resize(out.len(), 0.0);
+        }
+        let product = &mut p[..out.len()];
+        super::lowp::matmul(ops, ad, ta, bd, tb, product, &od);
+        let mut ins: Vec<(&[f32], &[usize])> = vec![(product, f.shape.dims())];
+        ins.extend_from_slice(xs);
+        fused(f, &ins, out)
+    })
+}
+
+/// The dims of `op(a) @ op(b)`: the broadcast batch dims, then `m x n`.
+pub fn product_dims(ad: &[usize], bd: &[usize], ta: bool, tb: bool) -> Vec<usize> {
+    let (pa, pb) = (&ad[..ad.len() - 2], &bd[..bd.len() - 2]);
+    let r = pa.len().max(pb.len());
+    let at = |p: &[usize], i: usize| {
+        if i + p.len() >= r {
+            p[i + p.len() - r]
+        } else {
+            1
+        }
+    };
+    let mut od: Vec<usize> = (0..r).map(|i| at(pa, i).max(at(pb, i))).collect();
+    let m = if ta {
+        ad[ad.len() - 1]
+    } else {
+        ad[ad.len() - 2]
+    };
+    let n = if tb {
+        bd[bd.len() - 2]
+    } else {
+        bd[bd.len() - 1]
+    };
+    od.extend([m, n]);
+    od
 }
 
 #[cfg(test)]

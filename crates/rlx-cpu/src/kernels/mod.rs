@@ -5,6 +5,7 @@ pub mod conv;
 pub mod elementwise;
 pub mod fused;
 pub mod layout;
+pub mod lowp;
 pub mod math;
 pub mod matmul;
 pub mod nn;
