@@ -568,13 +568,16 @@ extern "C" __global__ void rlx_attention_grad(const P p) {
 #define ATT_LD 36
 /* rows r0..r0+n-1 of tensor x (record slot x, pointer slot ptr) transposed into dst[d * ld + r],
    zero outside the tensor. */
+template <int EM>
 __device__ __forceinline__ void att_load_t(const P& p, int x, int ptr, long long u, long long j,
-                                          long long r0, int n, long long R, long long E, int em,
+                                          long long r0, int n, long long R, long long E,
                                           float* dst, int ld) {
-  for (int idx = threadIdx.x; idx < n * em; idx += blockDim.x) {
-    int r = idx / em, d = idx - r * em;
+  const float* src = (const float*)p.ptr[ptr] + att_at(p, x, u, j, 0);
+  long long rs = p.st[x][2];
+  for (int idx = threadIdx.x; idx < n * EM; idx += blockDim.x) {
+    int r = idx / EM, d = idx % EM;
     long long i = r0 + r;
-    dst[d * ld + r] = (i < R && d < E) ? ((const float*)p.ptr[ptr])[att_at(p, x, u, j, i) + d] : 0.0f;
+    dst[d * ld + r] = (i < R && d < E) ? src[i * rs + d] : 0.0f;
   }
 }
 __device__ __forceinline__ long long att_key_end(const P& p, long long q0, long long rows, long long S) {
@@ -608,7 +611,7 @@ __device__ void att_fwd(const P& p) {
   long long u = uj / H, j = uj - u * H;
   int t = threadIdx.x, rg = t >> 3, cg = t & 7, r0 = rg * 4;
   float sc = p.fv[0];
-  att_load_t(p, 0, 0, u, j, q0, BQ, L, E, EM, qT, QLD);
+  att_load_t<EM>(p, 0, 0, u, j, q0, BQ, L, E, qT, QLD);
   float m[4], l[4], acc[4][DT];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -619,10 +622,11 @@ __device__ void att_fwd(const P& p) {
   long long kend = att_key_end(p, q0, BQ, S);
   for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
     __syncthreads();
-    att_load_t(p, 1, 1, u, j, k0, ATT_BK, S, E, EM, kT, ATT_LD);
+    att_load_t<EM>(p, 1, 1, u, j, k0, ATT_BK, S, E, kT, ATT_LD);
+    const float* vsrc = F(2) + att_at(p, 2, u, j, 0);
     for (int idx = t; idx < ATT_BK * EM; idx += blockDim.x) {
-      int k = idx / EM, d = idx - k * EM;
-      vs[idx] = (k0 + k < S && d < Ev) ? F(2)[att_at(p, 2, u, j, k0 + k) + d] : 0.0f;
+      int k = idx / EM, d = idx % EM;
+      vs[idx] = (k0 + k < S && d < Ev) ? vsrc[(k0 + k) * p.st[2][2] + d] : 0.0f;
     }
     __syncthreads();
     float s[4][4];
@@ -721,8 +725,8 @@ __device__ void att_bwd_q(const P& p) {
   long long u = uj / H, j = uj - u * H;
   int t = threadIdx.x, rg = t >> 4, cg = t & 15, r0 = rg * 4, c0 = cg * 2;
   float sc = p.fv[0];
-  att_load_t(p, 0, 0, u, j, q0, BQ, L, E, EM, qT, ATT_LD);
-  att_load_t(p, 3, 4, u, j, q0, BQ, L, Ev, EM, gT, ATT_LD);
+  att_load_t<EM>(p, 0, 0, u, j, q0, BQ, L, E, qT, ATT_LD);
+  att_load_t<EM>(p, 3, 4, u, j, q0, BQ, L, Ev, gT, ATT_LD);
   float m[4], l[4], dsum[4], dq[4][DT];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -742,7 +746,7 @@ __device__ void att_bwd_q(const P& p) {
   float s[4][2];
   for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
     __syncthreads();
-    att_load_t(p, 1, 1, u, j, k0, ATT_BK, S, E, EM, kT, ATT_LD);
+    att_load_t<EM>(p, 1, 1, u, j, k0, ATT_BK, S, E, kT, ATT_LD);
     __syncthreads();
     att_tile32<EM>(qT, kT, r0, c0, s);
 #pragma unroll
@@ -765,8 +769,8 @@ __device__ void att_bwd_q(const P& p) {
   for (int i = 0; i < 4; ++i) lse[i] = m[i] + logf(l[i]);
   for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
     __syncthreads();
-    att_load_t(p, 1, 1, u, j, k0, ATT_BK, S, E, EM, kT, ATT_LD);
-    att_load_t(p, 2, 2, u, j, k0, ATT_BK, S, Ev, EM, vT, ATT_LD);
+    att_load_t<EM>(p, 1, 1, u, j, k0, ATT_BK, S, E, kT, ATT_LD);
+    att_load_t<EM>(p, 2, 2, u, j, k0, ATT_BK, S, Ev, vT, ATT_LD);
     __syncthreads();
     float dp[4][2];
     att_tile32<EM>(qT, kT, r0, c0, s);
@@ -827,8 +831,8 @@ __device__ void att_bwd_kv(const P& p) {
   long long u = uj / H, j = uj - u * H;
   int t = threadIdx.x, rg = t >> 4, cg = t & 15, r0 = rg * 4, c0 = cg * 2;
   float sc = p.fv[0];
-  att_load_t(p, 1, 1, u, j, k0, ATT_BK, S, E, EM, kT, ATT_LD);
-  att_load_t(p, 2, 2, u, j, k0, ATT_BK, S, Ev, EM, vT, ATT_LD);
+  att_load_t<EM>(p, 1, 1, u, j, k0, ATT_BK, S, E, kT, ATT_LD);
+  att_load_t<EM>(p, 2, 2, u, j, k0, ATT_BK, S, Ev, vT, ATT_LD);
   float dk[4][DT], dv[4][DT];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -839,8 +843,8 @@ __device__ void att_bwd_kv(const P& p) {
   float s[4][2], dp[4][2];
   for (long long q0 = first; q0 < L; q0 += BQ) {
     __syncthreads();
-    att_load_t(p, 0, 0, u, j, q0, BQ, L, E, EM, qT, ATT_LD);
-    att_load_t(p, 3, 4, u, j, q0, BQ, L, Ev, EM, gT, ATT_LD);
+    att_load_t<EM>(p, 0, 0, u, j, q0, BQ, L, E, qT, ATT_LD);
+    att_load_t<EM>(p, 3, 4, u, j, q0, BQ, L, Ev, gT, ATT_LD);
     if (t < BQ) {
       long long row = q0 + t;
       long long at = (u * H + j) * L + row;
