@@ -19,14 +19,14 @@ fn planes(out: &mut [f32], plane: usize, body: impl Fn(usize, &mut [f32]) + Sync
         out.par_chunks_mut(per * plane)
             .enumerate()
             .for_each(|(c, run)| {
-                crate::isa::dispatch(|| {
+                crate::isa::dispatch(#[inline(always)] || {
                     run.chunks_mut(plane)
                         .enumerate()
                         .for_each(|(i, o)| body(c * per + i, o))
                 })
             });
     } else {
-        crate::isa::dispatch(|| {
+        crate::isa::dispatch(#[inline(always)] || {
             out.chunks_mut(plane)
                 .enumerate()
                 .for_each(|(i, o)| body(i, o))
@@ -70,7 +70,7 @@ pub fn im2col(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
         .map(|ox| span(ox, kw, w.stride[1], w.padding[1], wd))
         .collect();
     // One task unit: the patches of one output row (n, oy).
-    planes(out, ow * k, |row, o| {
+    planes(out, ow * k, #[inline(always)] |row, o| {
         let (n, oy) = (row / oh, row % oh);
         let img = &x[n * c * h * wd..(n + 1) * c * h * wd];
         let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
@@ -98,7 +98,7 @@ pub fn col2im(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
     let rxs: Vec<_> = (0..ow)
         .map(|ox| span(ox, kw, w.stride[1], w.padding[1], wd))
         .collect();
-    planes(out, c * h * wd, |n, img| {
+    planes(out, c * h * wd, #[inline(always)] |n, img| {
         img.fill(0.0);
         let patches = &cols[n * oh * ow * k..(n + 1) * oh * ow * k];
         for oy in 0..oh {
@@ -177,7 +177,7 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
         let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
         let nan_max = |a: f32, b: f32| if a > b || a.is_nan() { a } else { b };
         if [kh, kw, sh, sw] == [2, 2, 2, 2] {
-            planes(out, oh * ow, |nc, o| {
+            planes(out, oh * ow, #[inline(always)] |nc, o| {
                 let img = &x[nc * h * wd..(nc + 1) * h * wd];
                 for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
                     let i0 = &img[2 * y * wd..2 * y * wd + 2 * ow];
@@ -193,7 +193,7 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
             });
             return;
         }
-        planes(out, oh * ow, |nc, o| {
+        planes(out, oh * ow, #[inline(always)] |nc, o| {
             let img = &x[nc * h * wd..(nc + 1) * h * wd];
             for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
                 orow.fill(f32::NEG_INFINITY);
@@ -212,7 +212,7 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
         });
         return;
     }
-    planes(out, oh * ow, |nc, o| {
+    planes(out, oh * ow, #[inline(always)] |nc, o| {
         let img = &x[nc * h * wd..(nc + 1) * h * wd];
         for y in 0..oh {
             let ry = span(y, w.kernel[0], w.stride[0], w.padding[0], h);
@@ -243,7 +243,7 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
     if max && w.padding == [0, 0] {
         let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
         if [kh, kw, sh, sw] == [2, 2, 2, 2] {
-            planes(out, h * wd, |nc, gx| {
+            planes(out, h * wd, #[inline(always)] |nc, gx| {
                 let img = &x[nc * h * wd..(nc + 1) * h * wd];
                 let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
                 gx.fill(0.0); // rows / columns past the last window (odd sizes) stay 0
@@ -282,7 +282,7 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
             });
             return;
         }
-        planes(out, h * wd, |nc, gx| {
+        planes(out, h * wd, #[inline(always)] |nc, gx| {
             gx.fill(0.0);
             let img = &x[nc * h * wd..(nc + 1) * h * wd];
             let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
@@ -305,7 +305,7 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
         });
         return;
     }
-    planes(out, h * wd, |nc, gx| {
+    planes(out, h * wd, #[inline(always)] |nc, gx| {
         gx.fill(0.0);
         let img = &x[nc * h * wd..(nc + 1) * h * wd];
         let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];

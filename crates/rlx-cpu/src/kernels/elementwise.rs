@@ -253,7 +253,7 @@ fn zip_with<A: Copy + Sync, B: Copy + Sync, O: Send>(
     f: impl Fn(A, B) -> O + Sync,
 ) {
     let (sa, sb) = (Strided::broadcast(ash, od), Strided::broadcast(bsh, od));
-    map_rows(out, od, &[&sa, &sb], |row, st, sp| {
+    map_rows(out, od, &[&sa, &sb], #[inline(always)] |row, st, sp| {
         let n = row.len();
         match (sp[0], sp[1]) {
             (1, 1) => {
@@ -304,7 +304,7 @@ pub fn select<T: Copy + Send + Sync>(
         Strided::broadcast(ash, od),
         Strided::broadcast(bsh, od),
     );
-    map_rows(out, od, &[&sc, &sa, &sb], |row, st, sp| {
+    map_rows(out, od, &[&sc, &sa, &sb], #[inline(always)] |row, st, sp| {
         let n = row.len();
         match (sp[0], sp[1], sp[2]) {
             // The causal-mask pattern: contiguous condition and values, a scalar fill.

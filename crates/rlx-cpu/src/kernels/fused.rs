@@ -260,7 +260,7 @@ fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [
     }
     let strided: Vec<Strided> = ins.iter().map(|(_, d)| Strided::broadcast(d, od)).collect();
     let refs: Vec<&Strided> = strided.iter().collect();
-    map_rows(out, od, &refs, |row, starts, steps| {
+    map_rows(out, od, &refs, #[inline(always)] |row, starts, steps| {
         // Inputs walked with a stride (rare: a transposed broadcast) are gathered per tile.
         let mut gathered: Vec<Vec<f32>> = Vec::new();
         if steps.iter().any(|&s| s > 1) {
@@ -332,7 +332,7 @@ fn eval(f: &Fused, ins: &[Src], out: &mut [f32], scratch: &mut [f32]) {
 /// `dst = c != 0 ? x : y` as one tight (branch-free) loop per operand kind.
 fn select(c: Src, x: Src, y: Src, dst: &mut [f32]) {
     let pick = |c: f32, x: f32, y: f32| if c != 0.0 { x } else { y };
-    crate::isa::dispatch(|| match (c, x, y) {
+    crate::isa::dispatch(#[inline(always)] || match (c, x, y) {
         (Src::Scalar(c), x, y) => match if c != 0.0 { x } else { y } {
             Src::Slice(v) => dst.copy_from_slice(&v[..dst.len()]),
             Src::Scalar(v) => dst.fill(v),
@@ -359,7 +359,7 @@ fn select(c: Src, x: Src, y: Src, dst: &mut [f32]) {
 fn unary(op: UnaryOp, a: Src, dst: &mut [f32]) {
     #[inline(always)]
     fn map(a: Src, dst: &mut [f32], f: impl Fn(f32) -> f32) {
-        crate::isa::dispatch(|| match a {
+        crate::isa::dispatch(#[inline(always)] || match a {
             Src::Slice(v) => dst.iter_mut().zip(v).for_each(|(o, &x)| *o = f(x)),
             Src::Scalar(x) => dst.fill(f(x)),
         })
@@ -385,7 +385,7 @@ fn unary(op: UnaryOp, a: Src, dst: &mut [f32]) {
 fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
     #[inline(always)]
     fn zip(a: Src, b: Src, dst: &mut [f32], f: impl Fn(f32, f32) -> f32) {
-        crate::isa::dispatch(|| match (a, b) {
+        crate::isa::dispatch(#[inline(always)] || match (a, b) {
             (Src::Slice(x), Src::Slice(y)) => dst
                 .iter_mut()
                 .zip(x.iter().zip(y))

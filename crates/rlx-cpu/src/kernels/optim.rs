@@ -161,7 +161,7 @@ pub fn train_update(
             None => s.g,
         };
         // Each parameter's loop runs compiled for the CPU's instruction set (see `isa`).
-        crate::isa::dispatch(|| {
+        crate::isa::dispatch(#[inline(always)] || {
             update(
                 rule,
                 &h,
