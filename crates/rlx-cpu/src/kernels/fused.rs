@@ -152,6 +152,11 @@ pub fn matmul_epilogue(
     });
 }
 
+thread_local! {
+    /// A fused sum's whole expression, when it is evaluated before summing.
+    static WHOLE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
 /// Rows of one block of a fused sum (each block is evaluated, then added into a partial sum).
 const SUM_BLOCK: usize = 16 * 1024;
 
@@ -181,9 +186,15 @@ pub fn fused_sum_to(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32], od: 
                         .all(|(a, b)| a == b))
         });
     if !rows_sum {
-        let mut whole = vec![0.0; total];
-        fused(f, ins, &mut whole);
-        return super::reduce::sum_to(&whole, xd, out, od);
+        // A per-thread scratch, not a fresh allocation per call (large ones are fresh pages).
+        return WHOLE.with(|w| {
+            let mut w = w.borrow_mut();
+            if w.len() < total {
+                w.resize(total, 0.0);
+            }
+            fused(f, ins, &mut w[..total]);
+            super::reduce::sum_to(&w[..total], xd, out, od)
+        });
     }
     let rows = total / n;
     let block_rows = (SUM_BLOCK / n).clamp(1, rows);
@@ -260,6 +271,10 @@ fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [
     }
     let strided: Vec<Strided> = ins.iter().map(|(_, d)| Strided::broadcast(d, od)).collect();
     let refs: Vec<&Strided> = strided.iter().collect();
+    let (cd, cs) = super::collapse(od, &refs);
+    if cd.last().is_some_and(|&row| 2 * row <= TILE) {
+        return row_groups(f, ins, out, &cd, &cs);
+    }
     map_rows(out, od, &refs, #[inline(always)] |row, starts, steps| {
         // Inputs walked with a stride (rare: a transposed broadcast) are gathered per tile.
         let mut gathered: Vec<Vec<f32>> = Vec::new();
@@ -288,6 +303,76 @@ fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [
             with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
         }
     });
+}
+
+thread_local! {
+    /// `row_groups`' broadcast operands, expanded to one tile each.
+    static EXPANDED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `fused` over short rows (an NCHW tensor with per-channel operands: rows of H*W): each tile
+/// is a run of whole rows, and every operand that is neither full-size nor a scalar is expanded
+/// into a tile-sized buffer first, so the expression's per-tile cost is paid once per `TILE`
+/// elements rather than once per row. `cd`/`cs`: the output's collapsed dims and each operand's
+/// strides over them (`collapse`).
+fn row_groups(
+    f: &Fused,
+    ins: &[(&[f32], &[usize])],
+    out: &mut [f32],
+    cd: &[usize],
+    cs: &[Vec<usize>],
+) {
+    let total = out.len();
+    let row = cd[cd.len() - 1];
+    let outer = &cd[..cd.len() - 1];
+    let group = (TILE / row).max(1);
+    let tile = |(c, chunk): (usize, &mut [f32])| {
+        let (r0, len) = (c * group, chunk.len());
+        EXPANDED.with(|e| {
+            let mut e = e.borrow_mut();
+            if e.len() < ins.len() * TILE {
+                e.resize(ins.len() * TILE, 0.0);
+            }
+            for (i, (x, _)) in ins.iter().enumerate() {
+                if x.len() == total || x.len() == 1 {
+                    continue;
+                }
+                let step = cs[i][outer.len()];
+                let buf = &mut e[i * TILE..i * TILE + len];
+                for (k, seg) in buf.chunks_mut(row).enumerate() {
+                    let (mut rem, mut start) = (r0 + k, 0);
+                    for d in (0..outer.len()).rev() {
+                        start += (rem % outer[d]) * cs[i][d];
+                        rem /= outer[d];
+                    }
+                    match step {
+                        0 => seg.fill(x[start]),
+                        1 => seg.copy_from_slice(&x[start..start + row]),
+                        _ => seg
+                            .iter_mut()
+                            .enumerate()
+                            .for_each(|(j, v)| *v = x[start + j * step]),
+                    }
+                }
+            }
+            let mut srcs = [Src::Scalar(0.0); MAX_IN];
+            for (i, (s, (x, _))) in srcs.iter_mut().zip(ins).enumerate() {
+                *s = if x.len() == total {
+                    Src::Slice(&x[r0 * row..r0 * row + len])
+                } else if x.len() == 1 {
+                    Src::Scalar(x[0])
+                } else {
+                    Src::Slice(&e[i * TILE..i * TILE + len])
+                };
+            }
+            with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
+        })
+    };
+    if total >= PAR_MIN {
+        out.par_chunks_mut(group * row).enumerate().for_each(tile);
+    } else {
+        out.chunks_mut(group * row).enumerate().for_each(tile);
+    }
 }
 
 fn with_scratch(f: &Fused, body: impl FnOnce(&mut [f32])) {
@@ -549,6 +634,40 @@ mod tests {
                     (*x as f64 - y).abs() <= 1e-3 * (1.0 + y.abs()),
                     "{xd:?} -> {od:?}: {x} vs {y}"
                 );
+            }
+        }
+    }
+
+    /// Short rows (per-channel operands of NCHW tensors) go through `row_groups`: against a
+    /// naive evaluation, with row lengths that do and do not divide the tile, a scalar and a
+    /// full-size operand, one thread and the parallel path.
+    #[test]
+    fn short_rows_match_naive() {
+        for (dims, scalar) in [
+            ([64usize, 16usize, 8usize, 8usize], false),
+            ([3, 5, 4, 3], true),
+            ([2, 7, 1, 1], false),
+            ([64, 16, 16, 16], false),
+            ([5, 3, 7, 11], true),
+        ] {
+            let total: usize = dims.iter().product();
+            let c = dims[1];
+            let hw = dims[2] * dims[3];
+            let x = data(total, 0.3);
+            let per_channel = data(c, 1.7);
+            let m = data(if scalar { 1 } else { total }, 0.9);
+            let m_shape: Vec<usize> = if scalar { vec![1] } else { dims.to_vec() };
+            let mut out = vec![0.0; total];
+            fused(
+                &expr(&dims),
+                &[(&x, &dims), (&per_channel, &[1, c, 1, 1]), (&m, &m_shape)],
+                &mut out,
+            );
+            for (i, &o) in out.iter().enumerate() {
+                let ch = (i / hw) % c;
+                let mul = if scalar { m[0] } else { m[i] };
+                let want = (x[i] + per_channel[ch]).max(0.0) * mul;
+                assert!((o - want).abs() <= 1e-6, "{dims:?} {i}: {o} vs {want}");
             }
         }
     }
