@@ -275,34 +275,40 @@ fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [
     if cd.last().is_some_and(|&row| 2 * row <= TILE) {
         return row_groups(f, ins, out, &cd, &cs);
     }
-    map_rows(out, od, &refs, #[inline(always)] |row, starts, steps| {
-        // Inputs walked with a stride (rare: a transposed broadcast) are gathered per tile.
-        let mut gathered: Vec<Vec<f32>> = Vec::new();
-        if steps.iter().any(|&s| s > 1) {
-            gathered.resize(ins.len(), Vec::new());
-        }
-        for t0 in (0..row.len()).step_by(TILE) {
-            let len = TILE.min(row.len() - t0);
-            for (i, (x, _)) in ins.iter().enumerate() {
-                if steps[i] > 1 {
-                    let at = starts[i] + t0 * steps[i];
-                    gathered[i].clear();
-                    gathered[i].extend((0..len).map(|j| x[at + j * steps[i]]));
+    map_rows(
+        out,
+        od,
+        &refs,
+        #[inline(always)]
+        |row, starts, steps| {
+            // Inputs walked with a stride (rare: a transposed broadcast) are gathered per tile.
+            let mut gathered: Vec<Vec<f32>> = Vec::new();
+            if steps.iter().any(|&s| s > 1) {
+                gathered.resize(ins.len(), Vec::new());
+            }
+            for t0 in (0..row.len()).step_by(TILE) {
+                let len = TILE.min(row.len() - t0);
+                for (i, (x, _)) in ins.iter().enumerate() {
+                    if steps[i] > 1 {
+                        let at = starts[i] + t0 * steps[i];
+                        gathered[i].clear();
+                        gathered[i].extend((0..len).map(|j| x[at + j * steps[i]]));
+                    }
                 }
+                let mut srcs = [Src::Scalar(0.0); MAX_IN];
+                for (i, (s, (x, _))) in srcs.iter_mut().zip(ins).enumerate() {
+                    let at = starts[i] + t0 * steps[i];
+                    *s = match steps[i] {
+                        0 => Src::Scalar(x[at]),
+                        1 => Src::Slice(&x[at..at + len]),
+                        _ => Src::Slice(&gathered[i]),
+                    };
+                }
+                let chunk = &mut row[t0..t0 + len];
+                with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
             }
-            let mut srcs = [Src::Scalar(0.0); MAX_IN];
-            for (i, (s, (x, _))) in srcs.iter_mut().zip(ins).enumerate() {
-                let at = starts[i] + t0 * steps[i];
-                *s = match steps[i] {
-                    0 => Src::Scalar(x[at]),
-                    1 => Src::Slice(&x[at..at + len]),
-                    _ => Src::Slice(&gathered[i]),
-                };
-            }
-            let chunk = &mut row[t0..t0 + len];
-            with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
-        }
-    });
+        },
+    );
 }
 
 thread_local! {
@@ -417,37 +423,43 @@ fn eval(f: &Fused, ins: &[Src], out: &mut [f32], scratch: &mut [f32]) {
 /// `dst = c != 0 ? x : y` as one tight (branch-free) loop per operand kind.
 fn select(c: Src, x: Src, y: Src, dst: &mut [f32]) {
     let pick = |c: f32, x: f32, y: f32| if c != 0.0 { x } else { y };
-    crate::isa::dispatch(#[inline(always)] || match (c, x, y) {
-        (Src::Scalar(c), x, y) => match if c != 0.0 { x } else { y } {
-            Src::Slice(v) => dst.copy_from_slice(&v[..dst.len()]),
-            Src::Scalar(v) => dst.fill(v),
+    crate::isa::dispatch(
+        #[inline(always)]
+        || match (c, x, y) {
+            (Src::Scalar(c), x, y) => match if c != 0.0 { x } else { y } {
+                Src::Slice(v) => dst.copy_from_slice(&v[..dst.len()]),
+                Src::Scalar(v) => dst.fill(v),
+            },
+            (Src::Slice(c), Src::Scalar(x), Src::Slice(y)) => dst
+                .iter_mut()
+                .zip(c.iter().zip(y))
+                .for_each(|(o, (&c, &y))| *o = pick(c, x, y)),
+            (Src::Slice(c), Src::Slice(x), Src::Scalar(y)) => dst
+                .iter_mut()
+                .zip(c.iter().zip(x))
+                .for_each(|(o, (&c, &x))| *o = pick(c, x, y)),
+            (Src::Slice(c), Src::Slice(x), Src::Slice(y)) => dst
+                .iter_mut()
+                .zip(c.iter().zip(x.iter().zip(y)))
+                .for_each(|(o, (&c, (&x, &y)))| *o = pick(c, x, y)),
+            (Src::Slice(c), Src::Scalar(x), Src::Scalar(y)) => {
+                dst.iter_mut().zip(c).for_each(|(o, &c)| *o = pick(c, x, y))
+            }
         },
-        (Src::Slice(c), Src::Scalar(x), Src::Slice(y)) => dst
-            .iter_mut()
-            .zip(c.iter().zip(y))
-            .for_each(|(o, (&c, &y))| *o = pick(c, x, y)),
-        (Src::Slice(c), Src::Slice(x), Src::Scalar(y)) => dst
-            .iter_mut()
-            .zip(c.iter().zip(x))
-            .for_each(|(o, (&c, &x))| *o = pick(c, x, y)),
-        (Src::Slice(c), Src::Slice(x), Src::Slice(y)) => dst
-            .iter_mut()
-            .zip(c.iter().zip(x.iter().zip(y)))
-            .for_each(|(o, (&c, (&x, &y)))| *o = pick(c, x, y)),
-        (Src::Slice(c), Src::Scalar(x), Src::Scalar(y)) => {
-            dst.iter_mut().zip(c).for_each(|(o, &c)| *o = pick(c, x, y))
-        }
-    })
+    )
 }
 
 /// `dst = f(a)` as one tight loop per op.
 fn unary(op: UnaryOp, a: Src, dst: &mut [f32]) {
     #[inline(always)]
     fn map(a: Src, dst: &mut [f32], f: impl Fn(f32) -> f32) {
-        crate::isa::dispatch(#[inline(always)] || match a {
-            Src::Slice(v) => dst.iter_mut().zip(v).for_each(|(o, &x)| *o = f(x)),
-            Src::Scalar(x) => dst.fill(f(x)),
-        })
+        crate::isa::dispatch(
+            #[inline(always)]
+            || match a {
+                Src::Slice(v) => dst.iter_mut().zip(v).for_each(|(o, &x)| *o = f(x)),
+                Src::Scalar(x) => dst.fill(f(x)),
+            },
+        )
     }
     match op {
         UnaryOp::Neg => map(a, dst, |x| -x),
@@ -470,19 +482,22 @@ fn unary(op: UnaryOp, a: Src, dst: &mut [f32]) {
 fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
     #[inline(always)]
     fn zip(a: Src, b: Src, dst: &mut [f32], f: impl Fn(f32, f32) -> f32) {
-        crate::isa::dispatch(#[inline(always)] || match (a, b) {
-            (Src::Slice(x), Src::Slice(y)) => dst
-                .iter_mut()
-                .zip(x.iter().zip(y))
-                .for_each(|(o, (&x, &y))| *o = f(x, y)),
-            (Src::Slice(x), Src::Scalar(y)) => {
-                dst.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, y))
-            }
-            (Src::Scalar(x), Src::Slice(y)) => {
-                dst.iter_mut().zip(y).for_each(|(o, &y)| *o = f(x, y))
-            }
-            (Src::Scalar(x), Src::Scalar(y)) => dst.fill(f(x, y)),
-        })
+        crate::isa::dispatch(
+            #[inline(always)]
+            || match (a, b) {
+                (Src::Slice(x), Src::Slice(y)) => dst
+                    .iter_mut()
+                    .zip(x.iter().zip(y))
+                    .for_each(|(o, (&x, &y))| *o = f(x, y)),
+                (Src::Slice(x), Src::Scalar(y)) => {
+                    dst.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, y))
+                }
+                (Src::Scalar(x), Src::Slice(y)) => {
+                    dst.iter_mut().zip(y).for_each(|(o, &y)| *o = f(x, y))
+                }
+                (Src::Scalar(x), Src::Scalar(y)) => dst.fill(f(x, y)),
+            },
+        )
     }
     let mask = |v: bool| if v { 1.0 } else { 0.0 };
     match op {

@@ -15,16 +15,27 @@ pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32])
     }
     if inner == 1 {
         // The usual case: contiguous rows, in place in the output, rows split across threads.
-        let row = crate::isa::inlined(#[inline(always)] |(o, r): (&mut [f32], &[f32])| {
-            o.copy_from_slice(r);
-            softmax_row(o, log);
-        });
+        let row = crate::isa::inlined(
+            #[inline(always)]
+            |(o, r): (&mut [f32], &[f32])| {
+                o.copy_from_slice(r);
+                softmax_row(o, log);
+            },
+        );
         if out.len() >= PAR_MIN {
             out.par_chunks_mut(len)
                 .zip(x.par_chunks(len))
-                .for_each(|r| crate::isa::dispatch(#[inline(always)] || row(r)));
+                .for_each(|r| {
+                    crate::isa::dispatch(
+                        #[inline(always)]
+                        || row(r),
+                    )
+                });
         } else {
-            crate::isa::dispatch(#[inline(always)] || out.chunks_mut(len).zip(x.chunks(len)).for_each(row));
+            crate::isa::dispatch(
+                #[inline(always)]
+                || out.chunks_mut(len).zip(x.chunks(len)).for_each(row),
+            );
         }
         return;
     }
@@ -107,21 +118,32 @@ fn counted(labels: &[i32], classes: usize) -> Result<usize> {
 pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32> {
     let c = ld[1];
     let n = counted(labels, c)?;
-    let row_loss = crate::isa::inlined(#[inline(always)] |(row, &y): (&[f32], &i32)| -> f64 {
-        if y == IGNORE_LABEL {
-            return 0.0;
-        }
-        let max = math::max(row);
-        (max + logsumexp_shifted(row, max).ln() - row[y as usize]) as f64
-    });
+    let row_loss = crate::isa::inlined(
+        #[inline(always)]
+        |(row, &y): (&[f32], &i32)| -> f64 {
+            if y == IGNORE_LABEL {
+                return 0.0;
+            }
+            let max = math::max(row);
+            (max + logsumexp_shifted(row, max).ln() - row[y as usize]) as f64
+        },
+    );
     let total: f64 = if logits.len() >= PAR_MIN {
         logits
             .par_chunks(c)
             .zip(labels.par_iter())
-            .map(|r| crate::isa::dispatch(#[inline(always)] || row_loss(r)))
+            .map(|r| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || row_loss(r),
+                )
+            })
             .sum()
     } else {
-        crate::isa::dispatch(#[inline(always)] || logits.chunks(c).zip(labels).map(row_loss).sum())
+        crate::isa::dispatch(
+            #[inline(always)]
+            || logits.chunks(c).zip(labels).map(row_loss).sum(),
+        )
     };
     if n == 0 {
         return Ok(f32::NAN); // the mean over no rows, as numpy and PyTorch give
@@ -141,30 +163,41 @@ pub fn cross_entropy_grad(
     let c = ld[1];
     let n = counted(labels, c)?;
     let scale = g / n.max(1) as f32;
-    let row = crate::isa::inlined(#[inline(always)] |((row, o), &y): ((&[f32], &mut [f32]), &i32)| {
-        if y == IGNORE_LABEL {
-            o.fill(0.0);
-            return;
-        }
-        o.copy_from_slice(row);
-        softmax_row(o, false);
-        o[y as usize] -= 1.0;
-        o.iter_mut().for_each(|v| *v *= scale);
-    });
+    let row = crate::isa::inlined(
+        #[inline(always)]
+        |((row, o), &y): ((&[f32], &mut [f32]), &i32)| {
+            if y == IGNORE_LABEL {
+                o.fill(0.0);
+                return;
+            }
+            o.copy_from_slice(row);
+            softmax_row(o, false);
+            o[y as usize] -= 1.0;
+            o.iter_mut().for_each(|v| *v *= scale);
+        },
+    );
     if out.len() >= PAR_MIN {
         logits
             .par_chunks(c)
             .zip(out.par_chunks_mut(c))
             .zip(labels.par_iter())
-            .for_each(|r| crate::isa::dispatch(#[inline(always)] || row(r)));
+            .for_each(|r| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || row(r),
+                )
+            });
     } else {
-        crate::isa::dispatch(#[inline(always)] || {
-            logits
-                .chunks(c)
-                .zip(out.chunks_mut(c))
-                .zip(labels)
-                .for_each(row)
-        });
+        crate::isa::dispatch(
+            #[inline(always)]
+            || {
+                logits
+                    .chunks(c)
+                    .zip(out.chunks_mut(c))
+                    .zip(labels)
+                    .for_each(row)
+            },
+        );
     }
     Ok(())
 }
@@ -243,18 +276,29 @@ fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
 /// `(x - mean) * rstd` per row of the last axis.
 #[inline(always)]
 pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
-    let row = crate::isa::inlined(#[inline(always)] |(row, o): (&[f32], &mut [f32])| {
-        let (mean, rstd) = row_stats(row, eps);
-        row.iter()
-            .zip(o.iter_mut())
-            .for_each(|(v, o)| *o = (v - mean) * rstd);
-    });
+    let row = crate::isa::inlined(
+        #[inline(always)]
+        |(row, o): (&[f32], &mut [f32])| {
+            let (mean, rstd) = row_stats(row, eps);
+            row.iter()
+                .zip(o.iter_mut())
+                .for_each(|(v, o)| *o = (v - mean) * rstd);
+        },
+    );
     if out.len() >= PAR_MIN {
         x.par_chunks(width)
             .zip(out.par_chunks_mut(width))
-            .for_each(|r| crate::isa::dispatch(#[inline(always)] || row(r)));
+            .for_each(|r| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || row(r),
+                )
+            });
     } else {
-        crate::isa::dispatch(#[inline(always)] || x.chunks(width).zip(out.chunks_mut(width)).for_each(row));
+        crate::isa::dispatch(
+            #[inline(always)]
+            || x.chunks(width).zip(out.chunks_mut(width)).for_each(row),
+        );
     }
 }
 
@@ -278,34 +322,45 @@ pub fn normalize_grad_add(
     out: &mut [f32],
 ) {
     let n = width as f32;
-    let row = crate::isa::inlined(#[inline(always)] |(i, ((row, gr), o)): Row| {
-        let (mean, rstd) = row_stats(row, eps);
-        // o holds xhat * g first, to sum it vectorised.
-        for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
-            *o = gv * (v - mean) * rstd;
-        }
-        let (mg, mgx) = (math::sum(gr) / n, math::sum(o) / n);
-        for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
-            *o = rstd * (gv - mg - (v - mean) * rstd * mgx);
-        }
-        if let Some(acc) = acc {
-            let a = &acc[i * width..(i + 1) * width];
-            o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
-        }
-    });
+    let row = crate::isa::inlined(
+        #[inline(always)]
+        |(i, ((row, gr), o)): Row| {
+            let (mean, rstd) = row_stats(row, eps);
+            // o holds xhat * g first, to sum it vectorised.
+            for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
+                *o = gv * (v - mean) * rstd;
+            }
+            let (mg, mgx) = (math::sum(gr) / n, math::sum(o) / n);
+            for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
+                *o = rstd * (gv - mg - (v - mean) * rstd * mgx);
+            }
+            if let Some(acc) = acc {
+                let a = &acc[i * width..(i + 1) * width];
+                o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
+            }
+        },
+    );
     if out.len() >= PAR_MIN {
         x.par_chunks(width)
             .zip(g.par_chunks(width))
             .zip(out.par_chunks_mut(width))
             .enumerate()
-            .for_each(|r| crate::isa::dispatch(#[inline(always)] || row(r)));
+            .for_each(|r| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || row(r),
+                )
+            });
     } else {
-        crate::isa::dispatch(#[inline(always)] || {
-            x.chunks(width)
-                .zip(g.chunks(width))
-                .zip(out.chunks_mut(width))
-                .enumerate()
-                .for_each(row)
-        });
+        crate::isa::dispatch(
+            #[inline(always)]
+            || {
+                x.chunks(width)
+                    .zip(g.chunks(width))
+                    .zip(out.chunks_mut(width))
+                    .enumerate()
+                    .for_each(row)
+            },
+        );
     }
 }
