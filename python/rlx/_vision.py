@@ -81,12 +81,15 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
         if b is not None:
             y = y + b.reshape(o, 1)
         return y.reshape(n, o, ho, wo)
-    # Small images: all patches times the weight as one tall GEMM (and one for the patch
-    # gradient), then one transpose to NCHW.
-    y = _matmul_nt(cols, w2)
+    # Small images: all patches of the batch as one 2-D (N*Ho*Wo, K) matrix times the weight:
+    # one tall GEMM forward, one for the patch gradient and one (K = N*Ho*Wo) for the weight
+    # gradient (a batched product would make that a GEMM per image plus a sum over the batch);
+    # then one transpose to NCHW.
+    k = c * kh * kw
+    y = _matmul_nt(cols.reshape(n * ho * wo, k), w2)
     if b is not None:
         y = y + b
-    return y.transpose(0, 2, 1).reshape(n, o, ho, wo)
+    return y.reshape(n, ho * wo, o).transpose(0, 2, 1).reshape(n, o, ho, wo)
 
 
 def _pool(op: str, x: Any, kernel_size: Any, stride: Any, padding: Any) -> Tensor:

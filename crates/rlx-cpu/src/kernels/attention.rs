@@ -94,29 +94,27 @@ impl Geometry {
 }
 
 /// `p (l x s)` = softmax over each row of `p * scale` with the causal mask; masked entries 0,
-/// rows that see no key NaN.
+/// rows that see no key NaN. Each row's passes run 8 lanes wide with the CPU's instruction set.
 fn softmax_rows(g: &Geometry, p: &mut [f32]) {
-    for (i, row) in p.chunks_mut(g.s).enumerate() {
-        let vis = g.visible(i);
-        if vis == 0 {
-            row.fill(f32::NAN);
-            continue;
-        }
-        let (seen, hidden) = row.split_at_mut(vis);
-        let mut max = f32::NEG_INFINITY;
-        for x in seen.iter_mut() {
-            *x *= g.scale;
-            max = max.max(*x);
-        }
-        let mut sum = 0.0;
-        for x in seen.iter_mut() {
-            *x = math::exp(*x - max);
-            sum += *x;
-        }
-        let inv = 1.0 / sum;
-        seen.iter_mut().for_each(|x| *x *= inv);
-        hidden.fill(0.0);
-    }
+    crate::isa::dispatch(
+        #[inline(always)]
+        || {
+            for (i, row) in p.chunks_mut(g.s).enumerate() {
+                let vis = g.visible(i);
+                if vis == 0 {
+                    row.fill(f32::NAN);
+                    continue;
+                }
+                let (seen, hidden) = row.split_at_mut(vis);
+                seen.iter_mut().for_each(|x| *x *= g.scale);
+                let max = math::max(seen);
+                seen.iter_mut().for_each(|x| *x = math::exp(*x - max));
+                let inv = 1.0 / math::sum(seen);
+                seen.iter_mut().for_each(|x| *x *= inv);
+                hidden.fill(0.0);
+            }
+        },
+    )
 }
 
 /// The probabilities of one block into `p`.

@@ -19,18 +19,24 @@ fn planes(out: &mut [f32], plane: usize, body: impl Fn(usize, &mut [f32]) + Sync
         out.par_chunks_mut(per * plane)
             .enumerate()
             .for_each(|(c, run)| {
-                crate::isa::dispatch(|| {
-                    run.chunks_mut(plane)
-                        .enumerate()
-                        .for_each(|(i, o)| body(c * per + i, o))
-                })
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || {
+                        run.chunks_mut(plane)
+                            .enumerate()
+                            .for_each(|(i, o)| body(c * per + i, o))
+                    },
+                )
             });
     } else {
-        crate::isa::dispatch(|| {
-            out.chunks_mut(plane)
-                .enumerate()
-                .for_each(|(i, o)| body(i, o))
-        });
+        crate::isa::dispatch(
+            #[inline(always)]
+            || {
+                out.chunks_mut(plane)
+                    .enumerate()
+                    .for_each(|(i, o)| body(i, o))
+            },
+        );
     }
 }
 
@@ -70,23 +76,28 @@ pub fn im2col(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
         .map(|ox| span(ox, kw, w.stride[1], w.padding[1], wd))
         .collect();
     // One task unit: the patches of one output row (n, oy).
-    planes(out, ow * k, |row, o| {
-        let (n, oy) = (row / oh, row % oh);
-        let img = &x[n * c * h * wd..(n + 1) * c * h * wd];
-        let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
-        for (dst, &(jlo, jhi, ix0)) in o.chunks_exact_mut(k).zip(&rxs) {
-            if ihi - ilo < kh || jhi - jlo < kw {
-                dst.fill(0.0);
-            }
-            for ch in 0..c {
-                for i in ilo..ihi {
-                    let line = (ch * h + iy0 + i - ilo) * wd + ix0;
-                    let d = (ch * kh + i) * kw;
-                    copy_short(&mut dst[d + jlo..d + jhi], &img[line..line + jhi - jlo]);
+    planes(
+        out,
+        ow * k,
+        #[inline(always)]
+        |row, o| {
+            let (n, oy) = (row / oh, row % oh);
+            let img = &x[n * c * h * wd..(n + 1) * c * h * wd];
+            let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
+            for (dst, &(jlo, jhi, ix0)) in o.chunks_exact_mut(k).zip(&rxs) {
+                if ihi - ilo < kh || jhi - jlo < kw {
+                    dst.fill(0.0);
+                }
+                for ch in 0..c {
+                    for i in ilo..ihi {
+                        let line = (ch * h + iy0 + i - ilo) * wd + ix0;
+                        let d = (ch * kh + i) * kw;
+                        copy_short(&mut dst[d + jlo..d + jhi], &img[line..line + jhi - jlo]);
+                    }
                 }
             }
-        }
-    });
+        },
+    );
 }
 
 /// Patches `[N, Ho*Wo, C*kh*kw]` summed back into an image `[N, C, H, W]` (dims `od`).
@@ -98,23 +109,28 @@ pub fn col2im(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
     let rxs: Vec<_> = (0..ow)
         .map(|ox| span(ox, kw, w.stride[1], w.padding[1], wd))
         .collect();
-    planes(out, c * h * wd, |n, img| {
-        img.fill(0.0);
-        let patches = &cols[n * oh * ow * k..(n + 1) * oh * ow * k];
-        for oy in 0..oh {
-            let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
-            for (ox, &(jlo, jhi, ix0)) in rxs.iter().enumerate() {
-                let src = &patches[(oy * ow + ox) * k..(oy * ow + ox + 1) * k];
-                for ch in 0..c {
-                    for i in ilo..ihi {
-                        let line = (ch * h + iy0 + i - ilo) * wd + ix0;
-                        let d = (ch * kh + i) * kw;
-                        add_short(&mut img[line..line + jhi - jlo], &src[d + jlo..d + jhi]);
+    planes(
+        out,
+        c * h * wd,
+        #[inline(always)]
+        |n, img| {
+            img.fill(0.0);
+            let patches = &cols[n * oh * ow * k..(n + 1) * oh * ow * k];
+            for oy in 0..oh {
+                let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
+                for (ox, &(jlo, jhi, ix0)) in rxs.iter().enumerate() {
+                    let src = &patches[(oy * ow + ox) * k..(oy * ow + ox + 1) * k];
+                    for ch in 0..c {
+                        for i in ilo..ihi {
+                            let line = (ch * h + iy0 + i - ilo) * wd + ix0;
+                            let d = (ch * kh + i) * kw;
+                            add_short(&mut img[line..line + jhi - jlo], &src[d + jlo..d + jhi]);
+                        }
                     }
                 }
             }
-        }
-    });
+        },
+    );
 }
 
 /// The kernel offsets `[lo, hi)` of output position `o` that land inside `0..size`, and the
@@ -177,59 +193,74 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
         let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
         let nan_max = |a: f32, b: f32| if a > b || a.is_nan() { a } else { b };
         if [kh, kw, sh, sw] == [2, 2, 2, 2] {
-            planes(out, oh * ow, |nc, o| {
-                let img = &x[nc * h * wd..(nc + 1) * h * wd];
-                for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
-                    let i0 = &img[2 * y * wd..2 * y * wd + 2 * ow];
-                    let i1 = &img[(2 * y + 1) * wd..(2 * y + 1) * wd + 2 * ow];
-                    for ((m, p), q) in orow
-                        .iter_mut()
-                        .zip(i0.chunks_exact(2))
-                        .zip(i1.chunks_exact(2))
-                    {
-                        *m = nan_max(nan_max(p[0], p[1]), nan_max(q[0], q[1]));
+            planes(
+                out,
+                oh * ow,
+                #[inline(always)]
+                |nc, o| {
+                    let img = &x[nc * h * wd..(nc + 1) * h * wd];
+                    for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
+                        let i0 = &img[2 * y * wd..2 * y * wd + 2 * ow];
+                        let i1 = &img[(2 * y + 1) * wd..(2 * y + 1) * wd + 2 * ow];
+                        for ((m, p), q) in orow
+                            .iter_mut()
+                            .zip(i0.chunks_exact(2))
+                            .zip(i1.chunks_exact(2))
+                        {
+                            *m = nan_max(nan_max(p[0], p[1]), nan_max(q[0], q[1]));
+                        }
                     }
-                }
-            });
+                },
+            );
             return;
         }
-        planes(out, oh * ow, |nc, o| {
-            let img = &x[nc * h * wd..(nc + 1) * h * wd];
-            for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
-                orow.fill(f32::NEG_INFINITY);
-                for i in 0..kh {
-                    let line = &img[(y * sh + i) * wd..(y * sh + i + 1) * wd];
-                    for j in 0..kw {
-                        // Column j of every window of this row: a strided walk with a
-                        // branch-free select (random data would mispredict a branch half the
-                        // time).
-                        for (m, &v) in orow.iter_mut().zip(line[j..].iter().step_by(sw)) {
-                            *m = if v > *m || v.is_nan() { v } else { *m };
+        planes(
+            out,
+            oh * ow,
+            #[inline(always)]
+            |nc, o| {
+                let img = &x[nc * h * wd..(nc + 1) * h * wd];
+                for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
+                    orow.fill(f32::NEG_INFINITY);
+                    for i in 0..kh {
+                        let line = &img[(y * sh + i) * wd..(y * sh + i + 1) * wd];
+                        for j in 0..kw {
+                            // Column j of every window of this row: a strided walk with a
+                            // branch-free select (random data would mispredict a branch half the
+                            // time).
+                            for (m, &v) in orow.iter_mut().zip(line[j..].iter().step_by(sw)) {
+                                *m = if v > *m || v.is_nan() { v } else { *m };
+                            }
                         }
                     }
                 }
-            }
-        });
+            },
+        );
         return;
     }
-    planes(out, oh * ow, |nc, o| {
-        let img = &x[nc * h * wd..(nc + 1) * h * wd];
-        for y in 0..oh {
-            let ry = span(y, w.kernel[0], w.stride[0], w.padding[0], h);
-            for (xo, &rx) in rxs.iter().enumerate() {
-                o[y * ow + xo] = if max {
-                    argmax(img, wd, ry, rx).map_or(f32::NEG_INFINITY, |at| img[at])
-                } else {
-                    let mut s = 0.0;
-                    for i in 0..ry.1 - ry.0 {
-                        let line = (ry.2 + i) * wd + rx.2;
-                        s += img[line..line + rx.1 - rx.0].iter().sum::<f32>();
-                    }
-                    s * inv
-                };
+    planes(
+        out,
+        oh * ow,
+        #[inline(always)]
+        |nc, o| {
+            let img = &x[nc * h * wd..(nc + 1) * h * wd];
+            for y in 0..oh {
+                let ry = span(y, w.kernel[0], w.stride[0], w.padding[0], h);
+                for (xo, &rx) in rxs.iter().enumerate() {
+                    o[y * ow + xo] = if max {
+                        argmax(img, wd, ry, rx).map_or(f32::NEG_INFINITY, |at| img[at])
+                    } else {
+                        let mut s = 0.0;
+                        for i in 0..ry.1 - ry.0 {
+                            let line = (ry.2 + i) * wd + rx.2;
+                            s += img[line..line + rx.1 - rx.0].iter().sum::<f32>();
+                        }
+                        s * inv
+                    };
+                }
             }
-        }
-    });
+        },
+    );
 }
 
 /// The VJP of `pool2d` w.r.t. x: `g` `[N, C, Ho, Wo]` into `[N, C, H, W]`.
@@ -243,91 +274,107 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
     if max && w.padding == [0, 0] {
         let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
         if [kh, kw, sh, sw] == [2, 2, 2, 2] {
-            planes(out, h * wd, |nc, gx| {
-                let img = &x[nc * h * wd..(nc + 1) * h * wd];
-                let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
-                gx.fill(0.0); // rows / columns past the last window (odd sizes) stay 0
-                for y in 0..oh {
-                    let (r0, r1) = (2 * y * wd, (2 * y + 1) * wd);
-                    let (i0, i1) = (&img[r0..r0 + 2 * ow], &img[r1..r1 + 2 * ow]);
-                    let (o0, o1) = gx.split_at_mut(r1);
-                    let (o0, o1) = (&mut o0[r0..r0 + 2 * ow], &mut o1[..2 * ow]);
-                    let gr = &gp[y * ow..(y + 1) * ow];
-                    for ((((a, b), (c, d)), gv), ((oa, ob), (oc, od))) in i0
-                        .chunks_exact(2)
-                        .map(|p| (p[0], p[1]))
-                        .zip(i1.chunks_exact(2).map(|p| (p[0], p[1])))
-                        .zip(gr)
-                        .zip(
-                            o0.chunks_exact_mut(2)
-                                .map(|p| p.split_at_mut(1))
-                                .zip(o1.chunks_exact_mut(2).map(|p| p.split_at_mut(1))),
-                        )
-                    {
-                        // The first maximum (or first NaN) of (a, b, c, d), branch-free.
-                        let beats = |v: f32, best: f32| v > best || (v.is_nan() && !best.is_nan());
-                        let mut k = 0u8;
-                        let mut best = a;
-                        for (i, v) in [(1u8, b), (2, c), (3, d)] {
-                            let t = beats(v, best);
-                            k = if t { i } else { k };
-                            best = if t { v } else { best };
+            planes(
+                out,
+                h * wd,
+                #[inline(always)]
+                |nc, gx| {
+                    let img = &x[nc * h * wd..(nc + 1) * h * wd];
+                    let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
+                    gx.fill(0.0); // rows / columns past the last window (odd sizes) stay 0
+                    for y in 0..oh {
+                        let (r0, r1) = (2 * y * wd, (2 * y + 1) * wd);
+                        let (i0, i1) = (&img[r0..r0 + 2 * ow], &img[r1..r1 + 2 * ow]);
+                        let (o0, o1) = gx.split_at_mut(r1);
+                        let (o0, o1) = (&mut o0[r0..r0 + 2 * ow], &mut o1[..2 * ow]);
+                        let gr = &gp[y * ow..(y + 1) * ow];
+                        for ((((a, b), (c, d)), gv), ((oa, ob), (oc, od))) in i0
+                            .chunks_exact(2)
+                            .map(|p| (p[0], p[1]))
+                            .zip(i1.chunks_exact(2).map(|p| (p[0], p[1])))
+                            .zip(gr)
+                            .zip(
+                                o0.chunks_exact_mut(2)
+                                    .map(|p| p.split_at_mut(1))
+                                    .zip(o1.chunks_exact_mut(2).map(|p| p.split_at_mut(1))),
+                            )
+                        {
+                            // The first maximum (or first NaN) of (a, b, c, d), branch-free.
+                            let beats =
+                                |v: f32, best: f32| v > best || (v.is_nan() && !best.is_nan());
+                            let mut k = 0u8;
+                            let mut best = a;
+                            for (i, v) in [(1u8, b), (2, c), (3, d)] {
+                                let t = beats(v, best);
+                                k = if t { i } else { k };
+                                best = if t { v } else { best };
+                            }
+                            oa[0] = if k == 0 { *gv } else { 0.0 };
+                            ob[0] = if k == 1 { *gv } else { 0.0 };
+                            oc[0] = if k == 2 { *gv } else { 0.0 };
+                            od[0] = if k == 3 { *gv } else { 0.0 };
                         }
-                        oa[0] = if k == 0 { *gv } else { 0.0 };
-                        ob[0] = if k == 1 { *gv } else { 0.0 };
-                        oc[0] = if k == 2 { *gv } else { 0.0 };
-                        od[0] = if k == 3 { *gv } else { 0.0 };
                     }
-                }
-            });
+                },
+            );
             return;
         }
-        planes(out, h * wd, |nc, gx| {
+        planes(
+            out,
+            h * wd,
+            #[inline(always)]
+            |nc, gx| {
+                gx.fill(0.0);
+                let img = &x[nc * h * wd..(nc + 1) * h * wd];
+                let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
+                for y in 0..oh {
+                    for xo in 0..ow {
+                        let base = y * sh * wd + xo * sw;
+                        let (mut at, mut best) = (base, img[base]);
+                        for i in 0..kh {
+                            for j in 0..kw {
+                                let v = img[base + i * wd + j];
+                                // The first maximum, or the first NaN (then kept): branch-free.
+                                let take = v > best || (v.is_nan() && !best.is_nan());
+                                at = if take { base + i * wd + j } else { at };
+                                best = if take { v } else { best };
+                            }
+                        }
+                        gx[at] += gp[y * ow + xo];
+                    }
+                }
+            },
+        );
+        return;
+    }
+    planes(
+        out,
+        h * wd,
+        #[inline(always)]
+        |nc, gx| {
             gx.fill(0.0);
             let img = &x[nc * h * wd..(nc + 1) * h * wd];
             let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
             for y in 0..oh {
-                for xo in 0..ow {
-                    let base = y * sh * wd + xo * sw;
-                    let (mut at, mut best) = (base, img[base]);
-                    for i in 0..kh {
-                        for j in 0..kw {
-                            let v = img[base + i * wd + j];
-                            // The first maximum, or the first NaN (then kept): branch-free.
-                            let take = v > best || (v.is_nan() && !best.is_nan());
-                            at = if take { base + i * wd + j } else { at };
-                            best = if take { v } else { best };
+                let ry = span(y, w.kernel[0], w.stride[0], w.padding[0], h);
+                for (xo, &rx) in rxs.iter().enumerate() {
+                    let gv = gp[y * ow + xo];
+                    if max {
+                        if let Some(at) = argmax(img, wd, ry, rx) {
+                            gx[at] += gv;
                         }
+                        continue;
                     }
-                    gx[at] += gp[y * ow + xo];
+                    for i in 0..ry.1 - ry.0 {
+                        let line = (ry.2 + i) * wd + rx.2;
+                        gx[line..line + rx.1 - rx.0]
+                            .iter_mut()
+                            .for_each(|v| *v += gv * inv);
+                    }
                 }
             }
-        });
-        return;
-    }
-    planes(out, h * wd, |nc, gx| {
-        gx.fill(0.0);
-        let img = &x[nc * h * wd..(nc + 1) * h * wd];
-        let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
-        for y in 0..oh {
-            let ry = span(y, w.kernel[0], w.stride[0], w.padding[0], h);
-            for (xo, &rx) in rxs.iter().enumerate() {
-                let gv = gp[y * ow + xo];
-                if max {
-                    if let Some(at) = argmax(img, wd, ry, rx) {
-                        gx[at] += gv;
-                    }
-                    continue;
-                }
-                for i in 0..ry.1 - ry.0 {
-                    let line = (ry.2 + i) * wd + rx.2;
-                    gx[line..line + rx.1 - rx.0]
-                        .iter_mut()
-                        .for_each(|v| *v += gv * inv);
-                }
-            }
-        }
-    });
+        },
+    );
 }
 
 /// `x * keep / (1 - p)` with the mask of [`rlx_ir::dropout_keep`].

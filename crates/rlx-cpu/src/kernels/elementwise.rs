@@ -253,37 +253,43 @@ fn zip_with<A: Copy + Sync, B: Copy + Sync, O: Send>(
     f: impl Fn(A, B) -> O + Sync,
 ) {
     let (sa, sb) = (Strided::broadcast(ash, od), Strided::broadcast(bsh, od));
-    map_rows(out, od, &[&sa, &sb], |row, st, sp| {
-        let n = row.len();
-        match (sp[0], sp[1]) {
-            (1, 1) => {
-                for ((o, &x), &y) in row
-                    .iter_mut()
-                    .zip(&a[st[0]..st[0] + n])
-                    .zip(&b[st[1]..st[1] + n])
-                {
-                    *o = f(x, y);
+    map_rows(
+        out,
+        od,
+        &[&sa, &sb],
+        #[inline(always)]
+        |row, st, sp| {
+            let n = row.len();
+            match (sp[0], sp[1]) {
+                (1, 1) => {
+                    for ((o, &x), &y) in row
+                        .iter_mut()
+                        .zip(&a[st[0]..st[0] + n])
+                        .zip(&b[st[1]..st[1] + n])
+                    {
+                        *o = f(x, y);
+                    }
+                }
+                (1, 0) => {
+                    let y = b[st[1]];
+                    for (o, &x) in row.iter_mut().zip(&a[st[0]..st[0] + n]) {
+                        *o = f(x, y);
+                    }
+                }
+                (0, 1) => {
+                    let x = a[st[0]];
+                    for (o, &y) in row.iter_mut().zip(&b[st[1]..st[1] + n]) {
+                        *o = f(x, y);
+                    }
+                }
+                (pa, pb) => {
+                    for (i, o) in row.iter_mut().enumerate() {
+                        *o = f(a[st[0] + i * pa], b[st[1] + i * pb]);
+                    }
                 }
             }
-            (1, 0) => {
-                let y = b[st[1]];
-                for (o, &x) in row.iter_mut().zip(&a[st[0]..st[0] + n]) {
-                    *o = f(x, y);
-                }
-            }
-            (0, 1) => {
-                let x = a[st[0]];
-                for (o, &y) in row.iter_mut().zip(&b[st[1]..st[1] + n]) {
-                    *o = f(x, y);
-                }
-            }
-            (pa, pb) => {
-                for (i, o) in row.iter_mut().enumerate() {
-                    *o = f(a[st[0] + i * pa], b[st[1] + i * pb]);
-                }
-            }
-        }
-    });
+        },
+    );
 }
 
 /// `out = cond != 0 ? a : b`, all broadcast.
@@ -304,40 +310,46 @@ pub fn select<T: Copy + Send + Sync>(
         Strided::broadcast(ash, od),
         Strided::broadcast(bsh, od),
     );
-    map_rows(out, od, &[&sc, &sa, &sb], |row, st, sp| {
-        let n = row.len();
-        match (sp[0], sp[1], sp[2]) {
-            // The causal-mask pattern: contiguous condition and values, a scalar fill.
-            (1, 1, 0) => {
-                let fill = b[st[2]];
-                for ((o, &m), &v) in row
-                    .iter_mut()
-                    .zip(&c[st[0]..st[0] + n])
-                    .zip(&a[st[1]..st[1] + n])
-                {
-                    *o = if m != 0.0 { v } else { fill };
+    map_rows(
+        out,
+        od,
+        &[&sc, &sa, &sb],
+        #[inline(always)]
+        |row, st, sp| {
+            let n = row.len();
+            match (sp[0], sp[1], sp[2]) {
+                // The causal-mask pattern: contiguous condition and values, a scalar fill.
+                (1, 1, 0) => {
+                    let fill = b[st[2]];
+                    for ((o, &m), &v) in row
+                        .iter_mut()
+                        .zip(&c[st[0]..st[0] + n])
+                        .zip(&a[st[1]..st[1] + n])
+                    {
+                        *o = if m != 0.0 { v } else { fill };
+                    }
+                }
+                (1, 1, 1) => {
+                    let rows = c[st[0]..st[0] + n]
+                        .iter()
+                        .zip(&a[st[1]..st[1] + n])
+                        .zip(&b[st[2]..st[2] + n]);
+                    for (o, ((&m, &x), &y)) in row.iter_mut().zip(rows) {
+                        *o = if m != 0.0 { x } else { y };
+                    }
+                }
+                (pc, pa, pb) => {
+                    for (i, o) in row.iter_mut().enumerate() {
+                        *o = if c[st[0] + i * pc] != 0.0 {
+                            a[st[1] + i * pa]
+                        } else {
+                            b[st[2] + i * pb]
+                        };
+                    }
                 }
             }
-            (1, 1, 1) => {
-                let rows = c[st[0]..st[0] + n]
-                    .iter()
-                    .zip(&a[st[1]..st[1] + n])
-                    .zip(&b[st[2]..st[2] + n]);
-                for (o, ((&m, &x), &y)) in row.iter_mut().zip(rows) {
-                    *o = if m != 0.0 { x } else { y };
-                }
-            }
-            (pc, pa, pb) => {
-                for (i, o) in row.iter_mut().enumerate() {
-                    *o = if c[st[0] + i * pc] != 0.0 {
-                        a[st[1] + i * pa]
-                    } else {
-                        b[st[2] + i * pb]
-                    };
-                }
-            }
-        }
-    });
+        },
+    );
 }
 
 #[cfg(test)]

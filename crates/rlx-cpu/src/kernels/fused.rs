@@ -153,6 +153,11 @@ pub fn matmul_epilogue(
     });
 }
 
+thread_local! {
+    /// A fused sum's whole expression, when it is evaluated before summing.
+    static WHOLE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
 /// Rows of one block of a fused sum (each block is evaluated, then added into a partial sum).
 const SUM_BLOCK: usize = 16 * 1024;
 
@@ -182,9 +187,15 @@ pub fn fused_sum_to(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32], od: 
                         .all(|(a, b)| a == b))
         });
     if !rows_sum {
-        let mut whole = vec![0.0; total];
-        fused(f, ins, &mut whole);
-        return super::reduce::sum_to(&whole, xd, out, od);
+        // A per-thread scratch, not a fresh allocation per call (large ones are fresh pages).
+        return WHOLE.with(|w| {
+            let mut w = w.borrow_mut();
+            if w.len() < total {
+                w.resize(total, 0.0);
+            }
+            fused(f, ins, &mut w[..total]);
+            super::reduce::sum_to(&w[..total], xd, out, od)
+        });
     }
     let rows = total / n;
     let block_rows = (SUM_BLOCK / n).clamp(1, rows);
@@ -261,34 +272,114 @@ fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [
     }
     let strided: Vec<Strided> = ins.iter().map(|(_, d)| Strided::broadcast(d, od)).collect();
     let refs: Vec<&Strided> = strided.iter().collect();
-    map_rows(out, od, &refs, |row, starts, steps| {
-        // Inputs walked with a stride (rare: a transposed broadcast) are gathered per tile.
-        let mut gathered: Vec<Vec<f32>> = Vec::new();
-        if steps.iter().any(|&s| s > 1) {
-            gathered.resize(ins.len(), Vec::new());
-        }
-        for t0 in (0..row.len()).step_by(TILE) {
-            let len = TILE.min(row.len() - t0);
-            for (i, (x, _)) in ins.iter().enumerate() {
-                if steps[i] > 1 {
+    let (cd, cs) = super::collapse(od, &refs);
+    if cd.last().is_some_and(|&row| 2 * row <= TILE) {
+        return row_groups(f, ins, out, &cd, &cs);
+    }
+    map_rows(
+        out,
+        od,
+        &refs,
+        #[inline(always)]
+        |row, starts, steps| {
+            // Inputs walked with a stride (rare: a transposed broadcast) are gathered per tile.
+            let mut gathered: Vec<Vec<f32>> = Vec::new();
+            if steps.iter().any(|&s| s > 1) {
+                gathered.resize(ins.len(), Vec::new());
+            }
+            for t0 in (0..row.len()).step_by(TILE) {
+                let len = TILE.min(row.len() - t0);
+                for (i, (x, _)) in ins.iter().enumerate() {
+                    if steps[i] > 1 {
+                        let at = starts[i] + t0 * steps[i];
+                        gathered[i].clear();
+                        gathered[i].extend((0..len).map(|j| x[at + j * steps[i]]));
+                    }
+                }
+                let mut srcs = [Src::Scalar(0.0); MAX_IN];
+                for (i, (s, (x, _))) in srcs.iter_mut().zip(ins).enumerate() {
                     let at = starts[i] + t0 * steps[i];
-                    gathered[i].clear();
-                    gathered[i].extend((0..len).map(|j| x[at + j * steps[i]]));
+                    *s = match steps[i] {
+                        0 => Src::Scalar(x[at]),
+                        1 => Src::Slice(&x[at..at + len]),
+                        _ => Src::Slice(&gathered[i]),
+                    };
+                }
+                let chunk = &mut row[t0..t0 + len];
+                with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
+            }
+        },
+    );
+}
+
+thread_local! {
+    /// `row_groups`' broadcast operands, expanded to one tile each.
+    static EXPANDED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `fused` over short rows (an NCHW tensor with per-channel operands: rows of H*W): each tile
+/// is a run of whole rows, and every operand that is neither full-size nor a scalar is expanded
+/// into a tile-sized buffer first, so the expression's per-tile cost is paid once per `TILE`
+/// elements rather than once per row. `cd`/`cs`: the output's collapsed dims and each operand's
+/// strides over them (`collapse`).
+fn row_groups(
+    f: &Fused,
+    ins: &[(&[f32], &[usize])],
+    out: &mut [f32],
+    cd: &[usize],
+    cs: &[Vec<usize>],
+) {
+    let total = out.len();
+    let row = cd[cd.len() - 1];
+    let outer = &cd[..cd.len() - 1];
+    let group = (TILE / row).max(1);
+    let tile = |(c, chunk): (usize, &mut [f32])| {
+        let (r0, len) = (c * group, chunk.len());
+        EXPANDED.with(|e| {
+            let mut e = e.borrow_mut();
+            if e.len() < ins.len() * TILE {
+                e.resize(ins.len() * TILE, 0.0);
+            }
+            for (i, (x, _)) in ins.iter().enumerate() {
+                if x.len() == total || x.len() == 1 {
+                    continue;
+                }
+                let step = cs[i][outer.len()];
+                let buf = &mut e[i * TILE..i * TILE + len];
+                for (k, seg) in buf.chunks_mut(row).enumerate() {
+                    let (mut rem, mut start) = (r0 + k, 0);
+                    for d in (0..outer.len()).rev() {
+                        start += (rem % outer[d]) * cs[i][d];
+                        rem /= outer[d];
+                    }
+                    match step {
+                        0 => seg.fill(x[start]),
+                        1 => seg.copy_from_slice(&x[start..start + row]),
+                        _ => seg
+                            .iter_mut()
+                            .enumerate()
+                            .for_each(|(j, v)| *v = x[start + j * step]),
+                    }
                 }
             }
             let mut srcs = [Src::Scalar(0.0); MAX_IN];
             for (i, (s, (x, _))) in srcs.iter_mut().zip(ins).enumerate() {
-                let at = starts[i] + t0 * steps[i];
-                *s = match steps[i] {
-                    0 => Src::Scalar(x[at]),
-                    1 => Src::Slice(&x[at..at + len]),
-                    _ => Src::Slice(&gathered[i]),
+                *s = if x.len() == total {
+                    Src::Slice(&x[r0 * row..r0 * row + len])
+                } else if x.len() == 1 {
+                    Src::Scalar(x[0])
+                } else {
+                    Src::Slice(&e[i * TILE..i * TILE + len])
                 };
             }
-            let chunk = &mut row[t0..t0 + len];
             with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
-        }
-    });
+        })
+    };
+    if total >= PAR_MIN {
+        out.par_chunks_mut(group * row).enumerate().for_each(tile);
+    } else {
+        out.chunks_mut(group * row).enumerate().for_each(tile);
+    }
 }
 
 fn with_scratch(f: &Fused, body: impl FnOnce(&mut [f32])) {
@@ -333,37 +424,43 @@ fn eval(f: &Fused, ins: &[Src], out: &mut [f32], scratch: &mut [f32]) {
 /// `dst = c != 0 ? x : y` as one tight (branch-free) loop per operand kind.
 fn select(c: Src, x: Src, y: Src, dst: &mut [f32]) {
     let pick = |c: f32, x: f32, y: f32| if c != 0.0 { x } else { y };
-    crate::isa::dispatch(|| match (c, x, y) {
-        (Src::Scalar(c), x, y) => match if c != 0.0 { x } else { y } {
-            Src::Slice(v) => dst.copy_from_slice(&v[..dst.len()]),
-            Src::Scalar(v) => dst.fill(v),
+    crate::isa::dispatch(
+        #[inline(always)]
+        || match (c, x, y) {
+            (Src::Scalar(c), x, y) => match if c != 0.0 { x } else { y } {
+                Src::Slice(v) => dst.copy_from_slice(&v[..dst.len()]),
+                Src::Scalar(v) => dst.fill(v),
+            },
+            (Src::Slice(c), Src::Scalar(x), Src::Slice(y)) => dst
+                .iter_mut()
+                .zip(c.iter().zip(y))
+                .for_each(|(o, (&c, &y))| *o = pick(c, x, y)),
+            (Src::Slice(c), Src::Slice(x), Src::Scalar(y)) => dst
+                .iter_mut()
+                .zip(c.iter().zip(x))
+                .for_each(|(o, (&c, &x))| *o = pick(c, x, y)),
+            (Src::Slice(c), Src::Slice(x), Src::Slice(y)) => dst
+                .iter_mut()
+                .zip(c.iter().zip(x.iter().zip(y)))
+                .for_each(|(o, (&c, (&x, &y)))| *o = pick(c, x, y)),
+            (Src::Slice(c), Src::Scalar(x), Src::Scalar(y)) => {
+                dst.iter_mut().zip(c).for_each(|(o, &c)| *o = pick(c, x, y))
+            }
         },
-        (Src::Slice(c), Src::Scalar(x), Src::Slice(y)) => dst
-            .iter_mut()
-            .zip(c.iter().zip(y))
-            .for_each(|(o, (&c, &y))| *o = pick(c, x, y)),
-        (Src::Slice(c), Src::Slice(x), Src::Scalar(y)) => dst
-            .iter_mut()
-            .zip(c.iter().zip(x))
-            .for_each(|(o, (&c, &x))| *o = pick(c, x, y)),
-        (Src::Slice(c), Src::Slice(x), Src::Slice(y)) => dst
-            .iter_mut()
-            .zip(c.iter().zip(x.iter().zip(y)))
-            .for_each(|(o, (&c, (&x, &y)))| *o = pick(c, x, y)),
-        (Src::Slice(c), Src::Scalar(x), Src::Scalar(y)) => {
-            dst.iter_mut().zip(c).for_each(|(o, &c)| *o = pick(c, x, y))
-        }
-    })
+    )
 }
 
 /// `dst = f(a)` as one tight loop per op.
 fn unary(op: UnaryOp, a: Src, dst: &mut [f32]) {
     #[inline(always)]
     fn map(a: Src, dst: &mut [f32], f: impl Fn(f32) -> f32) {
-        crate::isa::dispatch(|| match a {
-            Src::Slice(v) => dst.iter_mut().zip(v).for_each(|(o, &x)| *o = f(x)),
-            Src::Scalar(x) => dst.fill(f(x)),
-        })
+        crate::isa::dispatch(
+            #[inline(always)]
+            || match a {
+                Src::Slice(v) => dst.iter_mut().zip(v).for_each(|(o, &x)| *o = f(x)),
+                Src::Scalar(x) => dst.fill(f(x)),
+            },
+        )
     }
     match op {
         UnaryOp::Neg => map(a, dst, |x| -x),
@@ -386,19 +483,22 @@ fn unary(op: UnaryOp, a: Src, dst: &mut [f32]) {
 fn binary(op: BinaryOp, a: Src, b: Src, dst: &mut [f32]) {
     #[inline(always)]
     fn zip(a: Src, b: Src, dst: &mut [f32], f: impl Fn(f32, f32) -> f32) {
-        crate::isa::dispatch(|| match (a, b) {
-            (Src::Slice(x), Src::Slice(y)) => dst
-                .iter_mut()
-                .zip(x.iter().zip(y))
-                .for_each(|(o, (&x, &y))| *o = f(x, y)),
-            (Src::Slice(x), Src::Scalar(y)) => {
-                dst.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, y))
-            }
-            (Src::Scalar(x), Src::Slice(y)) => {
-                dst.iter_mut().zip(y).for_each(|(o, &y)| *o = f(x, y))
-            }
-            (Src::Scalar(x), Src::Scalar(y)) => dst.fill(f(x, y)),
-        })
+        crate::isa::dispatch(
+            #[inline(always)]
+            || match (a, b) {
+                (Src::Slice(x), Src::Slice(y)) => dst
+                    .iter_mut()
+                    .zip(x.iter().zip(y))
+                    .for_each(|(o, (&x, &y))| *o = f(x, y)),
+                (Src::Slice(x), Src::Scalar(y)) => {
+                    dst.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x, y))
+                }
+                (Src::Scalar(x), Src::Slice(y)) => {
+                    dst.iter_mut().zip(y).for_each(|(o, &y)| *o = f(x, y))
+                }
+                (Src::Scalar(x), Src::Scalar(y)) => dst.fill(f(x, y)),
+            },
+        )
     }
     let mask = |v: bool| if v { 1.0 } else { 0.0 };
     match op {
@@ -603,6 +703,40 @@ mod tests {
                     (*x as f64 - y).abs() <= 1e-3 * (1.0 + y.abs()),
                     "{xd:?} -> {od:?}: {x} vs {y}"
                 );
+            }
+        }
+    }
+
+    /// Short rows (per-channel operands of NCHW tensors) go through `row_groups`: against a
+    /// naive evaluation, with row lengths that do and do not divide the tile, a scalar and a
+    /// full-size operand, one thread and the parallel path.
+    #[test]
+    fn short_rows_match_naive() {
+        for (dims, scalar) in [
+            ([64usize, 16usize, 8usize, 8usize], false),
+            ([3, 5, 4, 3], true),
+            ([2, 7, 1, 1], false),
+            ([64, 16, 16, 16], false),
+            ([5, 3, 7, 11], true),
+        ] {
+            let total: usize = dims.iter().product();
+            let c = dims[1];
+            let hw = dims[2] * dims[3];
+            let x = data(total, 0.3);
+            let per_channel = data(c, 1.7);
+            let m = data(if scalar { 1 } else { total }, 0.9);
+            let m_shape: Vec<usize> = if scalar { vec![1] } else { dims.to_vec() };
+            let mut out = vec![0.0; total];
+            fused(
+                &expr(&dims),
+                &[(&x, &dims), (&per_channel, &[1, c, 1, 1]), (&m, &m_shape)],
+                &mut out,
+            );
+            for (i, &o) in out.iter().enumerate() {
+                let ch = (i / hw) % c;
+                let mul = if scalar { m[0] } else { m[i] };
+                let want = (x[i] + per_channel[ch]).max(0.0) * mul;
+                assert!((o - want).abs() <= 1e-6, "{dims:?} {i}: {o} vs {want}");
             }
         }
     }

@@ -94,42 +94,53 @@ pub fn map_rows<O: Send>(
     let row = cd.last().copied().unwrap_or(1);
     let outer = &cd[..cd.len().saturating_sub(1)];
     let steps: Vec<usize> = cs.iter().map(|s| s.last().copied().unwrap_or(0)).collect();
-    let work = |first_row: usize, chunk: &mut [O]| {
-        let mut idx = vec![0; outer.len()];
-        let mut r = first_row;
-        for d in (0..outer.len()).rev() {
-            idx[d] = r % outer[d];
-            r /= outer[d];
-        }
-        let mut starts: Vec<usize> = cs
-            .iter()
-            .map(|s| idx.iter().zip(s).map(|(i, st)| i * st).sum())
-            .collect();
-        for rowslice in chunk.chunks_mut(row) {
-            body(rowslice, &starts, &steps);
+    let work = crate::isa::inlined(
+        #[inline(always)]
+        |first_row: usize, chunk: &mut [O]| {
+            let mut idx = vec![0; outer.len()];
+            let mut r = first_row;
             for d in (0..outer.len()).rev() {
-                idx[d] += 1;
-                for (k, s) in cs.iter().enumerate() {
-                    starts[k] += s[d];
-                }
-                if idx[d] < outer[d] {
-                    break;
-                }
-                for (k, s) in cs.iter().enumerate() {
-                    starts[k] -= s[d] * outer[d];
-                }
-                idx[d] = 0;
+                idx[d] = r % outer[d];
+                r /= outer[d];
             }
-        }
-    };
+            let mut starts: Vec<usize> = cs
+                .iter()
+                .map(|s| idx.iter().zip(s).map(|(i, st)| i * st).sum())
+                .collect();
+            for rowslice in chunk.chunks_mut(row) {
+                body(rowslice, &starts, &steps);
+                for d in (0..outer.len()).rev() {
+                    idx[d] += 1;
+                    for (k, s) in cs.iter().enumerate() {
+                        starts[k] += s[d];
+                    }
+                    if idx[d] < outer[d] {
+                        break;
+                    }
+                    for (k, s) in cs.iter().enumerate() {
+                        starts[k] -= s[d] * outer[d];
+                    }
+                    idx[d] = 0;
+                }
+            }
+        },
+    );
     let rows = out.len() / row;
     if out.len() >= PAR_MIN && rows > 1 {
         let per = rows.div_ceil(rayon::current_num_threads() * 4).max(1);
         out.par_chunks_mut(per * row)
             .enumerate()
-            .for_each(|(c, ch)| crate::isa::dispatch(|| work(c * per, ch)));
+            .for_each(|(c, ch)| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || work(c * per, ch),
+                )
+            });
     } else {
-        crate::isa::dispatch(|| work(0, out));
+        crate::isa::dispatch(
+            #[inline(always)]
+            || work(0, out),
+        );
     }
 }
 
@@ -141,10 +152,16 @@ pub fn par_zip<O: Send, I: Sync>(out: &mut [O], src: &[I], f: impl Fn(&mut O, &I
         out.par_chunks_mut(per)
             .zip(src.par_chunks(per))
             .for_each(|(o, s)| {
-                crate::isa::dispatch(|| o.iter_mut().zip(s).for_each(|(o, s)| f(o, s)))
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || o.iter_mut().zip(s).for_each(|(o, s)| f(o, s)),
+                )
             });
     } else {
-        crate::isa::dispatch(|| out.iter_mut().zip(src).for_each(|(o, s)| f(o, s)));
+        crate::isa::dispatch(
+            #[inline(always)]
+            || out.iter_mut().zip(src).for_each(|(o, s)| f(o, s)),
+        );
     }
 }
 

@@ -15,16 +15,27 @@ pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32])
     }
     if inner == 1 {
         // The usual case: contiguous rows, in place in the output, rows split across threads.
-        let row = |(o, r): (&mut [f32], &[f32])| {
-            o.copy_from_slice(r);
-            softmax_row(o, log);
-        };
+        let row = crate::isa::inlined(
+            #[inline(always)]
+            |(o, r): (&mut [f32], &[f32])| {
+                o.copy_from_slice(r);
+                softmax_row(o, log);
+            },
+        );
         if out.len() >= PAR_MIN {
             out.par_chunks_mut(len)
                 .zip(x.par_chunks(len))
-                .for_each(|r| crate::isa::dispatch(|| row(r)));
+                .for_each(|r| {
+                    crate::isa::dispatch(
+                        #[inline(always)]
+                        || row(r),
+                    )
+                });
         } else {
-            crate::isa::dispatch(|| out.chunks_mut(len).zip(x.chunks(len)).for_each(row));
+            crate::isa::dispatch(
+                #[inline(always)]
+                || out.chunks_mut(len).zip(x.chunks(len)).for_each(row),
+            );
         }
         return;
     }
@@ -59,18 +70,21 @@ fn softmax_row(row: &mut [f32], log: bool) {
     }
 }
 
-/// `sum(exp(row - max))` without writing the row.
+/// `sum(exp(row - max))` without writing the row: blocks of the row go through a stack buffer,
+/// so `exp` runs as one vectorisable loop (8 scalar accumulators each calling it did not
+/// vectorise).
 #[inline(always)]
 fn logsumexp_shifted(row: &[f32], max: f32) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = row.chunks_exact(8);
-    let rest: f32 = chunks.remainder().iter().map(|&v| math::exp(v - max)).sum();
-    for c in chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a += math::exp(v - max);
-        }
+    let mut buf = [0.0f32; 64];
+    let mut total = 0.0f32;
+    for block in row.chunks(64) {
+        let b = &mut buf[..block.len()];
+        b.iter_mut()
+            .zip(block)
+            .for_each(|(e, &v)| *e = math::exp(v - max));
+        total += math::sum(b);
     }
-    acc.iter().sum::<f32>() + rest
+    total
 }
 
 /// The label of rows that `cross_entropy` leaves out (PyTorch's default `ignore_index`).
@@ -104,21 +118,32 @@ fn counted(labels: &[i32], classes: usize) -> Result<usize> {
 pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32> {
     let c = ld[1];
     let n = counted(labels, c)?;
-    let row_loss = |(row, &y): (&[f32], &i32)| -> f64 {
-        if y == IGNORE_LABEL {
-            return 0.0;
-        }
-        let max = math::max(row);
-        (max + logsumexp_shifted(row, max).ln() - row[y as usize]) as f64
-    };
+    let row_loss = crate::isa::inlined(
+        #[inline(always)]
+        |(row, &y): (&[f32], &i32)| -> f64 {
+            if y == IGNORE_LABEL {
+                return 0.0;
+            }
+            let max = math::max(row);
+            (max + logsumexp_shifted(row, max).ln() - row[y as usize]) as f64
+        },
+    );
     let total: f64 = if logits.len() >= PAR_MIN {
         logits
             .par_chunks(c)
             .zip(labels.par_iter())
-            .map(|r| crate::isa::dispatch(|| row_loss(r)))
+            .map(|r| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || row_loss(r),
+                )
+            })
             .sum()
     } else {
-        crate::isa::dispatch(|| logits.chunks(c).zip(labels).map(row_loss).sum())
+        crate::isa::dispatch(
+            #[inline(always)]
+            || logits.chunks(c).zip(labels).map(row_loss).sum(),
+        )
     };
     if n == 0 {
         return Ok(f32::NAN); // the mean over no rows, as numpy and PyTorch give
@@ -138,30 +163,41 @@ pub fn cross_entropy_grad(
     let c = ld[1];
     let n = counted(labels, c)?;
     let scale = g / n.max(1) as f32;
-    let row = |((row, o), &y): ((&[f32], &mut [f32]), &i32)| {
-        if y == IGNORE_LABEL {
-            o.fill(0.0);
-            return;
-        }
-        o.copy_from_slice(row);
-        softmax_row(o, false);
-        o[y as usize] -= 1.0;
-        o.iter_mut().for_each(|v| *v *= scale);
-    };
+    let row = crate::isa::inlined(
+        #[inline(always)]
+        |((row, o), &y): ((&[f32], &mut [f32]), &i32)| {
+            if y == IGNORE_LABEL {
+                o.fill(0.0);
+                return;
+            }
+            o.copy_from_slice(row);
+            softmax_row(o, false);
+            o[y as usize] -= 1.0;
+            o.iter_mut().for_each(|v| *v *= scale);
+        },
+    );
     if out.len() >= PAR_MIN {
         logits
             .par_chunks(c)
             .zip(out.par_chunks_mut(c))
             .zip(labels.par_iter())
-            .for_each(|r| crate::isa::dispatch(|| row(r)));
+            .for_each(|r| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || row(r),
+                )
+            });
     } else {
-        crate::isa::dispatch(|| {
-            logits
-                .chunks(c)
-                .zip(out.chunks_mut(c))
-                .zip(labels)
-                .for_each(row)
-        });
+        crate::isa::dispatch(
+            #[inline(always)]
+            || {
+                logits
+                    .chunks(c)
+                    .zip(out.chunks_mut(c))
+                    .zip(labels)
+                    .for_each(row)
+            },
+        );
     }
     Ok(())
 }
@@ -240,18 +276,29 @@ fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
 /// `(x - mean) * rstd` per row of the last axis.
 #[inline(always)]
 pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
-    let row = |(row, o): (&[f32], &mut [f32])| {
-        let (mean, rstd) = row_stats(row, eps);
-        row.iter()
-            .zip(o.iter_mut())
-            .for_each(|(v, o)| *o = (v - mean) * rstd);
-    };
+    let row = crate::isa::inlined(
+        #[inline(always)]
+        |(row, o): (&[f32], &mut [f32])| {
+            let (mean, rstd) = row_stats(row, eps);
+            row.iter()
+                .zip(o.iter_mut())
+                .for_each(|(v, o)| *o = (v - mean) * rstd);
+        },
+    );
     if out.len() >= PAR_MIN {
         x.par_chunks(width)
             .zip(out.par_chunks_mut(width))
-            .for_each(|r| crate::isa::dispatch(|| row(r)));
+            .for_each(|r| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || row(r),
+                )
+            });
     } else {
-        crate::isa::dispatch(|| x.chunks(width).zip(out.chunks_mut(width)).for_each(row));
+        crate::isa::dispatch(
+            #[inline(always)]
+            || x.chunks(width).zip(out.chunks_mut(width)).for_each(row),
+        );
     }
 }
 
@@ -275,34 +322,45 @@ pub fn normalize_grad_add(
     out: &mut [f32],
 ) {
     let n = width as f32;
-    let row = |(i, ((row, gr), o)): Row| {
-        let (mean, rstd) = row_stats(row, eps);
-        // o holds xhat * g first, to sum it vectorised.
-        for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
-            *o = gv * (v - mean) * rstd;
-        }
-        let (mg, mgx) = (math::sum(gr) / n, math::sum(o) / n);
-        for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
-            *o = rstd * (gv - mg - (v - mean) * rstd * mgx);
-        }
-        if let Some(acc) = acc {
-            let a = &acc[i * width..(i + 1) * width];
-            o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
-        }
-    };
+    let row = crate::isa::inlined(
+        #[inline(always)]
+        |(i, ((row, gr), o)): Row| {
+            let (mean, rstd) = row_stats(row, eps);
+            // o holds xhat * g first, to sum it vectorised.
+            for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
+                *o = gv * (v - mean) * rstd;
+            }
+            let (mg, mgx) = (math::sum(gr) / n, math::sum(o) / n);
+            for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
+                *o = rstd * (gv - mg - (v - mean) * rstd * mgx);
+            }
+            if let Some(acc) = acc {
+                let a = &acc[i * width..(i + 1) * width];
+                o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
+            }
+        },
+    );
     if out.len() >= PAR_MIN {
         x.par_chunks(width)
             .zip(g.par_chunks(width))
             .zip(out.par_chunks_mut(width))
             .enumerate()
-            .for_each(|r| crate::isa::dispatch(|| row(r)));
+            .for_each(|r| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || row(r),
+                )
+            });
     } else {
-        crate::isa::dispatch(|| {
-            x.chunks(width)
-                .zip(g.chunks(width))
-                .zip(out.chunks_mut(width))
-                .enumerate()
-                .for_each(row)
-        });
+        crate::isa::dispatch(
+            #[inline(always)]
+            || {
+                x.chunks(width)
+                    .zip(g.chunks(width))
+                    .zip(out.chunks_mut(width))
+                    .enumerate()
+                    .for_each(row)
+            },
+        );
     }
 }

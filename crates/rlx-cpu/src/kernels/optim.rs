@@ -161,18 +161,21 @@ pub fn train_update(
             None => s.g,
         };
         // Each parameter's loop runs compiled for the CPU's instruction set (see `isa`).
-        crate::isa::dispatch(|| {
-            update(
-                rule,
-                &h,
-                step,
-                s.started.as_deref_mut(),
-                s.p,
-                g,
-                scale,
-                &mut s.state,
-            )
-        });
+        crate::isa::dispatch(
+            #[inline(always)]
+            || {
+                update(
+                    rule,
+                    &h,
+                    step,
+                    s.started.as_deref_mut(),
+                    s.p,
+                    g,
+                    scale,
+                    &mut s.state,
+                )
+            },
+        );
     }
     stats[stat::UPDATED] = 1.0;
 }

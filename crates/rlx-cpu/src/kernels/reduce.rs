@@ -43,11 +43,17 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
     } else if is_suffix {
         let row = |(o, r): (&mut f32, &[f32])| *o = fold_long(r, init, combine);
         if x.len() >= PAR_MIN && out.len() > 1 {
-            out.par_iter_mut()
-                .zip(x.par_chunks(count))
-                .for_each(|r| crate::isa::dispatch(|| row(r)));
+            out.par_iter_mut().zip(x.par_chunks(count)).for_each(|r| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || row(r),
+                )
+            });
         } else {
-            crate::isa::dispatch(|| out.iter_mut().zip(x.chunks(count)).for_each(row));
+            crate::isa::dispatch(
+                #[inline(always)]
+                || out.iter_mut().zip(x.chunks(count)).for_each(row),
+            );
         }
     } else if is_prefix {
         out.fill(init);
@@ -55,49 +61,67 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
         // Rows are added in blocks of ROWS into a partial sum that is then added to the
         // total, so rounding error grows with count / ROWS + ROWS rather than with count.
         const ROWS: usize = 256;
-        let accumulate = |o: &mut [f32], j0: usize| {
-            let mut part = vec![init; o.len()];
-            for block in (0..count).step_by(ROWS) {
-                part.fill(init);
-                for i in block..(block + ROWS).min(count) {
-                    let src = &x[i * inner + j0..i * inner + j0 + o.len()];
-                    part.iter_mut()
-                        .zip(src)
+        let accumulate = crate::isa::inlined(
+            #[inline(always)]
+            |o: &mut [f32], j0: usize| {
+                let mut part = vec![init; o.len()];
+                for block in (0..count).step_by(ROWS) {
+                    part.fill(init);
+                    for i in block..(block + ROWS).min(count) {
+                        let src = &x[i * inner + j0..i * inner + j0 + o.len()];
+                        part.iter_mut()
+                            .zip(src)
+                            .for_each(|(a, &v)| *a = combine(*a, v));
+                    }
+                    o.iter_mut()
+                        .zip(&part)
                         .for_each(|(a, &v)| *a = combine(*a, v));
                 }
-                o.iter_mut()
-                    .zip(&part)
-                    .for_each(|(a, &v)| *a = combine(*a, v));
-            }
-        };
+            },
+        );
         if x.len() >= PAR_MIN && inner >= 64 {
             let per = inner.div_ceil(rayon::current_num_threads() * 2).max(16);
-            out.par_chunks_mut(per)
-                .enumerate()
-                .for_each(|(c, o)| crate::isa::dispatch(|| accumulate(o, c * per)));
+            out.par_chunks_mut(per).enumerate().for_each(|(c, o)| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || accumulate(o, c * per),
+                )
+            });
         } else {
-            crate::isa::dispatch(|| accumulate(out, 0));
+            crate::isa::dispatch(
+                #[inline(always)]
+                || accumulate(out, 0),
+            );
         }
     } else if let Some((outer, kept, inner)) = middle(xd, axes) {
         // Reduced dims around one block of kept dims (bias gradients of NCHW tensors, batch
         // statistics): each kept element folds `outer` contiguous rows of `inner`.
-        let one = |k: usize| -> f32 {
-            let mut acc = init;
-            for o in 0..outer {
-                let at = (o * kept + k) * inner;
-                acc = combine(acc, fold_long(&x[at..at + inner], init, combine));
-            }
-            acc
-        };
+        let one = crate::isa::inlined(
+            #[inline(always)]
+            |k: usize| -> f32 {
+                let mut acc = init;
+                for o in 0..outer {
+                    let at = (o * kept + k) * inner;
+                    acc = combine(acc, fold_long(&x[at..at + inner], init, combine));
+                }
+                acc
+            },
+        );
         if x.len() >= PAR_MIN && out.len() > 1 {
-            out.par_iter_mut()
-                .enumerate()
-                .for_each(|(k, v)| *v = crate::isa::dispatch(|| one(k)));
+            out.par_iter_mut().enumerate().for_each(|(k, v)| {
+                *v = crate::isa::dispatch(
+                    #[inline(always)]
+                    || one(k),
+                )
+            });
         } else {
             out.iter_mut().enumerate().for_each(|(k, v)| *v = one(k));
         }
     } else {
-        crate::isa::dispatch(|| general(x, xd, axes, out, init, combine));
+        crate::isa::dispatch(
+            #[inline(always)]
+            || general(x, xd, axes, out, init, combine),
+        );
     }
 }
 
@@ -138,7 +162,10 @@ const PAR_ROW: usize = 1 << 17;
 fn fold_long<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(r: &[f32], init: f32, combine: F) -> f32 {
     if r.len() <= BLOCK {
         // Dispatched here, at the leaves: the recursion itself is never inlined.
-        return crate::isa::dispatch(|| fold_row(r, init, combine));
+        return crate::isa::dispatch(
+            #[inline(always)]
+            || fold_row(r, init, combine),
+        );
     }
     let mid = (r.len() / 2).div_ceil(8) * 8;
     let (a, b) = r.split_at(mid);
