@@ -1,4 +1,5 @@
-"""Side-by-side CPU benchmark of a CNN training step, rlx vs PyTorch eager, in one process.
+"""Side-by-side CPU benchmark of a CNN training step, rlx vs PyTorch eager, each framework in a
+process of its own.
 
     python benches/bench_cnn.py [--threads 2] [--steps 30] [--rounds 3]
 
@@ -8,16 +9,20 @@ the loss read back as a Python float):
           Dropout(0.25), Linear 128->10) on 8x8 inputs, batch 64.
   cifar   Conv(3->32, 3x3, pad 1)-ReLU-MaxPool(2), Conv(32->64, 3x3, pad 1)-ReLU-MaxPool(2),
           Linear(4096->10) on random 3x32x32 inputs, batch 64.
-Both frameworks get the same weights and batches; they alternate by round (rlx, torch / torch,
-rlx) and a cell is the median step time over all timed steps of all rounds. PyTorch runs with
-torch.set_num_threads(threads); rlx uses its worker pool (RAYON_NUM_THREADS, default: the cores).
+Both frameworks get the same weights and batches. Each (framework, workload, round) runs in a
+fresh process (one framework's idle worker threads never spin beside the other's), the frameworks
+alternate by round (rlx, torch / torch, rlx), and a cell is the median step time over all timed
+steps of all rounds. PyTorch runs with torch.set_num_threads(threads); rlx uses its worker pool
+(RAYON_NUM_THREADS, default: the cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -71,63 +76,81 @@ def torch_models(torch):
     return {"digits": TDigits, "cifar": TCifar}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default="digits,cifar")
-    args = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(args.threads)
-    tmodels = torch_models(torch)
+def child(fw: str, name: str, steps: int, threads: int) -> list[float]:
+    """Step times (seconds) of `steps` timed steps of framework `fw` on workload `name`."""
     shapes = {"digits": (1, 8, 8), "cifar": (3, 32, 32)}
     ours = {"digits": DigitsCNN, "cifar": CifarCNN}
     batch = 64
-    def load() -> str:
-        try:
-            with open("/proc/loadavg") as f:
-                return f.read().split()[0]
-        except OSError:
-            return "?"
+    rng = np.random.default_rng(0)
+    xs = rng.random((steps, batch, *shapes[name]), dtype=np.float32)
+    ys = rng.integers(0, 10, (steps, batch)).astype(np.int32)
+    rlx.seed(0)
+    model = ours[name]()
+    if fw == "rlx":
+        spec = {"x": rlx.InputSpec((batch, *shapes[name])), "y": rlx.InputSpec((batch,), "int32")}
+        step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model, rlx.optim.Adam(lr=1e-3), spec)
 
-    print(f"rlx {rlx.__version__}, torch {torch.__version__}, {args.threads} threads, batch {batch}, "
-          f"1-min load average {load()} (other processes inflate both columns, PyTorch's more)")
-    print("| workload | rlx ms/step | PyTorch ms/step | rlx / PyTorch | load after |")
-    print("|---|---|---|---|---|")
-    for name in args.only.split(","):
-        rng = np.random.default_rng(0)
-        xs = rng.random((args.steps, batch, *shapes[name]), dtype=np.float32)
-        ys = rng.integers(0, 10, (args.steps, batch)).astype(np.int32)
-        rlx.seed(0)
-        model = ours[name]()
-        tm = tmodels[name]()
+        def run(i):
+            return step(x=xs[i], y=ys[i])
+    else:
+        import torch
+
+        torch.set_num_threads(threads)
+        tm = torch_models(torch)[name]()
         tm.load_state_dict({k: torch.tensor(np.array(v)) for k, v in model.state_dict().items()})
-        step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model, rlx.optim.Adam(lr=1e-3),
-                                      {"x": rlx.InputSpec((batch, *shapes[name])), "y": rlx.InputSpec((batch,), "int32")})
         topt = torch.optim.Adam(tm.parameters(), lr=1e-3)
         txs, tys = torch.tensor(xs), torch.tensor(ys, dtype=torch.long)
 
-        def run_rlx(i):
-            return step(x=xs[i], y=ys[i])
-
-        def run_torch(i):
+        def run(i):
             topt.zero_grad()
             loss = torch.nn.functional.cross_entropy(tm(txs[i]), tys[i])
             loss.backward()
             topt.step()
             return loss.item()
 
+    run(0)  # warm-up
+    times = []
+    for i in range(steps):
+        t = time.perf_counter()
+        run(i)
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return f.read().split()[0]
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default="digits,cifar")
+    ap.add_argument("--child", nargs=2, metavar=("FRAMEWORK", "WORKLOAD"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child[0], args.child[1], args.steps, args.threads)))
+        return
+    import torch
+
+    print(f"rlx {rlx.__version__}, torch {torch.__version__}, {args.threads} threads, batch 64, "
+          f"each framework in its own process, 1-min load average {load()}")
+    print("| workload | rlx ms/step | PyTorch ms/step | rlx / PyTorch | load after |")
+    print("|---|---|---|---|---|")
+    for name in args.only.split(","):
         times: dict[str, list[float]] = {"rlx": [], "torch": []}
         for r in range(args.rounds):
-            order = [("rlx", run_rlx), ("torch", run_torch)]
-            for fw, fn in order if r % 2 == 0 else order[::-1]:
-                fn(0)  # warm-up
-                for i in range(args.steps):
-                    t = time.perf_counter()
-                    fn(i)
-                    times[fw].append(time.perf_counter() - t)
+            order = ["rlx", "torch"] if r % 2 == 0 else ["torch", "rlx"]
+            for fw in order:
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, name,
+                       "--steps", str(args.steps), "--threads", str(args.threads)]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                times[fw] += json.loads(out.strip().splitlines()[-1])
         a, b = statistics.median(times["rlx"]) * 1e3, statistics.median(times["torch"]) * 1e3
         print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f} | {load()} |")
 
