@@ -243,7 +243,12 @@ fn vjp(
                 }
                 UnaryOp::PowScalar(p) => {
                     let c = g.scalar(*p);
-                    let xp = g.add(Op::Unary(UnaryOp::PowScalar(p - 1.0)), &[x])?;
+                    // x ** 1 is x itself (a power kernel per element costs a `powf` call).
+                    let xp = if *p == 2.0 {
+                        x
+                    } else {
+                        g.add(Op::Unary(UnaryOp::PowScalar(p - 1.0)), &[x])?
+                    };
                     let d = g.add(Op::Binary(Mul), &[xp, c])?;
                     g.add(Op::Binary(Mul), &[gy, d])?
                 }

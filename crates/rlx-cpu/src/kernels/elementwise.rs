@@ -19,6 +19,8 @@ pub fn unary(op: UnaryOp, x: &[f32], out: &mut [f32]) {
         UnaryOp::PowScalar(p) => {
             if p == 2.0 {
                 par_zip(out, x, |o, &x| *o = x * x)
+            } else if p == 1.0 {
+                par_zip(out, x, |o, &x| *o = x)
             } else {
                 par_zip(out, x, |o, &x| *o = x.powf(p))
             }

@@ -474,6 +474,7 @@ fn unary(op: UnaryOp, a: Src, dst: &mut [f32]) {
         UnaryOp::GeluTanh => map(a, dst, |x| elementwise::gelu_tanh(x).0),
         UnaryOp::GeluDeriv => map(a, dst, elementwise::gelu_deriv),
         UnaryOp::GeluTanhDeriv => map(a, dst, |x| elementwise::gelu_tanh(x).1),
+        UnaryOp::PowScalar(1.0) => map(a, dst, |x| x),
         UnaryOp::PowScalar(2.0) => map(a, dst, |x| x * x),
         UnaryOp::PowScalar(p) => map(a, dst, |x| x.powf(p)),
     }
