@@ -149,7 +149,10 @@ def main() -> None:
             for fw in order:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, name,
                        "--steps", str(args.steps), "--threads", str(args.threads)]
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    sys.exit(f"{fw} {name} failed:\n{done.stderr}")
+                out = done.stdout
                 times[fw] += json.loads(out.strip().splitlines()[-1])
         a, b = statistics.median(times["rlx"]) * 1e3, statistics.median(times["torch"]) * 1e3
         print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f} | {load()} |")

@@ -288,7 +288,7 @@ def test_unrelated_attribute_changes_do_not_invalidate():
 def test_numpy_before_compile_is_not_silently_detached():
     m = MLP()
     w = m.fc1.weight.numpy()  # the host array, before compile
-    with pytest.raises(rlx.RlxError, match=r"'fc1.weight'.numpy\(\) was taken before compiling"):
+    with pytest.raises(rlx.RlxError, match=r"'fc1.weight'.numpy\(\) \(or a DLPack export of it\) was taken before compiling"):
         rlx.compile(lambda mod, x: mod(x), m, SPEC)
     kept = np.array(w)
     del w
@@ -400,3 +400,9 @@ def test_parameters_export_dlpack_without_a_copy():
     t[1, 2] = -3.0
     assert lin.weight.numpy()[1, 2] == -3.0
     assert t.device.type == "cpu" and tuple(t.shape) == (2, 3)
+
+
+def test_bfloat16_parameters_in_host_memory_refuse_dlpack_by_name():
+    lin = rlx.nn.Linear(2, 2).to("bfloat16")
+    with pytest.raises(BufferError, match=r"bfloat16 parameter in host memory has no DLPack export"):
+        lin.weight.__dlpack__()

@@ -285,10 +285,15 @@ def test_precision_errors():
             rlx.compile(lambda m, x: m(x), lin, {"x": rlx.InputSpec((4, 2))}, device=dev, precision="fp16")
     with pytest.raises(rlx.UnsupportedError, match=r"precision='fp16' with accumulate > 1 is not supported yet"):
         rlx.compile_train_step(loss, lin, rlx.optim.SGD(0.1), spec, precision="fp16", accumulate=2)
-    with pytest.raises(rlx.InputError, match=r"loss_scale"):
-        rlx.compile_train_step(loss, lin, rlx.optim.SGD(0.1), spec, precision="fp16", loss_scale=0.0)
-    with pytest.raises(rlx.ShapeError, match=r"growth_interval must be >= 1"):
-        rlx.compile_train_step(loss, lin, rlx.optim.SGD(0.1), spec, precision="fp16", growth_interval=0)
+    for bad in (0.0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(rlx.InputError, match=r"loss_scale must be a positive finite number"):
+            rlx.compile_train_step(loss, lin, rlx.optim.SGD(0.1), spec, precision="fp16", loss_scale=bad)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(rlx.InputError, match=r"growth_interval must be an int >= 1"):
+            rlx.compile_train_step(loss, lin, rlx.optim.SGD(0.1), spec, precision="fp16", growth_interval=bad)
+    # A malformed device name is the device check's error, not a precision one.
+    with pytest.raises(rlx.DeviceError, match=r"unknown device 'gpu'"):
+        rlx.compile_train_step(loss, lin, rlx.optim.SGD(0.1), spec, device="gpu", precision="bf16")
     step = rlx.compile_train_step(loss, lin, rlx.optim.SGD(0.1), spec, precision="bf16")
     assert step.loss_scale == 1.0
 

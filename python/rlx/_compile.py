@@ -120,7 +120,8 @@ def _check_precision(where: str, precision: Any, device: str) -> str:
     looked up, so the error is the same with or without the GPU)."""
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise InputError(f"[{where}] precision must be one of {list(PRECISIONS)}, got {precision!r}")
-    if precision != "fp32" and device.split(":")[0] != "cpu":
+    # Only known GPU kinds here: a malformed name is the device check's to report.
+    if precision != "fp32" and device.split(":")[0] in ("cuda", "metal"):
         raise UnsupportedError(
             f"[{where}] precision={precision!r} (mixed precision) runs on the CPU only so far; device "
             f"{device!r} computes in float32: use precision='fp32' there")
@@ -698,10 +699,14 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
             norms, attention scores, losses and the update stay float32, and the weights and
             optimizer state stay float32 masters. ``"fp16"``: the same in float16, with dynamic
             loss scaling (``step.loss_scale``): a step whose gradients overflow changes nothing
-            (counted in ``step.skipped``) and halves the scale. CPU only so far.
-        loss_scale: the first loss scale of ``precision="fp16"`` (PyTorch's default, 2**16).
+            (counted in ``step.skipped``) and halves the scale, so ``"fp16"`` always skips
+            non-finite steps (``skip_nonfinite`` is on whatever it is given). CPU only so far;
+            ``step.precision`` says which one a step computes in. The loss scale is not saved in
+            checkpoints (a resumed run starts again from ``loss_scale``).
+        loss_scale: the first loss scale of ``precision="fp16"`` (PyTorch's default, 2**16);
+            not used by the other precisions.
         growth_interval: ``precision="fp16"`` doubles the scale after this many good steps in a
-            row (PyTorch's default, 2000).
+            row (PyTorch's default, 2000); not used by the other precisions.
 
     Example:
         >>> step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model,
@@ -714,10 +719,14 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
         raise RlxError(f"compile_train_step needs an rlx.optim optimizer, got {type(optimizer).__name__}")
     _check.function("compile_train_step", "loss_fn", loss_fn)
     precision = _check_precision("compile_train_step", precision, _check.device(device))
-    scale = _check.number("compile_train_step", "loss_scale", loss_scale, lo=0.0)
-    if not (np.isfinite(scale) and scale > 0.0):
+    if (isinstance(loss_scale, bool) or not isinstance(loss_scale, (int, float, np.integer, np.floating))
+            or not (np.isfinite(loss_scale) and loss_scale > 0.0)):
         raise InputError(f"[compile_train_step] loss_scale must be a positive finite number, got {loss_scale!r}")
-    growth = _check.integer("compile_train_step", "growth_interval", growth_interval, lo=1)
+    scale = float(loss_scale)
+    if (isinstance(growth_interval, bool) or not isinstance(growth_interval, (int, np.integer))
+            or growth_interval < 1):
+        raise InputError(f"[compile_train_step] growth_interval must be an int >= 1, got {growth_interval!r}")
+    growth = int(growth_interval)
     device = _rlx.check_device(_check.device(device))
     _check_compute_dtypes("compile_train_step", model)
     specs = _specs(inputs)

@@ -158,7 +158,10 @@ class Parameter:
         the parameter's memory itself, with no copy, on the CPU and on CUDA alike.
 
         rlx's runs are complete when they return, so the memory is ready on any ``stream``. The
-        consumer must not use the tensor while a step of this model runs (as with numpy views).
+        consumer must not use the tensor while a step of this model runs (as with numpy views),
+        and work it queues on the GPU must be finished before the next rlx call (PyTorch:
+        ``torch.cuda.synchronize()`` after writing through the tensor). numpy has no bfloat16, so a
+        bfloat16 parameter in host memory raises ``BufferError`` (take ``numpy()`` instead).
 
         Example:
             >>> w = torch.from_dlpack(model.fc1.weight)   # same memory, on rlx's device
@@ -169,6 +172,11 @@ class Parameter:
             if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
                 raise BufferError(f"[{self._name}] the parameter is on {self.__dlpack_device__()}, not {tuple(dl_device)}")
             return self._store.dlpack(self._name)
+        if self._dtype == "bfloat16":
+            raise BufferError(
+                f"[{self._name or 'parameter'}] a bfloat16 parameter in host memory has no DLPack export (numpy, "
+                "which provides it, has no bfloat16): use numpy() (an ml_dtypes.bfloat16 array) or .to('float32')"
+            )
         kw: dict[str, Any] = {"stream": stream}
         for k, v in (("max_version", max_version), ("dl_device", dl_device), ("copy", copy)):
             if v is not None:
@@ -205,7 +213,7 @@ class Parameter:
         compiling is still referenced (it would silently stop following the weights)."""
         if self._host is not None and sys.getrefcount(self._host) > 2:
             raise RlxError(
-                f"[compile] '{name}'.numpy() was taken before compiling and is still referenced; once "
+                f"[compile] '{name}'.numpy() (or a DLPack export of it) was taken before compiling and is still referenced; once "
                 "compiled, the weights live in the device's weight store and that array would no longer "
                 "follow them. Drop it (or keep a copy: np.array(p)) and call numpy() after compiling"
             )
