@@ -3,8 +3,8 @@
 //! float16), and the float32 GEMM runs. bfloat16 may instead run the AVX512-BF16 kernel
 //! (`crate::bf16dot`, opt-in): operands packed into bfloat16 pairs, tiles of `MR x NR` float32
 //! sums. Both give the same exact products, summed in another order.
-use super::matmul::{matmul as matmul_f32, PAR_FLOPS};
-use super::{cast, Strided};
+use super::cast;
+use super::matmul::{matmul as matmul_f32, products};
 use crate::bf16dot::{self, Kernel, MR, NR};
 use rayon::prelude::*;
 
@@ -90,53 +90,22 @@ fn bf16_matmul(
     out: &mut [f32],
     od: &[usize],
 ) {
-    let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
-    let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
-    let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
-    let n = if tb { rb } else { cb };
-    let (a_rs, a_cs) = if ta { (1, ca) } else { (ca, 1) };
-    let (b_rs, b_cs) = if tb { (1, cb) } else { (cb, 1) };
-    if out.is_empty() {
-        return;
-    }
-    if k == 0 {
-        out.fill(0.0);
-        return;
-    }
-    let ob = &od[..od.len() - 2];
-    let batch: usize = ob.iter().product();
-    let a_batch: usize = ad[..ad.len() - 2].iter().product();
-    let b_batch: usize = bd[..bd.len() - 2].iter().product();
-    let view = |data, off, rs, cs| View { data, off, rs, cs };
-    // A stack of row-major matrices times one shared matrix is one tall GEMM.
-    if b_batch == 1 && !ta && a_batch == batch {
-        let par = batch * m * n * k >= PAR_FLOPS;
-        let bp = pack_b(view(b, 0, b_rs, b_cs), k, n);
-        return gemm(kern, out, batch * m, n, k, view(a, 0, a_rs, a_cs), &bp, par);
-    }
-    let sa = Strided::broadcast(&ad[..ad.len() - 2], ob);
-    let sb = Strided::broadcast(&bd[..bd.len() - 2], ob);
-    let offset = |s: &Strided, mut i: usize, size: usize| {
-        let mut off = 0;
-        for d in (0..ob.len()).rev() {
-            off += (i % ob[d]) * s.strides[d];
-            i /= ob[d];
-        }
-        off * size
-    };
-    let big = m * n * k >= PAR_FLOPS;
-    let one = |(bi, o): (usize, &mut [f32]), par: bool| {
-        let av = view(a, offset(&sa, bi, ra * ca), a_rs, a_cs);
-        let bp = pack_b(view(b, offset(&sb, bi, rb * cb), b_rs, b_cs), k, n);
-        gemm(kern, o, m, n, k, av, &bp, par);
-    };
-    if big || batch == 1 {
-        out.chunks_mut(m * n).enumerate().for_each(|c| one(c, big));
-    } else {
-        out.par_chunks_mut(m * n)
-            .enumerate()
-            .for_each(|c| one(c, false));
-    }
+    products(ad, ta, bd, tb, out, od, |g, o, a_off, b_off, m, par| {
+        let av = View {
+            data: a,
+            off: a_off,
+            rs: g.a_rs,
+            cs: g.a_cs,
+        };
+        let bv = View {
+            data: b,
+            off: b_off,
+            rs: g.b_rs,
+            cs: g.b_cs,
+        };
+        let bp = pack_b(bv, g.k, g.n);
+        gemm(kern, o, m, g.n, g.k, av, &bp, par);
+    });
 }
 
 /// Packs `live <= width` lanes (from `lane0`) of a strided bfloat16 matrix into `out`: `kp`

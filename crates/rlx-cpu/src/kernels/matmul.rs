@@ -28,6 +28,47 @@ pub fn matmul(
     out: &mut [f32],
     od: &[usize],
 ) {
+    products(ad, ta, bd, tb, out, od, |g, o, a_off, b_off, m, par| {
+        let am = Mat {
+            data: &a[a_off..],
+            rs: g.a_rs,
+            cs: g.a_cs,
+        };
+        let bm = Mat {
+            data: &b[b_off..],
+            rs: g.b_rs,
+            cs: g.b_cs,
+        };
+        gemm_into(o, m, g.n, g.k, am, bm, par);
+    });
+}
+
+/// What every product of one batched matmul shares: `n`, `k` and the element strides of
+/// `op(a)` (m x k) and `op(b)` (k x n) inside one matrix of the stack.
+pub(super) struct Geometry {
+    pub n: usize,
+    pub k: usize,
+    pub a_rs: usize,
+    pub a_cs: usize,
+    pub b_rs: usize,
+    pub b_cs: usize,
+}
+
+/// Splits `op(a) @ op(b)` (dims `ad`, `bd`, batches broadcast like numpy into `od`) into 2-D
+/// products and runs `gemm(geometry, out_rows, a_offset, b_offset, m, parallel)` for each: one
+/// tall product where a stack of row-major matrices meets one shared matrix, else one per
+/// batch (in parallel over batches when each is small). Empty outputs do nothing; `k == 0`
+/// gives zeros. Shared by the float32 and the low-precision matmuls.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn products(
+    ad: &[usize],
+    ta: bool,
+    bd: &[usize],
+    tb: bool,
+    out: &mut [f32],
+    od: &[usize],
+    gemm: impl Fn(&Geometry, &mut [f32], usize, usize, usize, bool) + Sync,
+) {
     let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
     let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
     let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
@@ -41,23 +82,21 @@ pub fn matmul(
         out.fill(0.0);
         return;
     }
+    let g = Geometry {
+        n,
+        k,
+        a_rs,
+        a_cs,
+        b_rs,
+        b_cs,
+    };
     let ob = &od[..od.len() - 2];
     let batch: usize = ob.iter().product();
     let a_batch: usize = ad[..ad.len() - 2].iter().product();
     let b_batch: usize = bd[..bd.len() - 2].iter().product();
     // A stack of row-major matrices times one shared matrix is one tall GEMM.
     if b_batch == 1 && !ta && a_batch == batch {
-        let am = Mat {
-            data: a,
-            rs: a_rs,
-            cs: a_cs,
-        };
-        let bm = Mat {
-            data: b,
-            rs: b_rs,
-            cs: b_cs,
-        };
-        return gemm_into(out, batch * m, n, k, am, bm, batch * m * n * k >= PAR_FLOPS);
+        return gemm(&g, out, 0, 0, batch * m, batch * m * n * k >= PAR_FLOPS);
     }
     let sa = Strided::broadcast(&ad[..ad.len() - 2], ob);
     let sb = Strided::broadcast(&bd[..bd.len() - 2], ob);
@@ -70,22 +109,18 @@ pub fn matmul(
         off * size
     };
     let one = |(bi, o): (usize, &mut [f32]), par: bool| {
-        let am = Mat {
-            data: &a[offset(&sa, bi, ra * ca)..],
-            rs: a_rs,
-            cs: a_cs,
-        };
-        let bm = Mat {
-            data: &b[offset(&sb, bi, rb * cb)..],
-            rs: b_rs,
-            cs: b_cs,
-        };
-        gemm_into(o, m, n, k, am, bm, par);
+        gemm(
+            &g,
+            o,
+            offset(&sa, bi, ra * ca),
+            offset(&sb, bi, rb * cb),
+            m,
+            par,
+        )
     };
-    if m * n * k >= PAR_FLOPS || batch == 1 {
-        out.chunks_mut(m * n)
-            .enumerate()
-            .for_each(|c| one(c, m * n * k >= PAR_FLOPS));
+    let big = m * n * k >= PAR_FLOPS;
+    if big || batch == 1 {
+        out.chunks_mut(m * n).enumerate().for_each(|c| one(c, big));
     } else {
         out.par_chunks_mut(m * n)
             .enumerate()
