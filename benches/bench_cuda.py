@@ -10,6 +10,8 @@ Workloads:
                   (random inputs of the digits' shape).
   gpt             tiny GPT (vocab 256, d128, 4 heads, 2 pre-LN blocks, T64, B16), AdamW(1e-3, wd 0.01).
   gpt768          GPT d768, 12 layers, 12 heads, T256, B16, vocab 256, AdamW (fewer steps).
+  gpt768bf16      the same with precision="bf16", against PyTorch under torch.autocast(bfloat16),
+                  eager and through torch.compile (printed below the table).
   first           rlx: seconds from compile_train_step to the end of the first step of the tiny
                   GPT, in a fresh process with the PTX disk cache off (cold NVRTC) and on (warm).
 Each cell is the median step time in ms over --steps steps after --warmup steps. "memory" is rlx's
@@ -142,7 +144,7 @@ def gpt_data(seed=0):
     return idx, np.roll(idx, -1, axis=1)
 
 
-def rlx_gpt(n, warmup, cfg=None):
+def rlx_gpt(n, warmup, cfg=None, precision="fp32"):
     import rlx
 
     if cfg is not None:
@@ -157,16 +159,21 @@ def rlx_gpt(n, warmup, cfg=None):
 
     idx, tgt = gpt_data()
     specs = {"idx": rlx.InputSpec(idx.shape, "int32"), "tgt": rlx.InputSpec(tgt.shape, "int32")}
-    step = rlx.compile_train_step(loss, model, rlx.optim.AdamW(lr=1e-3, weight_decay=0.01), specs, device="cuda")
+    step = rlx.compile_train_step(loss, model, rlx.optim.AdamW(lr=1e-3, weight_decay=0.01), specs, device="cuda",
+                                  precision=precision)
     float(step(idx=idx, tgt=tgt))
     first = time.perf_counter() - t0
     ms = timed(lambda: float(step(idx=idx, tgt=tgt)), n, warmup)
-    MEM[f"rlx gpt d{GPT['dim']}"] = sum(
+    MEM[f"rlx gpt d{GPT['dim']} {precision}"] = sum(
         step.memory()[k] for k in ("arena_bytes", "param_bytes", "optimizer_state_bytes"))
     return ms, first
 
 
-def torch_gpt(n, warmup, cfg=None):
+def torch_gpt(n, warmup, cfg=None, precision="fp32", compiled=False):
+    """PyTorch's step; ``precision="bf16"`` under ``torch.autocast`` (bfloat16 products),
+    ``compiled`` through ``torch.compile``."""
+    import contextlib
+
     import torch
     import torch.nn as nn
 
@@ -202,20 +209,23 @@ def torch_gpt(n, warmup, cfg=None):
             return self.head(self.ln(self.blocks(x)))
 
     m = Net().cuda()
+    fwd = torch.compile(m) if compiled else m
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
     idx, tgt = gpt_data()
     idx, tgt = torch.tensor(idx, device="cuda").long(), torch.tensor(tgt, device="cuda").long()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = nn.functional.cross_entropy(m(idx).view(B * T, V), tgt.view(B * T))
+        with autocast:
+            loss = nn.functional.cross_entropy(fwd(idx).view(B * T, V), tgt.view(B * T))
         loss.backward()
         opt.step()
         return loss.item()
 
     torch.cuda.reset_peak_memory_stats()
     ms = timed(step, n, warmup)
-    MEM[f"torch gpt d{GPT['dim']}"] = torch.cuda.max_memory_allocated()
+    MEM[f"torch gpt d{GPT['dim']} {precision}{' compiled' if compiled else ''}"] = torch.cuda.max_memory_allocated()
     return ms
 
 
@@ -264,6 +274,12 @@ def main():
         r = cell(rlx_gpt, 10, 3, BIG)
         ms = r[0] if isinstance(r, tuple) else r
         rows.append(("GPT d768 L12 H12 T256 B16 (AdamW)", ms, cell(torch_gpt, 10, 3, BIG), float("nan")))
+    if "gpt768bf16" in only:
+        r = cell(rlx_gpt, 20, 5, BIG, "bf16")
+        ms = r[0] if isinstance(r, tuple) else r
+        rows.append(("GPT d768 bf16 mixed precision (AdamW)", ms, cell(torch_gpt, 20, 5, BIG, "bf16"), float("nan")))
+        compiled_ms = cell(torch_gpt, 20, 10, BIG, "bf16", True)
+        print(f"GPT d768 bf16: torch.compile + autocast bf16 step {compiled_ms:.3f} ms")
     colds = (cell(first_step, False), cell(first_step, True)) if "first" in only else (float("nan"),) * 2
     import torch
 

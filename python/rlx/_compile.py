@@ -116,15 +116,15 @@ _LOW = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 def _check_precision(where: str, precision: Any, device: str) -> str:
-    """Checks ``precision=``; mixed precision runs on the CPU only so far (before the device is
-    looked up, so the error is the same with or without the GPU)."""
+    """Checks ``precision=``; mixed precision runs on the CPU and CUDA so far (checked before
+    the device is looked up, so the error is the same with or without the GPU)."""
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise InputError(f"[{where}] precision must be one of {list(PRECISIONS)}, got {precision!r}")
     # Only known GPU kinds here: a malformed name is the device check's to report.
-    if precision != "fp32" and device.split(":")[0] in ("cuda", "metal"):
+    if precision != "fp32" and device.split(":")[0] == "metal":
         raise UnsupportedError(
-            f"[{where}] precision={precision!r} (mixed precision) runs on the CPU only so far; device "
-            f"{device!r} computes in float32: use precision='fp32' there")
+            f"[{where}] precision={precision!r} (mixed precision) runs on the CPU and CUDA only so far; "
+            f"device {device!r} computes in float32: use precision='fp32' there")
     return precision
 
 

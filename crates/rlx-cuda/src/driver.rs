@@ -6,7 +6,7 @@
 //! library with a plain `dlopen` first; nothing here touches a cudarc function before it passed.
 use cudarc::cublas::sys as blas;
 use cudarc::driver::{result as cu, sys};
-use rlx_ir::{Error, Result};
+use rlx_ir::{DType, Error, Result};
 use rlx_runtime::backend::check_range;
 use std::collections::HashMap;
 use std::ffi::{c_void, CString};
@@ -424,7 +424,9 @@ impl Device {
             .map_err(|e| dev_err("kernel launch", e))
     }
 
-    /// Queues a column-major strided-batched SGEMM (see `plan::Gemm`).
+    /// Queues a column-major strided-batched GEMM (see `plan::Gemm`): SGEMM for float32
+    /// operands; for bfloat16/float16 ones a tensor-core GEMM summing in float32 into a
+    /// float32 `C`.
     pub fn gemm(&self, g: &crate::plan::Gemm, a: u64, b: u64, c: u64) -> Result<()> {
         let op = |t: bool| {
             if t {
@@ -435,6 +437,52 @@ impl Device {
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
         let h = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+        let low = match g.dtype {
+            DType::F32 => None,
+            DType::BF16 => Some(blas::cudaDataType::CUDA_R_16BF),
+            DType::F16 => Some(blas::cudaDataType::CUDA_R_16F),
+            d => {
+                return Err(Error::unsupported(
+                    "matmul",
+                    format!("the cuda backend has no {d} matrix product"),
+                ))
+            }
+        };
+        if let Some(ab) = low {
+            // SAFETY: as for the SGEMM below; A and B hold 2-byte elements of type `ab` (the
+            // plan's offsets and strides count in them), C float32, alpha/beta float32 as the
+            // float32 compute type requires.
+            return unsafe {
+                check_blas(
+                    blas::cublasGemmStridedBatchedEx(
+                        *h,
+                        op(g.ta),
+                        op(g.tb),
+                        g.m as i32,
+                        g.n as i32,
+                        g.k as i32,
+                        &alpha as *const f32 as *const c_void,
+                        a as *const c_void,
+                        ab,
+                        g.lda as i32,
+                        g.stride_a as i64,
+                        b as *const c_void,
+                        ab,
+                        g.ldb as i32,
+                        g.stride_b as i64,
+                        &beta as *const f32 as *const c_void,
+                        c as *mut c_void,
+                        blas::cudaDataType::CUDA_R_32F,
+                        g.ldc as i32,
+                        g.stride_c as i64,
+                        g.batch as i32,
+                        blas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    ),
+                    "cublasGemmStridedBatchedEx",
+                )
+            };
+        }
         // SAFETY: the plan checked that every matrix of every batch lies inside its buffer
         // (leading dimensions and strides as given); the handle is used under its lock.
         unsafe {

@@ -95,7 +95,8 @@ fn profile_key(plan: &Plan, i: usize) -> String {
         },
         Step::Fill { bytes, .. } => format!("fill {bytes} B"),
         Step::Gemm { g, .. } => format!(
-            "gemm {}{} m{} n{} k{} x{}",
+            "gemm {} {}{} m{} n{} k{} x{}",
+            g.dtype,
             if g.ta { "T" } else { "N" },
             if g.tb { "T" } else { "N" },
             g.m,

@@ -105,6 +105,33 @@ extern "C" __global__ void rlx_cast_f2i(const P p) {
 extern "C" __global__ void rlx_cast_i2f(const P p) {
   GRID_LOOP(i, p.n) { F(1)[off(p, 1, i)] = (float)I(0)[off(p, 0, i)]; }
 }
+/* float32 <-> bfloat16/float16 (mixed precision), rounding to nearest even as the CPU casts do. */
+#define H(k) ((unsigned short*)p.ptr[k])
+__device__ __forceinline__ unsigned short rx_f2bf(float x) {
+  unsigned int b = __float_as_uint(x);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b >> 16) | 0x40u);
+  return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+extern "C" __global__ void rlx_cast_f2bf(const P p) {
+  GRID_LOOP(i, p.n) { H(1)[off(p, 1, i)] = rx_f2bf(F(0)[off(p, 0, i)]); }
+}
+extern "C" __global__ void rlx_cast_bf2f(const P p) {
+  GRID_LOOP(i, p.n) { F(1)[off(p, 1, i)] = __uint_as_float(((unsigned int)H(0)[off(p, 0, i)]) << 16); }
+}
+extern "C" __global__ void rlx_cast_f2h(const P p) {
+  GRID_LOOP(i, p.n) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(F(0)[off(p, 0, i)]));
+    H(1)[off(p, 1, i)] = h;
+  }
+}
+extern "C" __global__ void rlx_cast_h2f(const P p) {
+  GRID_LOOP(i, p.n) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(H(0)[off(p, 0, i)]));
+    F(1)[off(p, 1, i)] = x;
+  }
+}
 /* cond (f32 when iv[0]==0, else i32) ? a : b over 4-byte values. */
 extern "C" __global__ void rlx_where32(const P p) {
   GRID_LOOP(i, p.n) {
@@ -1119,6 +1146,8 @@ mod tests {
         let ptx = crate::driver::compile_only(&src, "sm_90").unwrap();
         for name in [
             "rlx_copy32",
+            "rlx_cast_f2bf",
+            "rlx_cast_h2f",
             "rlx_attention_grad",
             "rlx_att_fwd_64",
             "rlx_att_bwd_q_32",

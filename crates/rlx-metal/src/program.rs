@@ -20,6 +20,7 @@ pub const TARGET: Target = Target {
     backend: "metal",
     host_update: true,
     tiled_attention: false,
+    low_precision: false,
 };
 
 /// A program lowered to kernel launches.

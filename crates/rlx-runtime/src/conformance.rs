@@ -54,6 +54,7 @@ macro_rules! conformance_tests {
             data_parallel_phases,
             vision_ops_match_references,
             fused_instructions_match_reference,
+            mixed_precision_matches_reference,
         );
     };
     (maybe $make:expr; $($check:ident),* $(,)?) => {
@@ -936,4 +937,126 @@ pub fn fused_instructions_match_reference(backend: &Arc<dyn Backend>) {
         }
     }
     close(&got[2], &want_na, "normalize_grad_add");
+}
+
+/// Mixed precision (what `rlx_ir::autocast` makes): float32 -> bfloat16/float16 casts rounding
+/// to nearest even (ties, overflow, subnormals, NaN), casts back, and matrix products of
+/// low-precision operands summed in float32 (plain, transposed, a stack times one matrix, and
+/// batch broadcasting), against float64. A backend without mixed precision must refuse it with
+/// an `Unsupported` error naming itself.
+pub fn mixed_precision_matches_reference(backend: &Arc<dyn Backend>) {
+    let f = DType::F32;
+    let two = |e: i32| 2f64.powi(e);
+    // (input, its bfloat16 value, its float16 value).
+    let cases: [(f64, f64, f64); 9] = [
+        (1.0 + two(-8), 1.0, 1.0 + two(-8)),
+        (1.0 + 3.0 * two(-8), 1.0 + two(-6), 1.0 + 3.0 * two(-8)),
+        (1.0 + two(-8) + two(-20), 1.0 + two(-7), 1.0 + two(-8)),
+        (1.0 + two(-11), 1.0, 1.0),
+        (65504.0, 65536.0, 65504.0),
+        (65520.0, 65536.0, f64::INFINITY),
+        (-two(-24), -two(-24), -two(-24)),
+        (two(-25), two(-25), 0.0),
+        (f64::NAN, f64::NAN, f64::NAN),
+    ];
+    let xs: Vec<f32> = cases.iter().map(|c| c.0 as f32).collect();
+    let (m, k, n, batch) = (5usize, 7usize, 3usize, 2usize);
+    let val = |i: usize, s: usize| ((i * 7 + s * 3) % 17) as f32 / 8.0 - 1.0; // exact in both
+    let a: Vec<f32> = (0..batch * m * k).map(|i| val(i, 1)).collect();
+    let b: Vec<f32> = (0..k * n).map(|i| val(i, 2)).collect();
+    let bt: Vec<f32> = (0..batch * n * k).map(|i| val(i, 3)).collect();
+    // Output matrix `(z, y)` of a batch: `a[y] @ op(b[z])`, `b`'s matrices `bs` elements apart.
+    let prod = |a: &[f32], b: &[f32], tb: bool, bs: usize, zs: usize| -> Vec<f64> {
+        let mut c = Vec::new();
+        for z in 0..zs {
+            for y in 0..batch {
+                for i in 0..m {
+                    for j in 0..n {
+                        c.push(
+                            (0..k)
+                                .map(|p| {
+                                    let bv = if tb {
+                                        b[z * bs + j * k + p]
+                                    } else {
+                                        b[z * bs + p * n + j]
+                                    };
+                                    a[(y * m + i) * k + p] as f64 * bv as f64
+                                })
+                                .sum(),
+                        );
+                    }
+                }
+            }
+        }
+        c
+    };
+    for low in [DType::BF16, DType::F16] {
+        let mut g = Graph::new();
+        let x = g.input("x", Shape::new([xs.len()]), f).unwrap();
+        let ai = g.input("a", Shape::new([batch, m, k]), f).unwrap();
+        let bi = g.input("b", Shape::new([k, n]), f).unwrap();
+        let bti = g.input("bt", Shape::new([batch, 1, n, k]), f).unwrap();
+        let cast = |g: &mut Graph, t| g.add(Op::Cast { to: low }, &[t]).unwrap();
+        let xl = cast(&mut g, x);
+        let back = g.add(Op::Cast { to: f }, &[xl]).unwrap();
+        let (al, bl, btl) = (cast(&mut g, ai), cast(&mut g, bi), cast(&mut g, bti));
+        let mm = |ta: bool, tb: bool| Op::MatMul {
+            trans_a: ta,
+            trans_b: tb,
+        };
+        // A stack times one matrix (one tall product); transposed right operands broadcast
+        // against the stack (a product per output matrix).
+        let c1 = g.add(mm(false, false), &[al, bl]).unwrap();
+        let c2 = g.add(mm(false, true), &[al, btl]).unwrap();
+        g.set_outputs(vec![back, c1, c2]).unwrap();
+        let params = Arc::new(Store::new(backend.as_ref(), &[]).unwrap());
+        let exe = match Executable::new(backend.clone(), &g, params, None) {
+            Ok(exe) => exe,
+            Err(e) => {
+                let msg = e.to_string();
+                assert!(
+                    matches!(
+                        e,
+                        rlx_ir::Error::Unsupported { .. } | rlx_ir::Error::DType { .. }
+                    ) && msg.contains(&format!("the {} backend", backend.name())),
+                    "{low} products on {}: {msg}",
+                    backend.name()
+                );
+                assert_ne!(
+                    backend.name(),
+                    "cpu",
+                    "the cpu backend runs mixed precision"
+                );
+                return;
+            }
+        };
+        let feeds = [
+            ("x", f32s(&xs)),
+            ("a", f32s(&a)),
+            ("b", f32s(&b)),
+            ("bt", f32s(&bt)),
+        ];
+        let refs: Vec<(&str, &[u8])> = feeds.iter().map(|(n, v)| (*n, v.as_slice())).collect();
+        let got: Vec<Vec<f32>> = exe
+            .run(&refs, None, &[0, 1, 2])
+            .unwrap()
+            .iter()
+            .map(|b| from_bytes(b))
+            .collect();
+        let want: Vec<f64> = cases
+            .iter()
+            .map(|c| if low == DType::BF16 { c.1 } else { c.2 })
+            .collect();
+        for (i, (g, w)) in got[0].iter().zip(&want).enumerate() {
+            let same = (g.is_nan() && w.is_nan()) || *g as f64 == *w;
+            assert!(same, "cast to {low} and back, case {i}: got {g}, want {w}");
+        }
+        close(&got[1], &prod(&a, &b, false, 0, 1), &format!("{low} a @ b"));
+        // (batch, 1, n, k) against a's (batch,): (batch, batch) output matrices.
+        close(
+            &got[2],
+            &prod(&a, &bt, true, n * k, batch),
+            &format!("{low} a @ bt^T"),
+        );
+    }
 }

@@ -126,6 +126,9 @@ pub enum Kernel {
 /// element strides.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Gemm {
+    /// The dtype of `A` and `B` (float32, or bfloat16/float16 under mixed precision); `C` is
+    /// always float32 and the products sum in float32.
+    pub dtype: DType,
     pub ta: bool,
     pub tb: bool,
     pub m: usize,
@@ -340,6 +343,10 @@ pub struct Target {
     /// query rows, 32 query rows and 32 keys), used for head sizes up to 64; other
     /// sizes, and backends without them, run the warp-per-query kernels.
     pub tiled_attention: bool,
+    /// The backend runs mixed precision: float32 <-> bfloat16/float16 casts
+    /// (`rlx_cast_{f2bf,bf2f,f2h,h2f}`) and matrix products of bfloat16/float16 operands into
+    /// float32 ([`Gemm::dtype`]). No other instruction takes a low-precision tensor.
+    pub low_precision: bool,
 }
 
 impl Target {
@@ -347,13 +354,23 @@ impl Target {
         backend: "cuda",
         host_update: false,
         tiled_attention: true,
+        low_precision: true,
     };
 }
 
 /// Checks `program` against buffers of `lens` bytes and lowers it for `target`.
 pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
     crate::validate::validate(program, lens, target.backend)?;
-    crate::validate::dtypes(program, target.backend, &[DType::F32, DType::I32])?;
+    if target.low_precision {
+        crate::validate::dtypes(
+            program,
+            target.backend,
+            &[DType::F32, DType::I32, DType::BF16, DType::F16],
+        )?;
+        low_precision_only_in_products(program, target.backend)?;
+    } else {
+        crate::validate::dtypes(program, target.backend, &[DType::F32, DType::I32])?;
+    }
     let mut b = Builder {
         plan: Plan {
             scratch_bytes: ROWS_AT,
@@ -377,6 +394,46 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
         }
     }
     Ok(b.plan)
+}
+
+/// Under mixed precision a GPU program holds bfloat16/float16 tensors only as casts of float32
+/// ones and as the operands of matrix products (what `rlx_ir::autocast` makes); anything else
+/// on one is refused by name.
+fn low_precision_only_in_products(program: &Program, backend: &str) -> Result<()> {
+    for instr in &program.instrs {
+        let Instr::Op { op, ins, out } = instr else {
+            continue;
+        };
+        let low = |t: &TRef| t.dtype.is_low_precision();
+        let ok = match op {
+            Op::Cast { .. } => {
+                !(low(&ins[0]) && low(out)) && [ins[0].dtype, out.dtype].contains(&DType::F32)
+            }
+            Op::MatMul { .. } | Op::MatMulEpilogue { .. } => {
+                !low(out) && !ins[2..].iter().any(low) && ins[0].dtype == ins[1].dtype
+            }
+            _ => !ins.iter().chain([out]).any(low),
+        };
+        if !ok {
+            let dts: Vec<String> = ins
+                .iter()
+                .map(|t| format!("{} {}", t.dtype, t.shape))
+                .collect();
+            return Err(Error::unsupported(
+                op.name(),
+                format!(
+                    "the {backend} backend runs bfloat16/float16 only in casts from and to float32 \
+                     and in matrix products (mixed precision), not {} on [{}] -> {} {}; run it \
+                     on the cpu or in float32",
+                    op.name(),
+                    dts.join(", "),
+                    out.dtype,
+                    out.shape
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 struct Builder {
@@ -545,7 +602,17 @@ impl Builder {
                 let name = match (ins[0].dtype, to) {
                     (DType::F32, DType::I32) => "rlx_cast_f2i",
                     (DType::I32, DType::F32) => "rlx_cast_i2f",
-                    _ => "rlx_copy32",
+                    (DType::F32, DType::BF16) => "rlx_cast_f2bf",
+                    (DType::BF16, DType::F32) => "rlx_cast_bf2f",
+                    (DType::F32, DType::F16) => "rlx_cast_f2h",
+                    (DType::F16, DType::F32) => "rlx_cast_h2f",
+                    (a, b) if a.size() == 4 && b.size() == 4 => "rlx_copy32",
+                    (a, b) => {
+                        return Err(Error::unsupported(
+                            "cast",
+                            format!("the {} backend has no {a} -> {b} cast", self.target.backend),
+                        ))
+                    }
                 };
                 let n = out.numel();
                 let ops = [(at(&ins[0]), vec![1]), (at(out), vec![1])];
@@ -806,6 +873,7 @@ impl Builder {
                     offset: 0,
                 };
                 self.matmul_at(
+                    ins[0].dtype,
                     (at(&ins[0]), &ad),
                     (at(&ins[1]), &bd),
                     (prod, &pd),
@@ -1262,12 +1330,21 @@ impl Builder {
 
     fn matmul(&mut self, ins: &[TRef], out: &TRef, ta: bool, tb: bool) -> Result<()> {
         let (ad, bd, od) = (ins[0].shape.dims(), ins[1].shape.dims(), out.shape.dims());
-        self.matmul_at((at(&ins[0]), ad), (at(&ins[1]), bd), (at(out), od), ta, tb)
+        let dtype = ins[0].dtype;
+        self.matmul_at(
+            dtype,
+            (at(&ins[0]), ad),
+            (at(&ins[1]), bd),
+            (at(out), od),
+            ta,
+            tb,
+        )
     }
 
-    /// `c = op(a) @ op(b)` for operands given by place and dims.
+    /// `c = op(a) @ op(b)` for operands of `dtype` given by place and dims (`c` float32).
     fn matmul_at(
         &mut self,
+        dtype: DType,
         (a, ad): (Loc, &[usize]),
         (b, bd): (Loc, &[usize]),
         (c, od): (Loc, &[usize]),
@@ -1293,8 +1370,10 @@ impl Builder {
         let batch: usize = ob.iter().product();
         let a_batch: usize = ad[..ad.len() - 2].iter().product();
         let b_batch: usize = bd[..bd.len() - 2].iter().product();
+        let esize = dtype.size();
         // Row-major C = A B is column-major C^T = B^T A^T: cuBLAS's A is our B.
         let g = |rows: usize, batch: usize, sa: usize, sb: usize| Gemm {
+            dtype,
             ta: tb,
             tb: ta,
             m: n,
@@ -1338,7 +1417,7 @@ impl Builder {
                 o += (i % ob[d]) * s[d] as usize;
                 i /= ob[d];
             }
-            o * size * 4
+            o * size * esize
         };
         for bi in 0..batch {
             let mut ai = a;
@@ -1582,26 +1661,98 @@ mod tests {
         );
     }
 
-    /// Tensors of dtypes other than float32 / int32 (even in a cast or a transpose) are a
-    /// `DTypeError` at compile naming the op and the dtype, never a wrong kernel.
+    /// Without mixed precision (Metal), tensors of dtypes other than float32 / int32 (even in a
+    /// cast) are a `DTypeError` at compile naming the op and the dtype, never a wrong kernel.
+    /// With it (CUDA), float16/bfloat16 may only be cast from/to float32 or multiplied.
     #[test]
-    fn other_dtypes_are_refused_at_compile() {
+    fn low_precision_tensors_only_in_casts_and_products() {
         let mut half = t(64, &[2, 3]);
         half.dtype = DType::F16;
-        let prog = Program {
+        let cast = Program {
             instrs: vec![Instr::Op {
                 op: Op::Cast { to: DType::F16 },
                 ins: vec![t(0, &[2, 3])],
-                out: half,
+                out: half.clone(),
             }],
         };
-        let e = plan(&prog, &[256], Target::CUDA).unwrap_err();
+        let metal_like = Target {
+            low_precision: false,
+            ..Target::CUDA
+        };
+        let e = plan(&cast, &[256], metal_like).unwrap_err();
         assert!(matches!(e, rlx_ir::Error::DType { .. }), "{e}");
         let msg = e.to_string();
         assert!(
             msg.starts_with("[cast] the cuda backend supports only float32 and int32 tensors")
                 && msg.contains("float16"),
             "{msg}"
+        );
+        let pl = plan(&cast, &[256], Target::CUDA).unwrap();
+        assert!(matches!(
+            pl.steps[0],
+            Step::Launch {
+                kernel: Kernel::Library("rlx_cast_f2h"),
+                ..
+            }
+        ));
+        let mut half_t = t(128, &[3, 2]);
+        half_t.dtype = DType::F16;
+        let transpose = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Transpose { perm: vec![1, 0] },
+                ins: vec![half],
+                out: half_t,
+            }],
+        };
+        let e = plan(&transpose, &[256], Target::CUDA).unwrap_err();
+        assert!(matches!(e, rlx_ir::Error::Unsupported { .. }), "{e}");
+        assert!(
+            e.to_string().starts_with(
+                "[transpose] the cuda backend runs bfloat16/float16 only in casts from and to \
+                 float32 and in matrix products (mixed precision), not transpose on [float16 (2, 3)]"
+            ),
+            "{e}"
+        );
+    }
+
+    /// A bfloat16 product with batch broadcasting: one float32-output GEMM per output matrix,
+    /// operands stepped in 2-byte elements.
+    #[test]
+    fn bfloat16_products_step_operands_in_two_byte_elements() {
+        let bf = |offset: usize, dims: &[usize]| TRef {
+            dtype: DType::BF16,
+            ..t(offset, dims)
+        };
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::MatMul {
+                    trans_a: false,
+                    trans_b: true,
+                },
+                // (2, 5, 7) @ (2, 1, 3, 7)^T -> (2, 2, 5, 3)
+                ins: vec![bf(0, &[2, 5, 7]), bf(256, &[2, 1, 3, 7])],
+                out: t(512, &[2, 2, 5, 3]),
+            }],
+        };
+        let pl = plan(&prog, &[1024], Target::CUDA).unwrap();
+        let gemms: Vec<_> = pl
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::Gemm { g, a, b, c } => (g.dtype, b.offset, a.offset, c.offset),
+                _ => panic!("{s:?}"),
+            })
+            .collect();
+        // (our a, our b, c) per output matrix (z, y): a[y], b[z], c[(z, y)].
+        let f = DType::BF16;
+        assert_eq!(
+            gemms,
+            [
+                (f, 0, 256, 512),
+                (f, 70, 256, 512 + 60),
+                (f, 0, 256 + 42, 512 + 120),
+                (f, 70, 256 + 42, 512 + 180)
+            ]
         );
     }
 
@@ -1692,6 +1843,7 @@ mod tests {
             backend: "metal",
             host_update: true,
             tiled_attention: false,
+            low_precision: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -1834,6 +1986,7 @@ mod tests {
             backend: "metal",
             host_update: true,
             tiled_attention: false,
+            low_precision: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
