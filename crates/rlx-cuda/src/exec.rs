@@ -109,13 +109,40 @@ fn profile_key(plan: &Plan, i: usize) -> String {
     }
 }
 
+/// The plan target: `RLX_CUDA_ATTENTION=gemm` runs every attention as batched GEMMs,
+/// `=gemm-grad` only gradients, `=fused` none (the register-tiled and warp kernels); unset or
+/// `auto` decides by size (see `Target::gemm_attention`).
+fn target() -> Result<plan::Target> {
+    let cuda = plan::Target::CUDA;
+    let (gemm_attention, gemm_attention_forward) = match std::env::var("RLX_CUDA_ATTENTION")
+        .as_deref()
+        .map(str::trim)
+    {
+        Err(_) | Ok("") | Ok("auto") => (cuda.gemm_attention, cuda.gemm_attention_forward),
+        Ok("gemm") => (Some(0), true),
+        Ok("gemm-grad") => (Some(0), false),
+        Ok("fused") => (None, false),
+        Ok(other) => {
+            return Err(Error::Input {
+                name: "RLX_CUDA_ATTENTION".into(),
+                msg: format!("must be auto, gemm, gemm-grad or fused, got {other:?}"),
+            })
+        }
+    };
+    Ok(plan::Target {
+        gemm_attention,
+        gemm_attention_forward,
+        ..cuda
+    })
+}
+
 fn graphs_enabled() -> bool {
     std::env::var("RLX_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0")
 }
 
 impl CudaProgram {
     pub fn new(dev: Arc<Device>, program: &Program, lens: &[usize]) -> Result<CudaProgram> {
-        let plan = plan::plan(program, lens, plan::Target::CUDA)?;
+        let plan = plan::plan(program, lens, target()?)?;
         let profiling = profile::requested();
         let lib = dev.module(&format!("{}{}", source::PRELUDE, source::LIBRARY))?;
         let fused_mod = if plan.fused.is_empty() {

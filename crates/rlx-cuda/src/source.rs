@@ -118,11 +118,31 @@ extern "C" __global__ void rlx_cast_f2bf(const P p) {
 extern "C" __global__ void rlx_cast_bf2f(const P p) {
   GRID_LOOP(i, p.n) { F(1)[off(p, 1, i)] = __uint_as_float(((unsigned int)H(0)[off(p, 0, i)]) << 16); }
 }
+__device__ __forceinline__ unsigned short rx_f2h(float x) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+  return h;
+}
 extern "C" __global__ void rlx_cast_f2h(const P p) {
+  GRID_LOOP(i, p.n) { H(1)[off(p, 1, i)] = rx_f2h(F(0)[off(p, 0, i)]); }
+}
+/* Contiguous, 16-byte aligned casts four at a time (p.n counts quadruples). */
+extern "C" __global__ void rlx_cast_f2bf_x4(const P p) {
   GRID_LOOP(i, p.n) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(F(0)[off(p, 0, i)]));
-    H(1)[off(p, 1, i)] = h;
+    float4 x = ((const float4*)F(0))[i];
+    uint2 o;
+    o.x = rx_f2bf(x.x) | ((unsigned int)rx_f2bf(x.y) << 16);
+    o.y = rx_f2bf(x.z) | ((unsigned int)rx_f2bf(x.w) << 16);
+    ((uint2*)p.ptr[1])[i] = o;
+  }
+}
+extern "C" __global__ void rlx_cast_f2h_x4(const P p) {
+  GRID_LOOP(i, p.n) {
+    float4 x = ((const float4*)F(0))[i];
+    uint2 o;
+    o.x = rx_f2h(x.x) | ((unsigned int)rx_f2h(x.y) << 16);
+    o.y = rx_f2h(x.z) | ((unsigned int)rx_f2h(x.w) << 16);
+    ((uint2*)p.ptr[1])[i] = o;
   }
 }
 extern "C" __global__ void rlx_cast_h2f(const P p) {
@@ -239,6 +259,56 @@ extern "C" __global__ void rlx_softmax(const P p) {
       float inv = 1.0f / s;
       for (long long j = lane; j < len; j += 32) y[j * inner] = expf(x[j * inner] - m) * inv;
     }
+  }
+}
+/* ---- attention as GEMMs: head-major copies, and the score rows between the products ---- */
+/* Rows of iv[2] contiguous floats: row r = (block, head, row) of [*, iv[0], iv[1]] at
+   st[0] (source) / st[1] (destination) strides [block, head, row]; float4 moves when iv[3]. */
+extern "C" __global__ void rlx_att_copy(const P p) {
+  long long H = p.iv[0], R = p.iv[1], C = p.iv[2], v = p.iv[3] ? 4 : 1, n = p.n * (C / v);
+  GRID_LOOP(i, n) {
+    long long r = i / (C / v), c = (i - r * (C / v)) * v;
+    long long u = r / (H * R), rem = r - u * H * R, h = rem / R, w = rem - h * R;
+    long long so = u * p.st[0][0] + h * p.st[0][1] + w * p.st[0][2] + c;
+    long long d = u * p.st[1][0] + h * p.st[1][1] + w * p.st[1][2] + c;
+    if (v == 4) *(float4*)(F(1) + d) = *(const float4*)(F(0) + so);
+    else F(1)[d] = F(0)[so];
+  }
+}
+/* In place: p = softmax(scale * s) over the keys a causal mask leaves (key j of query i when
+   j <= i + iv[3], iv[2] set), 0 for the others; a row with no key is NaN, as the fused kernels give. */
+extern "C" __global__ void rlx_att_softmax(const P p) {
+  long long L = p.iv[0], S = p.iv[1];
+  float sc = p.fv[0];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
+    long long i = r % L, vis = S;
+    if (p.iv[2]) vis = max(0LL, min(S, i + p.iv[3] + 1));
+    float* x = F(0) + r * S;
+    float m = (-RX_INF);
+    for (long long j = lane; j < vis; j += 32) m = rx_max(m, x[j] * sc);
+    m = warp_max(m);
+    float t = 0.0f;
+    for (long long j = lane; j < vis; j += 32) t += expf(x[j] * sc - m);
+    t = warp_sum(t);
+    float inv = 1.0f / t;
+    for (long long j = lane; j < S; j += 32) x[j] = vis == 0 ? RX_NAN : (j < vis ? expf(x[j] * sc - m) * inv : 0.0f);
+  }
+}
+/* In place over dp (ptr1): ds = scale * p * (dp - sum_j p_j dp_j), p the probabilities (ptr0). */
+extern "C" __global__ void rlx_att_dscore(const P p) {
+  long long S = p.iv[1];
+  float sc = p.fv[0];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
+    const float* pr = F(0) + r * S;
+    float* d = F(1) + r * S;
+    float t = 0.0f;
+    for (long long j = lane; j < S; j += 32) t += pr[j] * d[j];
+    t = warp_sum(t);
+    for (long long j = lane; j < S; j += 32) d[j] = sc * pr[j] * (d[j] - t);
   }
 }
 /* ---- cross-entropy: per-row losses into scratch (ptr2: n losses, then n 0/1 counted flags),
@@ -1148,6 +1218,11 @@ mod tests {
             "rlx_copy32",
             "rlx_cast_f2bf",
             "rlx_cast_h2f",
+            "rlx_cast_f2bf_x4",
+            "rlx_cast_f2h_x4",
+            "rlx_att_softmax",
+            "rlx_att_dscore",
+            "rlx_att_copy",
             "rlx_attention_grad",
             "rlx_att_fwd_64",
             "rlx_att_bwd_q_32",

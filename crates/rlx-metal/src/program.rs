@@ -21,6 +21,8 @@ pub const TARGET: Target = Target {
     host_update: true,
     tiled_attention: false,
     low_precision: false,
+    gemm_attention: None,
+    gemm_attention_forward: false,
 };
 
 /// A program lowered to kernel launches.

@@ -948,7 +948,8 @@ pub fn mixed_precision_matches_reference(backend: &Arc<dyn Backend>) {
     let f = DType::F32;
     let two = |e: i32| 2f64.powi(e);
     // (input, its bfloat16 value, its float16 value).
-    let cases: [(f64, f64, f64); 9] = [
+    // Twelve: a GPU may cast four at a time.
+    let cases: [(f64, f64, f64); 12] = [
         (1.0 + two(-8), 1.0, 1.0 + two(-8)),
         (1.0 + 3.0 * two(-8), 1.0 + two(-6), 1.0 + 3.0 * two(-8)),
         (1.0 + two(-8) + two(-20), 1.0 + two(-7), 1.0 + two(-8)),
@@ -958,6 +959,9 @@ pub fn mixed_precision_matches_reference(backend: &Arc<dyn Backend>) {
         (-two(-24), -two(-24), -two(-24)),
         (two(-25), two(-25), 0.0),
         (f64::NAN, f64::NAN, f64::NAN),
+        (-3.5, -3.5, -3.5),
+        (f64::NEG_INFINITY, f64::NEG_INFINITY, f64::NEG_INFINITY),
+        (two(100), two(100), f64::INFINITY),
     ];
     let xs: Vec<f32> = cases.iter().map(|c| c.0 as f32).collect();
     let (m, k, n, batch) = (5usize, 7usize, 3usize, 2usize);

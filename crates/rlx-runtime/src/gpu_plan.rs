@@ -347,6 +347,13 @@ pub struct Target {
     /// (`rlx_cast_{f2bf,bf2f,f2h,h2f}`) and matrix products of bfloat16/float16 operands into
     /// float32 ([`Gemm::dtype`]). No other instruction takes a low-precision tensor.
     pub low_precision: bool,
+    /// Attention of at least this many multiply-adds (`blocks x heads x L x S x max(E, Ev)`)
+    /// runs as batched GEMMs over head-major copies with the scores materialised (the backend's
+    /// vendor GEMM does the products; [`Builder::attention_gemm`]); `None`: never.
+    pub gemm_attention: Option<usize>,
+    /// Whether the forward pass takes the GEMM path too where the tiled kernels could run it
+    /// (the gradient always does, above the threshold).
+    pub gemm_attention_forward: bool,
 }
 
 impl Target {
@@ -355,6 +362,8 @@ impl Target {
         host_update: false,
         tiled_attention: true,
         low_precision: true,
+        gemm_attention: Some(1 << 24),
+        gemm_attention_forward: true,
     };
 }
 
@@ -434,6 +443,16 @@ fn low_precision_only_in_products(program: &Program, backend: &str) -> Result<()
         }
     }
     Ok(())
+}
+
+/// One attention instruction for [`Builder::attention_gemm`]: `(blocks, heads, L, S, E, Ev)`,
+/// per tensor (q, k, v, o/g, dq, dk, dv) `[block stride, head offset, row stride, base]` in
+/// elements, the scale and the causal offset.
+struct AttentionGemm {
+    dims: (usize, usize, usize, usize, usize, usize),
+    st: [[i64; 4]; 7],
+    scale: f32,
+    causal: Option<i64>,
 }
 
 struct Builder {
@@ -615,7 +634,27 @@ impl Builder {
                     }
                 };
                 let n = out.numel();
-                let ops = [(at(&ins[0]), vec![1]), (at(out), vec![1])];
+                let (src, dst) = (at(&ins[0]), at(out));
+                if ins[0].dtype == DType::F32
+                    && to.is_low_precision()
+                    && n % 4 == 0
+                    && src.offset % 16 == 0
+                    && dst.offset % 16 == 0
+                {
+                    // Four at a time: float4 loads, 8-byte stores.
+                    let x4 = if *to == DType::BF16 {
+                        "rlx_cast_f2bf_x4"
+                    } else {
+                        "rlx_cast_f2h_x4"
+                    };
+                    if n > 0 {
+                        let grid = grid_for(n / 4, THREADS as usize);
+                        let ops = vec![(0, src), (1, dst)];
+                        self.launch(Kernel::Library(x4), grid, THREADS, P::sized(n / 4), ops);
+                    }
+                    return Ok(());
+                }
+                let ops = [(src, vec![1]), (dst, vec![1])];
                 self.map(Kernel::Library(name), &[n], &ops, P::default(), "cast")
             }
             Op::BroadcastTo { .. } => self.copy32(
@@ -1165,8 +1204,27 @@ impl Builder {
         } else {
             (at(&ins[0]), at(&ins[1]), at(&ins[2]))
         };
+        let tiled = self.target.tiled_attention && e <= 64 && ev <= 64;
+        if let Some(min) = self.target.gemm_attention {
+            let forward_too = self.target.gemm_attention_forward || !tiled;
+            if units * h * l * s * e.max(ev) >= min && (grad || forward_too) {
+                // The gradient's inputs: q, k, v, o, g (o is not needed here).
+                let g = match (grad, packed) {
+                    (false, _) => None,
+                    (true, true) => Some(at(&ins[2])),
+                    (true, false) => Some(at(&ins[4])),
+                };
+                let a = AttentionGemm {
+                    dims: (units, h, l, s, e, ev),
+                    st,
+                    scale,
+                    causal,
+                };
+                return self.attention_gemm(&a, [q, k, v], g, at(out));
+            }
+        }
         let mut ops = vec![(0, q), (1, k), (2, v)];
-        if self.target.tiled_attention && e <= 64 && ev <= 64 {
+        if tiled {
             let em = if e.max(ev) <= 32 { 32 } else { 64 };
             let blocks = |n: usize, per: usize| -> Result<u32> {
                 u32::try_from(units * h * n.div_ceil(per)).map_err(|_| {
@@ -1226,6 +1284,198 @@ impl Builder {
             self.launch(Kernel::Library(name), grid_for(rows, 8), THREADS, p, ops);
         }
         Ok(())
+    }
+
+    /// Attention as batched GEMMs (see [`Target::gemm_attention`]): `q`, `k`, `v` (and for
+    /// the gradient `g`, the output's gradient) are copied head-major into the product buffer
+    /// unless they already are, the scores `q k^T` are one batched product, a row kernel turns
+    /// them into probabilities in place (scale, causal mask, softmax), and `p v` is the output.
+    /// The gradient recomputes the probabilities, then `dv = p^T g`, `dp = g v^T`,
+    /// `ds = scale p (dp - rowsum(p dp))` in place, `dq = ds k`, `dk = ds^T q`, each product
+    /// written straight into the output where its layout allows, else copied there.
+    fn attention_gemm(
+        &mut self,
+        a: &AttentionGemm,
+        [q, k, v]: [Loc; 3],
+        g: Option<Loc>,
+        out: Loc,
+    ) -> Result<()> {
+        let (units, h, l, s, e, ev) = a.dims;
+        let bh = units * h;
+        // Workspace in the product buffer, 256-byte aligned pieces.
+        let ws = std::cell::Cell::new(0usize);
+        let alloc = |elems: usize| {
+            let at = Loc {
+                buf: PRODUCT,
+                offset: ws.get(),
+            };
+            ws.set(ws.get() + (elems * 4).div_ceil(256) * 256);
+            at
+        };
+        // Tensor `x` of the description (0 q, 1 k, 2 v, 3 o/g, 4 dq, 5 dk, 6 dv) at `base`:
+        // its [blocks, heads, rows, cols] view.
+        let view = |x: usize, base: Loc, rows: usize, cols: usize| {
+            let [su, sh, sr, b] = a.st[x];
+            let mut at = base;
+            at.offset += b as usize * 4;
+            (at, [units, h, rows, cols], [su, sh, sr, 1i64])
+        };
+        let head_major = |dims: [usize; 4], st: [i64; 4]| {
+            let want = contiguous(&dims);
+            (0..4).all(|d| dims[d] == 1 || st[d] == want[d])
+        };
+        let mut places = Vec::new();
+        let srcs = [(0, q, l, e), (1, k, s, e), (2, v, s, ev)];
+        for (x, base, rows, cols) in srcs.into_iter().chain(g.map(|g| (3, g, l, ev))) {
+            let (at, dims, st) = view(x, base, rows, cols);
+            if head_major(dims, st) {
+                places.push(at);
+            } else {
+                let to = alloc(bh * rows * cols);
+                self.rows_copy(&dims, (at, st), (to, contiguous(&dims)));
+                places.push(to);
+            }
+        }
+        let (qh, kh, vh) = (places[0], places[1], places[2]);
+        let f = DType::F32;
+        let probs = alloc(bh * l * s);
+        self.matmul_at(
+            f,
+            (qh, &[bh, l, e]),
+            (kh, &[bh, s, e]),
+            (probs, &[bh, l, s]),
+            false,
+            true,
+        )?;
+        let mut p = P::sized(bh * l);
+        p.iv[0] = l as i64;
+        p.iv[1] = s as i64;
+        if let Some(off) = a.causal {
+            p.iv[2] = 1;
+            p.iv[3] = off;
+        }
+        p.fv[0] = a.scale;
+        let rows = grid_for(bh * l, 8);
+        self.launch(
+            Kernel::Library("rlx_att_softmax"),
+            rows,
+            THREADS,
+            p.clone(),
+            vec![(0, probs)],
+        );
+        // A product into output tensor `x` (`rows` x `cols` per head): straight there when it
+        // is head-major, else through the product buffer.
+        let into = |b: &mut Self,
+                    x: usize,
+                    rows: usize,
+                    cols: usize,
+                    product: &dyn Fn(&mut Self, Loc) -> Result<()>|
+         -> Result<()> {
+            let (at, dims, st) = view(x, out, rows, cols);
+            if head_major(dims, st) {
+                return product(b, at);
+            }
+            let tmp = alloc(bh * rows * cols);
+            product(b, tmp)?;
+            b.rows_copy(&dims, (tmp, contiguous(&dims)), (at, st));
+            Ok(())
+        };
+        let Some(gh) = g.map(|_| places[3]) else {
+            into(self, 3, l, ev, &|b, o| {
+                b.matmul_at(
+                    f,
+                    (probs, &[bh, l, s]),
+                    (vh, &[bh, s, ev]),
+                    (o, &[bh, l, ev]),
+                    false,
+                    false,
+                )
+            })?;
+            self.plan.product_bytes = self.plan.product_bytes.max(ws.get());
+            return Ok(());
+        };
+        into(self, 6, s, ev, &|b, dv| {
+            b.matmul_at(
+                f,
+                (probs, &[bh, l, s]),
+                (gh, &[bh, l, ev]),
+                (dv, &[bh, s, ev]),
+                true,
+                false,
+            )
+        })?;
+        let ds = alloc(bh * l * s);
+        self.matmul_at(
+            f,
+            (gh, &[bh, l, ev]),
+            (vh, &[bh, s, ev]),
+            (ds, &[bh, l, s]),
+            false,
+            true,
+        )?;
+        self.launch(
+            Kernel::Library("rlx_att_dscore"),
+            rows,
+            THREADS,
+            p,
+            vec![(0, probs), (1, ds)],
+        );
+        into(self, 4, l, e, &|b, dq| {
+            b.matmul_at(
+                f,
+                (ds, &[bh, l, s]),
+                (kh, &[bh, s, e]),
+                (dq, &[bh, l, e]),
+                false,
+                false,
+            )
+        })?;
+        into(self, 5, s, e, &|b, dk| {
+            b.matmul_at(
+                f,
+                (ds, &[bh, l, s]),
+                (qh, &[bh, l, e]),
+                (dk, &[bh, s, e]),
+                true,
+                false,
+            )
+        })?;
+        self.plan.product_bytes = self.plan.product_bytes.max(ws.get());
+        Ok(())
+    }
+
+    /// Copies the rows of a `[blocks, heads, rows, cols]` tensor (contiguous columns) between
+    /// two layouts given by element strides; float4 moves where both sides allow them.
+    fn rows_copy(
+        &mut self,
+        dims: &[usize; 4],
+        src: (Loc, impl AsRef<[i64]>),
+        dst: (Loc, impl AsRef<[i64]>),
+    ) {
+        let (ss, ds) = (src.1.as_ref(), dst.1.as_ref());
+        let n = dims[0] * dims[1] * dims[2];
+        if n * dims[3] == 0 {
+            return;
+        }
+        let mut p = P::sized(n);
+        p.iv[0] = dims[1] as i64;
+        p.iv[1] = dims[2] as i64;
+        p.iv[2] = dims[3] as i64;
+        p.st[0][..3].copy_from_slice(&ss[..3]);
+        p.st[1][..3].copy_from_slice(&ds[..3]);
+        let vec4 = dims[3] % 4 == 0
+            && ss[..3].iter().chain(&ds[..3]).all(|s| s % 4 == 0)
+            && src.0.offset % 16 == 0
+            && dst.0.offset % 16 == 0;
+        p.iv[3] = vec4 as i64;
+        let per = if vec4 { dims[3] / 4 } else { dims[3] };
+        self.launch(
+            Kernel::Library("rlx_att_copy"),
+            grid_for(n * per, THREADS as usize),
+            THREADS,
+            p,
+            vec![(0, src.0), (1, dst.0)],
+        );
     }
 
     fn reduce(&mut self, r: ReduceOp, x: &TRef, axes: &[usize], out: &TRef) -> Result<()> {
@@ -1844,6 +2094,8 @@ mod tests {
             host_update: true,
             tiled_attention: false,
             low_precision: false,
+            gemm_attention: None,
+            gemm_attention_forward: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -1987,6 +2239,8 @@ mod tests {
             host_update: true,
             tiled_attention: false,
             low_precision: false,
+            gemm_attention: None,
+            gemm_attention_forward: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
@@ -2041,6 +2295,87 @@ mod tests {
             ]
         );
         assert!(pl.scratch_bytes >= ROWS_AT + 2 * 70 * 8);
+    }
+
+    /// Attention as GEMMs: separate head-major operands and gradients are used and written in
+    /// place (no copies); packed ones are copied head-major into the product buffer and back.
+    #[test]
+    fn gemm_attention_reads_and_writes_in_place_where_head_major() {
+        let gemm = Target {
+            gemm_attention: Some(0),
+            ..Target::CUDA
+        };
+        let name = |s: &Step| match s {
+            Step::Launch {
+                kernel: Kernel::Library(k),
+                ..
+            } => k.to_string(),
+            Step::Gemm { g, c, .. } => {
+                format!("gemm m{} n{} k{} x{} -> {c:?}", g.m, g.n, g.k, g.batch)
+            }
+            other => panic!("{other:?}"),
+        };
+        let (q, kv) = (2 * 70 * 40 * 4, 2 * 33 * 40 * 4);
+        let dout = 3 * q + 2 * kv;
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::AttentionGrad {
+                    scale: 0.25,
+                    causal: Some(1),
+                    heads: None,
+                },
+                ins: vec![
+                    t(0, &[2, 70, 40]),
+                    t(q, &[2, 33, 40]),
+                    t(q + kv, &[2, 33, 40]),
+                    t(q + 2 * kv, &[2, 70, 40]),
+                    t(2 * q + 2 * kv, &[2, 70, 40]),
+                ],
+                out: t(dout, &[q / 4 + 2 * kv / 4]),
+            }],
+        };
+        let pl = plan(&prog, &[4 * q + 4 * kv], gemm).unwrap();
+        let names: Vec<String> = pl.steps.iter().map(name).collect();
+        let loc = |buf: usize, offset: usize| format!("{:?}", Loc { buf, offset });
+        // Column-major (cuBLAS) terms: m and n are our product's columns and rows.
+        let probs = loc(PRODUCT, 0);
+        let ds = loc(PRODUCT, (2 * 70 * 33 * 4usize).div_ceil(256) * 256);
+        assert_eq!(
+            names,
+            [
+                format!("gemm m33 n70 k40 x2 -> {probs}"),
+                "rlx_att_softmax".into(),
+                format!("gemm m40 n33 k70 x2 -> {}", loc(0, dout + q + kv)),
+                format!("gemm m33 n70 k40 x2 -> {ds}"),
+                "rlx_att_dscore".into(),
+                format!("gemm m40 n70 k33 x2 -> {}", loc(0, dout)),
+                format!("gemm m40 n33 k70 x2 -> {}", loc(0, dout + q)),
+            ]
+        );
+        // The packed forward of a GPT block: q, k, v gathered, the output scattered.
+        let (b, tt, hh, e) = (2, 5, 3, 4);
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Attention {
+                    scale: 0.5,
+                    causal: Some(0),
+                    heads: Some(hh),
+                },
+                ins: vec![t(0, &[b, tt, 3 * hh * e])],
+                out: t(2048, &[b, tt, hh * e]),
+            }],
+        };
+        let pl = plan(&prog, &[4096], gemm).unwrap();
+        let names: Vec<String> = pl.steps.iter().map(name).collect();
+        assert_eq!(names[..3], ["rlx_att_copy", "rlx_att_copy", "rlx_att_copy"]);
+        assert_eq!(names[4], "rlx_att_softmax");
+        assert_eq!(names[6], "rlx_att_copy");
+        assert_eq!(names.len(), 7);
+        let Step::Launch { p, .. } = &pl.steps[4] else {
+            panic!()
+        };
+        assert_eq!((p.n, p.iv[0], p.iv[1], p.iv[2], p.iv[3]), (30, 5, 5, 1, 0));
+        assert!(pl.product_bytes >= 4 * 6 * 5 * 4 * 4 + 6 * 5 * 5 * 4);
     }
 
     #[test]
