@@ -82,7 +82,11 @@ impl MetalBackend {
         }
     }
     /// A backend whose programs are compiled with `options`, whatever the environment says.
-    pub fn with_options(device: MetalDevice, host_update: HostUpdate, options: MetalOptions) -> Self {
+    pub fn with_options(
+        device: MetalDevice,
+        host_update: HostUpdate,
+        options: MetalOptions,
+    ) -> Self {
         Self {
             device,
             host_update,

@@ -424,7 +424,9 @@ impl Gpu for HostGpu {
                         .exe
                         .as_any()
                         .downcast_ref::<HostMatmul>()
-                        .ok_or_else(|| Error::Internal("a foreign matmul on the host GPU".into()))?;
+                        .ok_or_else(|| {
+                            Error::Internal("a foreign matmul on the host GPU".into())
+                        })?;
                     // The same product from the key alone, on the GEMM kernel.
                     let [ab, bb, cb] = mm.key.bytes();
                     let at = |(buf, off): (&Arc<dyn GpuBuffer>, usize), bytes: usize| {

@@ -384,7 +384,10 @@ mod tests {
         assert_eq!(MatmulPolicy::parse(None).unwrap(), MatmulPolicy::default());
         assert_eq!(MatmulPolicy::parse(Some("0")).unwrap(), MatmulPolicy::OFF);
         assert_eq!(MatmulPolicy::parse(Some("off")).unwrap(), MatmulPolicy::OFF);
-        assert_eq!(MatmulPolicy::parse(Some(" all ")).unwrap(), MatmulPolicy::ALL);
+        assert_eq!(
+            MatmulPolicy::parse(Some(" all ")).unwrap(),
+            MatmulPolicy::ALL
+        );
         let e = MatmulPolicy::parse(Some("yes")).unwrap_err();
         assert!(matches!(e, Error::Input { .. }), "{e}");
         assert!(e.to_string().contains("RLX_METAL_MPSGRAPH"), "{e}");
@@ -392,7 +395,10 @@ mod tests {
         let small = key_of(&gemm(8, 8, 8, 1));
         let p = MatmulPolicy::default();
         assert!(p.route(big.clone()).is_ok());
-        assert!(p.route(small.clone()).unwrap_err().contains("below the engine's threshold"));
+        assert!(p
+            .route(small.clone())
+            .unwrap_err()
+            .contains("below the engine's threshold"));
         assert!(MatmulPolicy::ALL.route(small).is_ok());
         assert!(MatmulPolicy::OFF.route(big).unwrap_err().contains("off"));
     }
@@ -404,7 +410,13 @@ mod tests {
         assert_eq!(segments(&[false, false]), vec![Kernels(0..2)]);
         assert_eq!(
             segments(&[true, false, false, true, true, false]),
-            vec![Matmul(0), Kernels(1..3), Matmul(3), Matmul(4), Kernels(5..6)]
+            vec![
+                Matmul(0),
+                Kernels(1..3),
+                Matmul(3),
+                Matmul(4),
+                Kernels(5..6)
+            ]
         );
     }
 

@@ -22,18 +22,18 @@ use objc2::rc::Retained;
 use objc2::runtime::ProtocolObject;
 use objc2::AnyThread;
 use objc2_foundation::{NSArray, NSDictionary, NSError, NSNumber, NSString};
+use objc2_metal::{
+    MTLBlitCommandEncoder, MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder,
+    MTLCommandQueue, MTLCompileOptions, MTLComputeCommandEncoder, MTLComputePipelineState,
+    MTLCreateSystemDefaultDevice, MTLDevice, MTLLibrary, MTLResourceOptions, MTLResourceUsage,
+    MTLSharedEvent, MTLSize,
+};
 use objc2_metal_performance_shaders::{
     MPSCommandBuffer, MPSDataType, MPSNDArray, MPSNDArrayDescriptor,
 };
 use objc2_metal_performance_shaders_graph::{
     MPSGraph, MPSGraphDevice, MPSGraphExecutable, MPSGraphShapedType, MPSGraphTensor,
     MPSGraphTensorData,
-};
-use objc2_metal::{
-    MTLBlitCommandEncoder, MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder,
-    MTLCommandQueue, MTLCompileOptions, MTLComputeCommandEncoder, MTLComputePipelineState,
-    MTLCreateSystemDefaultDevice, MTLDevice, MTLLibrary, MTLResourceOptions, MTLResourceUsage,
-    MTLSharedEvent, MTLSize,
 };
 use rlx_ir::{Error, Result};
 use std::any::Any;
@@ -346,11 +346,7 @@ impl Gpu for MetalGpu {
         }
         Ok(Arc::new(SysLibrary { pipelines }))
     }
-    fn matmul(
-        &self,
-        key: MatmulKey,
-        _library: &Arc<dyn GpuLibrary>,
-    ) -> Result<Arc<dyn GpuMatmul>> {
+    fn matmul(&self, key: MatmulKey, _library: &Arc<dyn GpuLibrary>) -> Result<Arc<dyn GpuMatmul>> {
         let [sa, sb, _] = key.shapes();
         // SAFETY: graph construction from valid shapes and tensors of this graph; compile
         // blocks until the executable is built.
@@ -377,9 +373,8 @@ impl Gpu for MetalGpu {
                 b.clone()
             };
             // [a_batch, m, k] x [b_batch, k, n] broadcasts to [batch, m, n]
-            let c = graph.matrixMultiplicationWithPrimaryTensor_secondaryTensor_name(
-                &op_a, &op_b, None,
-            );
+            let c = graph
+                .matrixMultiplicationWithPrimaryTensor_secondaryTensor_name(&op_a, &op_b, None);
             let ty = |s: &[usize]| {
                 MPSGraphShapedType::initWithShape_dataType(
                     MPSGraphShapedType::alloc(),
@@ -391,13 +386,14 @@ impl Gpu for MetalGpu {
             let keys: [&MPSGraphTensor; 2] = [&a, &b];
             let feeds = NSDictionary::from_slices(&keys, &[&*ta, &*tb]);
             let gdev = MPSGraphDevice::deviceWithMTLDevice(&self.device);
-            let exe = graph.compileWithDevice_feeds_targetTensors_targetOperations_compilationDescriptor(
-                Some(&gdev),
-                &feeds,
-                &NSArray::from_slice(&[&*c]),
-                None,
-                None,
-            );
+            let exe = graph
+                .compileWithDevice_feeds_targetTensors_targetOperations_compilationDescriptor(
+                    Some(&gdev),
+                    &feeds,
+                    &NSArray::from_slice(&[&*c]),
+                    None,
+                    None,
+                );
             let order = exe
                 .feedTensors()
                 .ok_or_else(|| missing("MPSGraphExecutable feedTensors"))?;
@@ -408,7 +404,10 @@ impl Gpu for MetalGpu {
                 )));
             }
             let first = order.objectAtIndex(0);
-            (exe, std::ptr::eq(Retained::as_ptr(&first), Retained::as_ptr(&a)))
+            (
+                exe,
+                std::ptr::eq(Retained::as_ptr(&first), Retained::as_ptr(&a)),
+            )
         };
         Ok(Arc::new(SysMatmul {
             key,
@@ -447,12 +446,10 @@ impl Gpu for MetalGpu {
                             MTLResourceUsage::Read | MTLResourceUsage::Write,
                         );
                     }
-                    let r = work[range]
-                        .iter()
-                        .try_for_each(|w| match w {
-                            Work::Kernel(d) => encode_dispatch(&enc, d),
-                            Work::Matmul(_) => Err(Error::Internal("a matmul in a kernel run".into())),
-                        });
+                    let r = work[range].iter().try_for_each(|w| match w {
+                        Work::Kernel(d) => encode_dispatch(&enc, d),
+                        Work::Matmul(_) => Err(Error::Internal("a matmul in a kernel run".into())),
+                    });
                     enc.endEncoding();
                     r?;
                 }
@@ -464,7 +461,9 @@ impl Gpu for MetalGpu {
                         .exe
                         .as_any()
                         .downcast_ref::<SysMatmul>()
-                        .ok_or_else(|| Error::Internal("a foreign matmul on a Metal device".into()))?;
+                        .ok_or_else(|| {
+                            Error::Internal("a foreign matmul on a Metal device".into())
+                        })?;
                     let [sa, sb, sc] = mm.key.shapes();
                     let a = tensor_data(sys_buffer(call.a.0)?, call.a.1, &sa)?;
                     let b = tensor_data(sys_buffer(call.b.0)?, call.b.1, &sb)?;
@@ -475,12 +474,13 @@ impl Gpu for MetalGpu {
                     // submission) with the shapes the executable was compiled for; no compute
                     // encoder is open on the command buffer.
                     unsafe {
-                        mm.exe.encodeToCommandBuffer_inputsArray_resultsArray_executionDescriptor(
-                            &mps,
-                            &NSArray::from_retained_slice(&inputs),
-                            Some(&NSArray::from_retained_slice(&[c])),
-                            None,
-                        );
+                        mm.exe
+                            .encodeToCommandBuffer_inputsArray_resultsArray_executionDescriptor(
+                                &mps,
+                                &NSArray::from_retained_slice(&inputs),
+                                Some(&NSArray::from_retained_slice(&[c])),
+                                None,
+                            );
                     }
                     // The encode may have committed and continued: follow the current buffer.
                     // SAFETY: as above.

@@ -3,6 +3,7 @@
 //! device-side waits. Skipped, with a message, where there is no C++ compiler.
 use crate::gpu::Dispatch;
 use crate::kernels::{self, Gemm};
+use crate::matmul::MatmulPolicy;
 use crate::{host, MetalBuffer, MetalDevice};
 use rlx_ir::{AsyncCopy, BarrierToken, Error};
 use rlx_runtime::gpu_plan::P;
@@ -433,14 +434,30 @@ type MatMulCase = (
 fn matmul_programs_match_the_cpu_backend() {
     use rlx_ir::{DType, Op, Shape};
     let Some(dev) = device() else { return };
-    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
-    let cases: [MatMulCase; 4] = [
+    let cases: [MatMulCase; 7] = [
         (&[5, 7], &[7, 6], &[5, 6], false, false),
         (&[7, 5], &[6, 7], &[5, 6], true, true),
         (&[3, 4, 9], &[9, 2], &[3, 4, 2], false, false),
         (&[2, 6, 3], &[2, 5, 6], &[2, 3, 5], true, true),
+        (&[4, 3], &[2, 3, 5], &[2, 4, 5], false, false),
+        (&[2, 3, 4], &[5, 4], &[2, 3, 5], false, true),
+        // numpy batch broadcasting: one GEMM per output matrix, at offsets
+        (&[2, 1, 3, 4], &[1, 3, 4, 2], &[2, 3, 3, 2], false, false),
     ];
-    for (ad, bd, od, ta, tb) in cases {
+    // on the MSL kernel, and on the engine (the host runs it from the key alone)
+    let policies = [MatmulPolicy::OFF, MatmulPolicy::ALL];
+    for ((ad, bd, od, ta, tb), policy) in cases
+        .iter()
+        .flat_map(|c| policies.iter().map(move |p| (*c, *p)))
+    {
+        let metal = crate::MetalBackend::with_options(
+            dev.clone(),
+            rlx_cpu::host_update,
+            crate::MetalOptions {
+                matmul: policy,
+                update: crate::UpdateMode::Kernel,
+            },
+        );
         let (na, nb, no) = (
             ad.iter().product::<usize>(),
             bd.iter().product::<usize>(),
@@ -469,6 +486,108 @@ fn matmul_programs_match_the_cpu_backend() {
         assert!(want[na + nb..].iter().any(|&x| x != 0.0));
         close(&got, &want, 1e-4);
     }
+}
+
+fn matmul_program(m: usize, k: usize, n: usize) -> (Program, usize) {
+    use rlx_ir::{DType, Op, Shape};
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    let program = Program {
+        instrs: vec![Instr::Op {
+            op: Op::MatMul {
+                trans_a: false,
+                trans_b: true,
+            },
+            ins: vec![r(0, &[m, k]), r(m * k, &[n, k])],
+            out: r(m * k + n * k, &[m, n]),
+        }],
+    };
+    (program, (m * k + n * k + m * n) * 4)
+}
+
+#[test]
+fn planned_gemms_are_routed_with_reasons_and_compiled_once_per_key() {
+    use crate::matmul::{MatmulKey, MatmulPolicy};
+    use crate::program::{MatmulRoute, MetalProgram};
+    let Some(dev) = device() else { return };
+    let opts = |matmul| crate::MetalOptions {
+        matmul,
+        update: crate::UpdateMode::Kernel,
+    };
+    let compile = |m, k, n, policy| {
+        let (program, bytes) = matmul_program(m, k, n);
+        MetalProgram::new(
+            dev.clone(),
+            &program,
+            &[bytes],
+            rlx_cpu::host_update,
+            opts(policy),
+        )
+        .unwrap()
+    };
+    let before = dev.matmuls_compiled();
+    let big = compile(80, 72, 64, MatmulPolicy::default());
+    let key = MatmulKey {
+        batch: 1,
+        a_batch: 1,
+        b_batch: 1,
+        m: 80,
+        n: 64,
+        k: 72,
+        ta: false,
+        tb: true,
+    };
+    assert_eq!(big.matmul_routes(), &[(0, MatmulRoute::Engine(key))]);
+    assert_eq!(dev.matmuls_compiled(), before + 1);
+    // the same shapes at other offsets, in another program: the cached executable
+    let again = compile(80, 72, 64, MatmulPolicy::ALL);
+    assert_eq!(again.matmul_routes(), big.matmul_routes());
+    assert_eq!(dev.matmuls_compiled(), before + 1);
+    let small = compile(8, 8, 8, MatmulPolicy::default());
+    let [(0, MatmulRoute::Kernel(why))] = small.matmul_routes() else {
+        panic!("{:?}", small.matmul_routes())
+    };
+    assert!(why.contains("below the engine's threshold"), "{why}");
+    let off = compile(80, 72, 64, MatmulPolicy::OFF);
+    let [(0, MatmulRoute::Kernel(why))] = off.matmul_routes() else {
+        panic!("{:?}", off.matmul_routes())
+    };
+    assert!(why.contains("off"), "{why}");
+    assert_eq!(dev.matmuls_compiled(), before + 1);
+}
+
+#[test]
+fn engine_arrays_past_their_buffer_are_refused() {
+    use crate::gpu::{MatmulCall, Work};
+    use crate::matmul::MatmulKey;
+    let Some(dev) = device() else { return };
+    let key = MatmulKey {
+        batch: 1,
+        a_batch: 1,
+        b_batch: 1,
+        m: 4,
+        n: 4,
+        k: 4,
+        ta: false,
+        tb: false,
+    };
+    let exe = dev.matmul(key).unwrap();
+    let buf = dev.alloc(64 * 3).unwrap();
+    let call = |c_off| {
+        Work::Matmul(MatmulCall {
+            exe: exe.as_ref(),
+            a: (buf.gpu(), 0),
+            b: (buf.gpu(), 64),
+            c: (buf.gpu(), c_off),
+        })
+    };
+    dev.run_work(None, &[call(128)], &[&buf]).unwrap();
+    let e = dev.run_work(None, &[call(132)], &[&buf]).unwrap_err();
+    assert!(e.to_string().contains("past a buffer of 192"), "{e}");
 }
 
 #[test]
