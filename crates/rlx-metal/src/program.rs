@@ -106,13 +106,13 @@ impl MetalProgram {
                     }
                     may_fail |= operands.iter().any(|(_, l)| *l == err_at);
                 }
-                Step::HyperRow { .. } | Step::HostUpdate(_) => {
-                    if (options.update == UpdateMode::Host) != matches!(s, Step::HostUpdate(_)) {
-                        return Err(Error::Internal(format!(
-                            "[metal] the plan's update does not match update mode {:?}",
-                            options.update
-                        )));
-                    }
+                Step::HyperRow { .. } | Step::HostUpdate(_)
+                    if (options.update == UpdateMode::Host) != matches!(s, Step::HostUpdate(_)) =>
+                {
+                    return Err(Error::Internal(format!(
+                        "[metal] the plan's update does not match update mode {:?}",
+                        options.update
+                    )));
                 }
                 _ => {}
             }
