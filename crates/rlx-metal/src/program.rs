@@ -144,6 +144,9 @@ impl MetalProgram {
                     routes.push((i, MatmulRoute::Engine(key)));
                 }
                 Err(why) => {
+                    if std::env::var("RLX_METAL_DEBUG").is_ok_and(|v| v == "1") {
+                        eprintln!("rlx metal: GEMM at step {i} on the MSL kernel: {why}");
+                    }
                     engine.push(None);
                     routes.push((i, MatmulRoute::Kernel(why)));
                 }
