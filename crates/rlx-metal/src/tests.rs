@@ -639,3 +639,37 @@ fn fused_programs_with_broadcast_operands_match_the_cpu_backend() {
         );
     }
 }
+
+#[test]
+fn update_mode_from_the_environment_value() {
+    use crate::UpdateMode;
+    assert_eq!(UpdateMode::parse(None).unwrap(), UpdateMode::Kernel);
+    assert_eq!(UpdateMode::parse(Some("")).unwrap(), UpdateMode::Kernel);
+    assert_eq!(
+        UpdateMode::parse(Some("kernel")).unwrap(),
+        UpdateMode::Kernel
+    );
+    assert_eq!(UpdateMode::parse(Some(" host")).unwrap(), UpdateMode::Host);
+    let e = UpdateMode::parse(Some("gpu")).unwrap_err();
+    assert!(matches!(e, Error::Input { .. }), "{e}");
+    assert!(e.to_string().contains("RLX_METAL_UPDATE"), "{e}");
+    assert!(e.to_string().contains("\"gpu\""), "{e}");
+}
+
+#[test]
+fn the_update_kernels_thread_counts_follow_their_records() {
+    let mut p = P::sized(2049);
+    assert_eq!(kernels::threads("rlx_sumsq", &p).unwrap(), 3);
+    p.iv[2] = 5; // chunks of the update table
+    assert_eq!(
+        kernels::threads("rlx_update_multi", &p).unwrap(),
+        5 * kernels::UPDATE_LANES
+    );
+    assert_eq!(kernels::threads("rlx_update_ctrl", &p).unwrap(), 1);
+    assert_eq!(kernels::threads("rlx_update_finish", &p).unwrap(), 1);
+    assert_eq!(kernels::threads("rlx_accumulate", &p).unwrap(), 2049);
+    // the MSL source's constants are the ones the thread counts assume
+    let chunk = format!("#define RX_SUMSQ_CHUNK {}", kernels::SUMSQ_CHUNK);
+    let lanes = format!("#define RX_UPDATE_LANES {}", kernels::UPDATE_LANES);
+    assert!(kernels::LIBRARY.contains(&chunk) && kernels::LIBRARY.contains(&lanes));
+}
