@@ -53,13 +53,15 @@ pub trait GpuMatmul: Send + Sync + Any {
     fn as_any(&self) -> &dyn Any;
 }
 
-/// One engine matmul: `exe` over packed arrays at byte offsets of shared buffers (A, B read;
-/// C written), each spanning `exe.key().bytes()` from its offset (checked by the caller).
+/// One engine matmul: `exe` over packed arrays at byte offsets of shared buffers (A, B and the
+/// bias, where the key's epilogue has one, read; C written), each spanning
+/// `exe.key().bytes()` (the bias `n` floats) from its offset.
 pub struct MatmulCall<'a> {
     pub exe: &'a dyn GpuMatmul,
     pub a: (&'a Arc<dyn GpuBuffer>, usize),
     pub b: (&'a Arc<dyn GpuBuffer>, usize),
     pub c: (&'a Arc<dyn GpuBuffer>, usize),
+    pub bias: Option<(&'a Arc<dyn GpuBuffer>, usize)>,
 }
 
 /// One item of a compute submission, run in order after the items before it.

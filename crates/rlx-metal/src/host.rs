@@ -443,6 +443,34 @@ impl Gpu for HostGpu {
                         .as_gemm(at(call.a, ab)?, at(call.b, bb)?, at(call.c, cb)?);
                     let (record, threads) = g.record()?;
                     dispatch(mm.library.as_ref(), "rlx_gemm_f32", &record, threads)?;
+                    let e = mm.key.epilogue;
+                    if !e.is_none() {
+                        let n = mm.key.n;
+                        let bias = match (e.bias, call.bias) {
+                            (true, Some(b)) => Some(at(b, n * 4)? as usize as *const f32),
+                            (false, None) => None,
+                            _ => {
+                                return Err(Error::Internal(
+                                    "an engine matmul's bias does not match its key".into(),
+                                ))
+                            }
+                        };
+                        let c = at(call.c, cb)? as usize as *mut f32;
+                        for i in 0..cb / 4 {
+                            // SAFETY: C spans `cb` bytes and the bias `n` floats inside their
+                            // buffers (checked by `at`); the GEMM above has completed.
+                            unsafe {
+                                let mut v = *c.add(i);
+                                if let Some(b) = bias {
+                                    v += *b.add(i % n);
+                                }
+                                if let Some(act) = e.act {
+                                    v = act.apply(v);
+                                }
+                                *c.add(i) = v;
+                            }
+                        }
+                    }
                 }
             }
         }

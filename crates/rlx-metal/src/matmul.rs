@@ -1,19 +1,22 @@
 //! The matrix engine's decisions, platform-neutral: which planned GEMMs run as a compiled
 //! matrix-multiplication graph (MPSGraph on Apple, `crate::sys`) instead of the MSL GEMM
 //! kernel, whether a GEMM's operands can be expressed as packed arrays over the arena at their
-//! byte offsets, the key an executable is compiled and cached under, the policy that turns the
+//! byte offsets, which matmul epilogues (bias, activation) the executable computes too, the key
+//! an executable is compiled and cached under, the policy that turns the
 //! engine off (`RLX_METAL_MPSGRAPH`), and the command-buffer bookkeeping around an encode that
 //! may commit and continue the command buffer. Tested on Linux against the host GPU, which runs
 //! each engine matmul through the MSL GEMM kernel rebuilt from the key alone.
 use crate::kernels::Gemm;
-use rlx_ir::{Error, Result};
+use rlx_ir::{BinaryOp, Error, Fused, FusedStep, Result, UnaryOp};
+use rlx_runtime::gpu_plan::P;
 use std::ops::Range;
 
 /// A matmul as the engine compiles it, in row-major terms: `C[z] = op(A[z]) op(B[z])` for
 /// `z < batch`, with `A` stored packed as `a_batch` matrices of `m x k` (`k x m` when `ta`),
 /// `B` as `b_batch` matrices of `k x n` (`n x k` when `tb`) and `C` as `batch` matrices of
 /// `m x n`. `a_batch` and `b_batch` are 1 (one matrix for every product) or `batch`. Offsets
-/// are not part of the key: one executable serves every placement of the same shapes.
+/// are not part of the key: one executable serves every placement of the same shapes. With an
+/// epilogue, `C = act(op(A) op(B) + bias)`, the bias a vector of `n` broadcast over every row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MatmulKey {
     pub batch: usize,
@@ -24,12 +27,118 @@ pub struct MatmulKey {
     pub k: usize,
     pub ta: bool,
     pub tb: bool,
+    pub epilogue: Epilogue,
+}
+
+/// An activation the engine applies after the product (and bias).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activation {
+    Relu,
+    Tanh,
+    Sigmoid,
+}
+
+impl Activation {
+    /// The activation of one float32 value, as the MSL kernels compute it (the host engine).
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Activation::Relu => {
+                if x < 0.0 {
+                    0.0
+                } else {
+                    x
+                }
+            }
+            Activation::Tanh => x.tanh(),
+            Activation::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        }
+    }
+}
+
+/// What the engine computes after the product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Epilogue {
+    /// `+ bias`, a packed vector of `n` float32 (the executable's third feed).
+    pub bias: bool,
+    pub act: Option<Activation>,
+}
+
+impl Epilogue {
+    pub fn is_none(&self) -> bool {
+        !self.bias && self.act.is_none()
+    }
+}
+
+fn activation(op: UnaryOp) -> Option<Activation> {
+    match op {
+        UnaryOp::Relu => Some(Activation::Relu),
+        UnaryOp::Tanh => Some(Activation::Tanh),
+        UnaryOp::Sigmoid => Some(Activation::Sigmoid),
+        _ => None,
+    }
+}
+
+/// The engine's form of a planned matmul epilogue — the fused launch `f` with record `p` (the
+/// product its operand 0, contiguous; the result its operand `f.n_inputs`) — over products of
+/// `n` columns, or why it has none (the epilogue then stays an MSL kernel after an engine or
+/// kernel product). The engine takes `act(product)`, `product + bias` and
+/// `act(product + bias)` for relu, tanh and sigmoid, the bias a packed vector of `n` read
+/// again for every row.
+pub fn epilogue_of(f: &Fused, p: &P, n: usize) -> std::result::Result<Epilogue, String> {
+    let no = || format!("the epilogue {f} is not bias + relu/tanh/sigmoid");
+    let (bias, rest) = match (f.n_inputs, f.steps.as_slice()) {
+        (1, [FusedStep::Unary(op, 0)]) => {
+            return Ok(Epilogue {
+                bias: false,
+                act: Some(activation(*op).ok_or_else(no)?),
+            })
+        }
+        (2, [FusedStep::Binary(BinaryOp::Add, a, b), rest @ ..])
+            if (*a, *b) == (0, 1) || (*a, *b) == (1, 0) =>
+        {
+            (true, rest)
+        }
+        _ => return Err(no()),
+    };
+    let act = match rest {
+        [] => None,
+        [FusedStep::Unary(op, 2)] => Some(activation(*op).ok_or_else(no)?),
+        _ => return Err(no()),
+    };
+    let o = f.n_inputs;
+    if p.mode[0] != 1 || p.mode[o] != 1 {
+        return Err("the epilogue's product or result is not contiguous".into());
+    }
+    if bias {
+        // The bias must read element i % n at element i: packed trailing dims spanning n, the
+        // leading ones broadcast (stride 0).
+        let rank = usize::try_from(p.rank).unwrap_or(0);
+        let (mut tail, mut d) = (1usize, rank);
+        while d > 0 && tail < n {
+            d -= 1;
+            if p.st[1][d] != tail as i64 {
+                return Err(format!("the epilogue's bias is not a packed vector of {n}"));
+            }
+            tail *= usize::try_from(p.dims[d]).unwrap_or(0);
+        }
+        if tail != n || p.st[1][..d].iter().any(|&s| s != 0) {
+            return Err(format!(
+                "the epilogue's bias is not a vector of {n} for every row"
+            ));
+        }
+    }
+    Ok(Epilogue { bias, act })
 }
 
 /// The most elements one engine array may hold (MPSNDArray's limit: below 2^31).
 pub const MAX_ARRAY_ELEMENTS: usize = (1 << 31) - 1;
 
 impl MatmulKey {
+    /// The bias's shape as a feed: `[1, 1, n]`, broadcast over batches and rows.
+    pub fn bias_shape(&self) -> [usize; 3] {
+        [1, 1, self.n]
+    }
+
     /// The stored shapes `[batches, rows, cols]` of A, B and C (slowest dimension first).
     pub fn shapes(&self) -> [[usize; 3]; 3] {
         let a = if self.ta {
@@ -145,6 +254,7 @@ pub fn key_of(g: &Gemm) -> std::result::Result<MatmulKey, String> {
         k,
         ta,
         tb,
+        epilogue: Epilogue::default(),
     };
     for (what, s) in ["A", "B", "C"].iter().zip(key.shapes()) {
         let count = s.iter().product::<usize>();
@@ -317,6 +427,7 @@ mod tests {
             k,
             ta: false,
             tb: false,
+            epilogue: Epilogue::default(),
         }
         .as_gemm(0, 0, 0)
     }
@@ -335,6 +446,7 @@ mod tests {
                         k: 3,
                         ta,
                         tb,
+                        epilogue: Epilogue::default(),
                     };
                     assert_eq!(key_of(&key.as_gemm(1, 2, 3)), Ok(key), "{key:?}");
                 }

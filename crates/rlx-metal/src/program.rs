@@ -29,21 +29,26 @@ pub fn target(update: UpdateMode) -> Target {
     }
 }
 
-/// Where a planned GEMM runs, and why.
+/// Where a planned GEMM (or the epilogue after it) runs, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MatmulRoute {
-    /// The matrix engine, with the executable of this key.
+    /// The matrix engine, with the executable of this key (its epilogue included: the
+    /// epilogue's launch is then not run).
     Engine(MatmulKey),
     /// The MSL GEMM kernel, for the reason given.
     Kernel(String),
+    /// An epilogue launch after an engine GEMM that stays an MSL kernel, for the reason given.
+    EpilogueKernel(String),
 }
 
-/// An engine-bound GEMM: its executable and where its row-major A, B and C are.
+/// An engine-bound GEMM: its executable and where its row-major A, B and C (and its
+/// epilogue's bias) are.
 struct EngineGemm {
     exe: Arc<dyn GpuMatmul>,
     a: Loc,
     b: Loc,
     c: Loc,
+    bias: Option<Loc>,
 }
 
 /// A program lowered to kernel launches.
@@ -63,6 +68,8 @@ pub struct MetalProgram {
     engine: Vec<Option<EngineGemm>>,
     /// Each planned GEMM's step index and route.
     routes: Vec<(usize, MatmulRoute)>,
+    /// Steps not run because an engine matmul computes them (fused epilogues).
+    skip: Vec<bool>,
 }
 
 impl MetalProgram {
@@ -117,8 +124,10 @@ impl MetalProgram {
                 _ => {}
             }
         }
-        let mut engine = Vec::with_capacity(plan.steps.len());
+        let mut engine: Vec<Option<EngineGemm>> = Vec::with_capacity(plan.steps.len());
         let mut routes = Vec::new();
+        let mut skip = vec![false; plan.steps.len()];
+        let debug = std::env::var("RLX_METAL_DEBUG").is_ok_and(|v| v == "1");
         for (i, s) in plan.steps.iter().enumerate() {
             let Step::Gemm { g, a, b, c } = s else {
                 engine.push(None);
@@ -132,26 +141,81 @@ impl MetalProgram {
                 }
                 Ok(k)
             });
-            match options.matmul.route(key) {
-                Ok(key) => {
-                    let exe = device.matmul(key)?;
-                    engine.push(Some(EngineGemm {
-                        exe,
-                        a: ra,
-                        b: rb,
-                        c: rc,
-                    }));
-                    routes.push((i, MatmulRoute::Engine(key)));
-                }
+            let mut key = match options.matmul.route(key) {
+                Ok(key) => key,
                 Err(why) => {
-                    if std::env::var("RLX_METAL_DEBUG").is_ok_and(|v| v == "1") {
+                    if debug {
                         eprintln!("rlx metal: GEMM at step {i} on the MSL kernel: {why}");
                     }
                     engine.push(None);
                     routes.push((i, MatmulRoute::Kernel(why)));
+                    continue;
+                }
+            };
+            // A product into the product buffer read by the next step's fused epilogue: the
+            // engine computes that epilogue too where it can.
+            let product = Loc {
+                buf: gpu_plan::PRODUCT,
+                offset: 0,
+            };
+            let (mut out, mut bias) = (rc, None);
+            if let (
+                true,
+                Some(Step::Launch {
+                    kernel: Kernel::Fused(j),
+                    p,
+                    operands,
+                    ..
+                }),
+            ) = (rc == product, plan.steps.get(i + 1))
+            {
+                let f = &plan.fused[*j];
+                let slot = |k: usize| operands.iter().find(|(s, _)| *s == k).map(|(_, l)| *l);
+                let fused = if slot(0) != Some(product) {
+                    Err("the epilogue does not read the product".to_string())
+                } else {
+                    matmul::epilogue_of(f, p, key.n).and_then(|e| {
+                        let o = slot(f.n_inputs).ok_or("the epilogue has no result")?;
+                        let b = if e.bias {
+                            Some(slot(1).ok_or("the epilogue has no bias")?)
+                        } else {
+                            None
+                        };
+                        for l in std::iter::once(o).chain(b) {
+                            matmul::offset_ok(l.offset)?;
+                        }
+                        Ok((e, o, b))
+                    })
+                };
+                match fused {
+                    Ok((e, o, b)) => {
+                        key.epilogue = e;
+                        out = o;
+                        bias = b;
+                        skip[i + 1] = true;
+                    }
+                    Err(why) => {
+                        if debug {
+                            eprintln!(
+                                "rlx metal: epilogue at step {} on an MSL kernel: {why}",
+                                i + 1
+                            );
+                        }
+                        routes.push((i + 1, MatmulRoute::EpilogueKernel(why)));
+                    }
                 }
             }
+            let exe = device.matmul(key)?;
+            engine.push(Some(EngineGemm {
+                exe,
+                a: ra,
+                b: rb,
+                c: out,
+                bias,
+            }));
+            routes.push((i, MatmulRoute::Engine(key)));
         }
+        routes.sort_by_key(|r| r.0);
         // (never empty: Metal has no zero-length buffers)
         let scratch = device.alloc(plan.scratch_bytes.max(16))?;
         for (off, bytes) in &plan.tables {
@@ -169,6 +233,7 @@ impl MetalProgram {
             may_fail,
             engine,
             routes,
+            skip,
         })
     }
 
@@ -202,8 +267,12 @@ struct Launch {
 /// One item of a submission being built.
 enum Item {
     Kernel(Launch),
-    /// An engine matmul: its executable and (buffer, byte offset) of A, B and C.
-    Matmul(Arc<dyn GpuMatmul>, [(usize, usize); 3]),
+    /// An engine matmul: its executable, (buffer, byte offset) of A, B and C, and of the bias.
+    Matmul(
+        Arc<dyn GpuMatmul>,
+        [(usize, usize); 3],
+        Option<(usize, usize)>,
+    ),
 }
 
 impl Compiled for MetalProgram {
@@ -307,11 +376,15 @@ impl Compiled for MetalProgram {
                         record: &l.record,
                         threads: l.threads,
                     }),
-                    Item::Matmul(exe, [a, b, c]) => Work::Matmul(MatmulCall {
+                    Item::Matmul(exe, [a, b, c], bias) => Work::Matmul(MatmulCall {
                         exe: exe.as_ref(),
                         a: (gpu(a.0)?, a.1),
                         b: (gpu(b.0)?, b.1),
                         c: (gpu(c.0)?, c.1),
+                        bias: match bias {
+                            Some(l) => Some((gpu(l.0)?, l.1)),
+                            None => None,
+                        },
                     }),
                 });
             }
@@ -320,6 +393,9 @@ impl Compiled for MetalProgram {
             Ok(())
         };
         for (i, step) in self.plan.steps.iter().enumerate() {
+            if self.skip[i] {
+                continue;
+            }
             match step {
                 Step::Launch {
                     kernel,
@@ -370,7 +446,12 @@ impl Compiled for MetalProgram {
                     Some(e) => {
                         // Each array must lie inside its buffer (the engine does not check).
                         let places = [e.a, e.b, e.c];
-                        for (l, bytes) in places.iter().zip(e.exe.key().bytes()) {
+                        let key = e.exe.key();
+                        let arrays = places
+                            .iter()
+                            .zip(key.bytes())
+                            .chain(e.bias.iter().map(|l| (l, key.n * 4)));
+                        for (l, bytes) in arrays {
                             let end = l.offset.checked_add(bytes);
                             let len = metal.get(l.buf).copied().flatten().map(|m| m.len());
                             if end.is_none() || len.is_none() || end > len {
@@ -384,6 +465,7 @@ impl Compiled for MetalProgram {
                         pending.push(Item::Matmul(
                             e.exe.clone(),
                             places.map(|l| (l.buf, l.offset)),
+                            e.bias.map(|l| (l.buf, l.offset)),
                         ));
                     }
                     None => {

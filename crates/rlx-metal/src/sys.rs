@@ -1,8 +1,9 @@
 //! The Apple-facing part of the Metal backend: `crate::gpu::Gpu` on a Metal device (objc2-metal,
 //! objc2-metal-performance-shaders(-graph)). Shared-storage buffers (`contents` is the zero-copy
 //! host view, `gpuAddress` goes into launch records), a library compiled from MSL source with
-//! one pipeline per kernel, engine matmuls compiled to `MPSGraphExecutable`s whose feeds and
-//! results are `MPSNDArray`s over the shared buffers at their byte offsets, one compute queue
+//! one pipeline per kernel, engine matmuls (with their bias / activation epilogue) compiled to
+//! `MPSGraphExecutable`s whose feeds and results are `MPSNDArray`s over the shared buffers at
+//! their byte offsets, one compute queue
 //! (each submission one `MPSCommandBuffer`: runs of dispatches in a compute encoder with
 //! `setBytes` for the record and `useResource:usage:` for residency, engine matmuls encoded
 //! between them with no encoder open, after an optional `encodeWaitForEvent`), and a separate
@@ -17,7 +18,7 @@ use crate::gpu::{
     BlitCopy, Dispatch, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work,
 };
 use crate::host::kernel_names;
-use crate::matmul::{segments, CommandBuffers, MatmulKey, Segment};
+use crate::matmul::{segments, Activation, CommandBuffers, MatmulKey, Segment};
 use objc2::rc::Retained;
 use objc2::runtime::ProtocolObject;
 use objc2::AnyThread;
@@ -162,13 +163,13 @@ fn ns_shape(dims: &[usize]) -> Retained<NSArray<NSNumber>> {
     NSArray::from_retained_slice(&nums)
 }
 
-/// An engine matmul: an `MPSGraphExecutable` computing `C = op(A) op(B)` for one key, and the
-/// order of its two feeds.
+/// An engine matmul: an `MPSGraphExecutable` computing `C = act(op(A) op(B) + bias)` for one
+/// key, and the order of its feeds.
 pub struct SysMatmul {
     key: MatmulKey,
     exe: Retained<MPSGraphExecutable>,
-    /// Whether the executable's first feed is A (else B).
-    a_first: bool,
+    /// For each feed of the executable, in its order, which array: 0 A, 1 B, 2 the bias.
+    order: Vec<usize>,
     /// One encode at a time per executable (MPSGraph objects are not documented thread-safe).
     encoding: Mutex<()>,
 }
@@ -348,20 +349,20 @@ impl Gpu for MetalGpu {
     }
     fn matmul(&self, key: MatmulKey, _library: &Arc<dyn GpuLibrary>) -> Result<Arc<dyn GpuMatmul>> {
         let [sa, sb, _] = key.shapes();
+        let sbias = key.bias_shape();
         // SAFETY: graph construction from valid shapes and tensors of this graph; compile
         // blocks until the executable is built.
-        let (exe, a_first) = unsafe {
+        let (exe, order) = unsafe {
             let graph = MPSGraph::new();
-            let a = graph.placeholderWithShape_dataType_name(
-                Some(&ns_shape(&sa)),
-                MPSDataType::Float32,
-                None,
-            );
-            let b = graph.placeholderWithShape_dataType_name(
-                Some(&ns_shape(&sb)),
-                MPSDataType::Float32,
-                None,
-            );
+            let place = |s: &[usize]| {
+                graph.placeholderWithShape_dataType_name(
+                    Some(&ns_shape(s)),
+                    MPSDataType::Float32,
+                    None,
+                )
+            };
+            let a = place(&sa);
+            let b = place(&sb);
             let op_a = if key.ta {
                 graph.transposeTensor_dimension_withDimension_name(&a, 1, 2, None)
             } else {
@@ -373,18 +374,34 @@ impl Gpu for MetalGpu {
                 b.clone()
             };
             // [a_batch, m, k] x [b_batch, k, n] broadcasts to [batch, m, n]
-            let c = graph
+            let mut c = graph
                 .matrixMultiplicationWithPrimaryTensor_secondaryTensor_name(&op_a, &op_b, None);
-            let ty = |s: &[usize]| {
-                MPSGraphShapedType::initWithShape_dataType(
-                    MPSGraphShapedType::alloc(),
-                    Some(&ns_shape(s)),
-                    MPSDataType::Float32,
-                )
+            let mut placeholders = vec![(a, sa.to_vec()), (b, sb.to_vec())];
+            if key.epilogue.bias {
+                let bias = place(&sbias);
+                // [1, 1, n] broadcasts over batches and rows
+                c = graph.additionWithPrimaryTensor_secondaryTensor_name(&c, &bias, None);
+                placeholders.push((bias, sbias.to_vec()));
+            }
+            c = match key.epilogue.act {
+                None => c,
+                Some(Activation::Relu) => graph.reLUWithTensor_name(&c, None),
+                Some(Activation::Tanh) => graph.tanhWithTensor_name(&c, None),
+                Some(Activation::Sigmoid) => graph.sigmoidWithTensor_name(&c, None),
             };
-            let (ta, tb) = (ty(&sa), ty(&sb));
-            let keys: [&MPSGraphTensor; 2] = [&a, &b];
-            let feeds = NSDictionary::from_slices(&keys, &[&*ta, &*tb]);
+            let types: Vec<Retained<MPSGraphShapedType>> = placeholders
+                .iter()
+                .map(|(_, s)| {
+                    MPSGraphShapedType::initWithShape_dataType(
+                        MPSGraphShapedType::alloc(),
+                        Some(&ns_shape(s)),
+                        MPSDataType::Float32,
+                    )
+                })
+                .collect();
+            let keys: Vec<&MPSGraphTensor> = placeholders.iter().map(|(t, _)| &**t).collect();
+            let values: Vec<&MPSGraphShapedType> = types.iter().map(|t| &**t).collect();
+            let feeds = NSDictionary::from_slices(&keys, &values);
             let gdev = MPSGraphDevice::deviceWithMTLDevice(&self.device);
             let exe = graph
                 .compileWithDevice_feeds_targetTensors_targetOperations_compilationDescriptor(
@@ -394,25 +411,33 @@ impl Gpu for MetalGpu {
                     None,
                     None,
                 );
-            let order = exe
+            let fed = exe
                 .feedTensors()
                 .ok_or_else(|| missing("MPSGraphExecutable feedTensors"))?;
-            if order.count() != 2 {
+            let mut order = Vec::with_capacity(placeholders.len());
+            for i in 0..fed.count() {
+                let t = fed.objectAtIndex(i);
+                let which = placeholders
+                    .iter()
+                    .position(|(p, _)| std::ptr::eq(Retained::as_ptr(p), Retained::as_ptr(&t)))
+                    .ok_or_else(|| {
+                        Error::Device("Metal: a matmul executable feeds an unknown tensor".into())
+                    })?;
+                order.push(which);
+            }
+            if order.len() != placeholders.len() {
                 return Err(Error::Device(format!(
-                    "Metal: a matmul executable with {} feeds, not 2",
-                    order.count()
+                    "Metal: a matmul executable with {} feeds, not {}",
+                    order.len(),
+                    placeholders.len()
                 )));
             }
-            let first = order.objectAtIndex(0);
-            (
-                exe,
-                std::ptr::eq(Retained::as_ptr(&first), Retained::as_ptr(&a)),
-            )
+            (exe, order)
         };
         Ok(Arc::new(SysMatmul {
             key,
             exe,
-            a_first,
+            order,
             encoding: Mutex::new(()),
         }))
     }
@@ -465,10 +490,24 @@ impl Gpu for MetalGpu {
                             Error::Internal("a foreign matmul on a Metal device".into())
                         })?;
                     let [sa, sb, sc] = mm.key.shapes();
-                    let a = tensor_data(sys_buffer(call.a.0)?, call.a.1, &sa)?;
-                    let b = tensor_data(sys_buffer(call.b.0)?, call.b.1, &sb)?;
+                    let mut arrays = vec![
+                        tensor_data(sys_buffer(call.a.0)?, call.a.1, &sa)?,
+                        tensor_data(sys_buffer(call.b.0)?, call.b.1, &sb)?,
+                    ];
+                    match (mm.key.epilogue.bias, call.bias) {
+                        (true, Some((buf, off))) => {
+                            arrays.push(tensor_data(sys_buffer(buf)?, off, &mm.key.bias_shape())?)
+                        }
+                        (false, None) => {}
+                        _ => {
+                            return Err(Error::Internal(
+                                "an engine matmul's bias does not match its key".into(),
+                            ))
+                        }
+                    }
                     let c = tensor_data(sys_buffer(call.c.0)?, call.c.1, &sc)?;
-                    let inputs = if mm.a_first { [a, b] } else { [b, a] };
+                    let inputs: Vec<Retained<MPSGraphTensorData>> =
+                        mm.order.iter().map(|&w| arrays[w].clone()).collect();
                     let _one = mm.encoding.lock().unwrap_or_else(|p| p.into_inner());
                     // SAFETY: the arrays alias live shared buffers (kept alive by the
                     // submission) with the shapes the executable was compiled for; no compute

@@ -540,6 +540,7 @@ fn planned_gemms_are_routed_with_reasons_and_compiled_once_per_key() {
         k: 72,
         ta: false,
         tb: true,
+        epilogue: Default::default(),
     };
     assert_eq!(big.matmul_routes(), &[(0, MatmulRoute::Engine(key))]);
     assert_eq!(dev.matmuls_compiled(), before + 1);
@@ -574,6 +575,7 @@ fn engine_arrays_past_their_buffer_are_refused() {
         k: 4,
         ta: false,
         tb: false,
+        epilogue: Default::default(),
     };
     let exe = dev.matmul(key).unwrap();
     let buf = dev.alloc(64 * 3).unwrap();
@@ -583,6 +585,7 @@ fn engine_arrays_past_their_buffer_are_refused() {
             a: (buf.gpu(), 0),
             b: (buf.gpu(), 64),
             c: (buf.gpu(), c_off),
+            bias: None,
         })
     };
     dev.run_work(None, &[call(128)], &[&buf]).unwrap();
@@ -672,4 +675,135 @@ fn the_update_kernels_thread_counts_follow_their_records() {
     let chunk = format!("#define RX_SUMSQ_CHUNK {}", kernels::SUMSQ_CHUNK);
     let lanes = format!("#define RX_UPDATE_LANES {}", kernels::UPDATE_LANES);
     assert!(kernels::LIBRARY.contains(&chunk) && kernels::LIBRARY.contains(&lanes));
+}
+
+#[test]
+fn matmul_epilogues_run_on_the_engine_where_they_are_bias_and_activation() {
+    use crate::matmul::{Activation, Epilogue};
+    use crate::program::{MatmulRoute, MetalProgram};
+    use rlx_ir::{BinaryOp as B, DType, Fused, FusedStep as S, Op, Shape, UnaryOp as U};
+    let Some(dev) = device() else { return };
+    let (m, k, n) = (6, 5, 7);
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    let shape = Shape::new([m, n]);
+    let epi = |n_inputs: usize, steps: Vec<S>| Fused {
+        shape: shape.clone(),
+        n_inputs,
+        steps,
+    };
+    // (epilogue, its second input's dims, the engine's epilogue or None: stays a kernel)
+    let cases: Vec<(Fused, Option<Vec<usize>>, Option<Epilogue>)> = vec![
+        (
+            epi(2, vec![S::Binary(B::Add, 0, 1), S::Unary(U::Relu, 2)]),
+            Some(vec![n]),
+            Some(Epilogue {
+                bias: true,
+                act: Some(Activation::Relu),
+            }),
+        ),
+        (
+            epi(2, vec![S::Binary(B::Add, 1, 0), S::Unary(U::Tanh, 2)]),
+            Some(vec![1, n]),
+            Some(Epilogue {
+                bias: true,
+                act: Some(Activation::Tanh),
+            }),
+        ),
+        (
+            epi(2, vec![S::Binary(B::Add, 0, 1)]),
+            Some(vec![n]),
+            Some(Epilogue {
+                bias: true,
+                act: None,
+            }),
+        ),
+        (
+            epi(1, vec![S::Unary(U::Sigmoid, 0)]),
+            None,
+            Some(Epilogue {
+                bias: false,
+                act: Some(Activation::Sigmoid),
+            }),
+        ),
+        // a residual add (a whole matrix, not a vector per row): the epilogue stays a kernel
+        (
+            epi(2, vec![S::Binary(B::Add, 0, 1)]),
+            Some(vec![m, n]),
+            None,
+        ),
+        // a per-row (column) bias: likewise
+        (
+            epi(2, vec![S::Binary(B::Add, 0, 1)]),
+            Some(vec![m, 1]),
+            None,
+        ),
+        // another expression
+        (
+            epi(2, vec![S::Binary(B::Mul, 0, 1), S::Unary(U::Relu, 2)]),
+            Some(vec![n]),
+            None,
+        ),
+    ];
+    for (f, extra, want) in cases {
+        let (na, nb) = (m * k, k * n);
+        let ne = extra.as_ref().map_or(0, |d| d.iter().product::<usize>());
+        let mut ins = vec![r(0, &[m, k]), r(na, &[k, n])];
+        if let Some(d) = &extra {
+            ins.push(r(na + nb, d));
+        }
+        let what = format!("{f}");
+        let program = Program {
+            instrs: vec![Instr::Op {
+                op: Op::MatMulEpilogue {
+                    trans_a: false,
+                    trans_b: false,
+                    epilogue: Arc::new(f),
+                },
+                ins,
+                out: r(na + nb + ne, &[m, n]),
+            }],
+        };
+        let total = na + nb + ne + m * n;
+        let opts = crate::MetalOptions {
+            matmul: MatmulPolicy::ALL,
+            update: crate::UpdateMode::Kernel,
+        };
+        let prog = MetalProgram::new(
+            dev.clone(),
+            &program,
+            &[total * 4],
+            rlx_cpu::host_update,
+            opts,
+        )
+        .unwrap();
+        let routes = prog.matmul_routes();
+        let MatmulRoute::Engine(key) = &routes[0].1 else {
+            panic!("{what}: {routes:?}")
+        };
+        match want {
+            Some(e) => {
+                assert_eq!(key.epilogue, e, "{what}");
+                assert_eq!(routes.len(), 1, "{what}: {routes:?}");
+            }
+            None => {
+                assert!(key.epilogue.is_none(), "{what}");
+                assert!(
+                    matches!(&routes[1], (1, MatmulRoute::EpilogueKernel(_))),
+                    "{what}: {routes:?}"
+                );
+            }
+        }
+        let metal = crate::MetalBackend::with_options(dev.clone(), rlx_cpu::host_update, opts);
+        let mut init = data(na + nb + ne, 33);
+        init.resize(total, 0.0);
+        let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+        let got = run_on(&metal, &program, &init);
+        assert!(want[na + nb + ne..].iter().any(|&x| x != 0.0), "{what}");
+        close(&got, &want, 1e-5);
+    }
 }
