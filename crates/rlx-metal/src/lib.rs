@@ -99,6 +99,12 @@ impl MetalDevice {
         self.matmuls.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
+    /// The keys of the engine matmuls this device compiled.
+    pub fn matmul_keys(&self) -> Vec<MatmulKey> {
+        let cache = self.matmuls.lock().unwrap_or_else(|p| p.into_inner());
+        cache.keys().copied().collect()
+    }
+
     /// The host-emulated device (Linux tests); a `Device` error without a C++ compiler.
     pub fn host() -> Result<Self> {
         Self::new(Arc::new(host::HostGpu::new()?), Dialect::HostCxx)

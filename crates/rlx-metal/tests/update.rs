@@ -3,11 +3,11 @@
 //! (`UpdateMode::Kernel`) and on the host (`UpdateMode::Host`), over parameters of odd sizes
 //! (one spanning two chunks of the update table), for several steps with changing
 //! hyper-parameters; clipping, accumulation and skipped non-finite steps; and a small MLP whose
-//! matmuls run on the engine (`MatmulPolicy::ALL`: the host runs each through the GEMM kernel
+//! matmuls (the first with its bias + tanh epilogue) run on the engine (`MatmulPolicy::ALL`: the host runs each through the GEMM kernel
 //! rebuilt from its key) or on the MSL kernel. Skipped, with a message, where there is no C++
 //! compiler.
 use rlx_ir::{BinaryOp, DType, Graph, NodeId, Op, ReduceOp, Shape, UnaryOp};
-use rlx_metal::matmul::MatmulPolicy;
+use rlx_metal::matmul::{Activation, Epilogue, MatmulPolicy};
 use rlx_metal::{MetalBackend, MetalDevice, MetalOptions, UpdateMode};
 use rlx_runtime::{Backend, Executable, OptimHyper, OptimRule, OptimizerSetup, Store};
 use std::sync::{Arc, OnceLock};
@@ -245,6 +245,11 @@ fn clipping_accumulation_and_skipped_steps_match_the_cpu() {
     );
 }
 
+/// Values in [-0.5, 0.5): keeps the MLP's cubic products well-conditioned.
+fn small(n: usize, seed: u32) -> Vec<f32> {
+    data(n, seed).iter().map(|v| v * 0.5).collect()
+}
+
 /// A two-layer MLP step (forward and backward matmuls in every transpose combination, a
 /// batched matmul) on the engine and on the MSL kernel, against the CPU backend.
 #[test]
@@ -255,11 +260,13 @@ fn mlp_training_on_the_matrix_engine_matches_the_cpu() {
         let x = g.input("x", Shape::new([2, 6, 10]), DType::F32).unwrap();
         let w1 = g.param("w1", Shape::new([10, 12]), DType::F32).unwrap();
         let w2 = g.param("w2", Shape::new([12, 4]), DType::F32).unwrap();
+        let b1 = g.param("b1", Shape::new([12]), DType::F32).unwrap();
         let mm = Op::MatMul {
             trans_a: false,
             trans_b: false,
         };
         let h = g.add(mm.clone(), &[x, w1]).unwrap();
+        let h = g.add(Op::Binary(BinaryOp::Add), &[h, b1]).unwrap();
         let h = g.add(Op::Unary(UnaryOp::Tanh), &[h]).unwrap();
         // a batched product of activations with themselves: h @ h^T per batch
         let hh = g
@@ -280,14 +287,16 @@ fn mlp_training_on_the_matrix_engine_matches_the_cpu() {
             keepdims: false,
         };
         let loss = g.add(sum, &[yy]).unwrap();
-        let bw = rlx_ir::grad(&g, loss, &[w1, w2]).unwrap();
+        let bw = rlx_ir::grad(&g, loss, &[w1, w2, b1]).unwrap();
         let specs = [
             ("w1".to_string(), Shape::new([10, 12]), DType::F32),
             ("w2".to_string(), Shape::new([12, 4]), DType::F32),
+            ("b1".to_string(), Shape::new([12]), DType::F32),
         ];
         let params = Arc::new(Store::new(backend.as_ref(), &specs).unwrap());
-        params.write("w1", &f32s(&data(120, 1))).unwrap();
-        params.write("w2", &f32s(&data(48, 2))).unwrap();
+        params.write("w1", &f32s(&small(120, 1))).unwrap();
+        params.write("w2", &f32s(&small(48, 2))).unwrap();
+        params.write("b1", &f32s(&small(12, 3))).unwrap();
         let state = Arc::new(
             Store::for_optimizer(backend.as_ref(), OptimRule::Sgd, &params, false).unwrap(),
         );
@@ -304,11 +313,12 @@ fn mlp_training_on_the_matrix_engine_matches_the_cpu() {
         let mut out = Vec::new();
         for t in 0..3 {
             let r = exe
-                .run(&[("x", &f32s(&data(120, 7 + t)))], Some(&h), &[0])
+                .run(&[("x", &f32s(&small(120, 7 + t)))], Some(&h), &[0])
                 .unwrap();
             out.push(floats(&r[0]));
             out.push(floats(&params.read("w1").unwrap()));
             out.push(floats(&params.read("w2").unwrap()));
+            out.push(floats(&params.read("b1").unwrap()));
         }
         out
     };
@@ -321,6 +331,16 @@ fn mlp_training_on_the_matrix_engine_matches_the_cpu() {
             close(g, w, 1e-4, &format!("{policy:?} output {i}"));
         }
     }
-    // the engine compiled executables (once per shape key; the second policy compiled none)
+    // the engine compiled executables (once per shape key; the second policy compiled none),
+    // the forward one with the fused bias + tanh epilogue
     assert!(dev.matmuls_compiled() > before);
+    let fused = Epilogue {
+        bias: true,
+        act: Some(Activation::Tanh),
+    };
+    assert!(
+        dev.matmul_keys().iter().any(|k| k.epilogue == fused),
+        "{:?}",
+        dev.matmul_keys()
+    );
 }
