@@ -1,5 +1,6 @@
 //! The thin interface between the Metal backend and a GPU: shared-storage buffers, compute
-//! dispatches on one queue, blit copies on another, shared events. `sys` implements it with Metal
+//! work (kernel dispatches and compiled matrix-engine matmuls) on one queue, blit copies on
+//! another, shared events. `sys` implements it with Metal
 //! on Apple targets; `host` implements it in host memory (kernels compiled by the system C++
 //! compiler) so that everything above it builds and is tested on Linux.
 use rlx_ir::Result;
@@ -46,6 +47,29 @@ pub struct Dispatch<'a> {
     pub threads: usize,
 }
 
+/// A matmul compiled for one [`crate::matmul::MatmulKey`] (Metal: an `MPSGraphExecutable`).
+pub trait GpuMatmul: Send + Sync + Any {
+    fn key(&self) -> crate::matmul::MatmulKey;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// One engine matmul: `exe` over packed arrays at byte offsets of shared buffers (A, B and the
+/// bias, where the key's epilogue has one, read; C written), each spanning
+/// `exe.key().bytes()` (the bias `n` floats) from its offset.
+pub struct MatmulCall<'a> {
+    pub exe: &'a dyn GpuMatmul,
+    pub a: (&'a Arc<dyn GpuBuffer>, usize),
+    pub b: (&'a Arc<dyn GpuBuffer>, usize),
+    pub c: (&'a Arc<dyn GpuBuffer>, usize),
+    pub bias: Option<(&'a Arc<dyn GpuBuffer>, usize)>,
+}
+
+/// One item of a compute submission, run in order after the items before it.
+pub enum Work<'a> {
+    Kernel(Dispatch<'a>),
+    Matmul(MatmulCall<'a>),
+}
+
 /// One blit copy between shared buffers.
 pub struct BlitCopy {
     pub src: Arc<dyn GpuBuffer>,
@@ -68,13 +92,19 @@ pub trait Gpu: Send + Sync {
     /// Compiles kernel source written in the MSL subset of `crate::kernels` (the backend adds the
     /// dialect's prelude).
     fn compile(&self, source: &str) -> Result<Arc<dyn GpuLibrary>>;
-    /// Encodes `dispatches` in order on the compute queue, after the queue waited (on the
-    /// device) for `wait` if given, with `uses` made resident, commits, and returns the
-    /// submission.
+    /// Compiles the matmul of `key` (Metal: an MPSGraph executable; the host GPU runs it with
+    /// the GEMM kernel of `library`, the device's kernel library, which Metal does not use).
+    fn matmul(
+        &self,
+        key: crate::matmul::MatmulKey,
+        library: &Arc<dyn GpuLibrary>,
+    ) -> Result<Arc<dyn GpuMatmul>>;
+    /// Encodes `work` in order on the compute queue, after the queue waited (on the device)
+    /// for `wait` if given, with `uses` made resident, commits, and returns the submission.
     fn compute(
         &self,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
-        dispatches: &[Dispatch<'_>],
+        work: &[Work<'_>],
         uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>>;
     /// Encodes `copy` on the blit queue followed by a signal of `event` to `value`, commits, and

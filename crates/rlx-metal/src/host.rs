@@ -1,11 +1,13 @@
 //! A host-memory implementation of [`crate::gpu::Gpu`] for Linux tests: buffers are aligned host
 //! allocations, kernels are the MSL sources compiled by the system C++ compiler through
 //! `msl/compat.h` into a shared library loaded with `dlopen`, a dispatch calls the kernel once per
-//! thread index on the caller's thread, and the blit queue is a worker thread that copies in
+//! thread index on the caller's thread, an engine matmul runs the GEMM kernel on a record rebuilt
+//! from its key alone (so the engine's decisions are checked by the numbers), and the blit queue is a worker thread that copies in
 //! issue order and then signals the event. Not a performance path: it runs the same kernels and
 //! the same queue/event ordering as the device does.
 #![allow(unsafe_code)] // FFI module: raw allocations and dlopen'ed kernels
-use crate::gpu::{BlitCopy, Dispatch, Gpu, GpuBuffer, GpuEvent, GpuLibrary, Submitted};
+use crate::gpu::{BlitCopy, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work};
+use crate::matmul::MatmulKey;
 use rlx_ir::{Error, Result};
 use std::alloc::Layout;
 use std::any::Any;
@@ -237,6 +239,49 @@ impl Submitted for HostSubmitted {
     }
 }
 
+/// A compiled engine matmul of the host GPU: its key and the library whose GEMM kernel runs it.
+pub struct HostMatmul {
+    key: MatmulKey,
+    library: Arc<dyn GpuLibrary>,
+}
+
+impl GpuMatmul for HostMatmul {
+    fn key(&self) -> MatmulKey {
+        self.key
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Runs `threads` threads of `kernel` of `library` on the calling thread, one after another.
+fn dispatch(library: &dyn GpuLibrary, kernel: &str, record: &[u8], threads: usize) -> Result<()> {
+    let lib = library
+        .as_any()
+        .downcast_ref::<HostLibrary>()
+        .ok_or_else(|| Error::Internal("a foreign library on the host GPU".into()))?;
+    if !lib.has(kernel) {
+        return Err(Error::Internal(format!("no kernel named '{kernel}'")));
+    }
+    let threads = u32::try_from(threads).map_err(|_| Error::Unsupported {
+        op: kernel.into(),
+        msg: format!("{threads} threads exceed a 32-bit grid"),
+    })?;
+    // The record is copied to an aligned block, as setBytes gives the kernel.
+    let mut rec = vec![0u64; record.len().div_ceil(8)];
+    // SAFETY: `rec` has at least `record.len()` bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(record.as_ptr(), rec.as_mut_ptr().cast::<u8>(), record.len())
+    };
+    let f = lib.kernel(kernel)?;
+    for t in 0..threads {
+        // SAFETY: the record's addresses were built by the caller from live buffers and the
+        // kernel bounds-checks its thread index against the record's sizes.
+        unsafe { f(rec.as_ptr(), t) };
+    }
+    Ok(())
+}
+
 type BlitJob = (BlitCopy, Arc<dyn GpuEvent>, u64, Arc<Done>);
 
 /// The host GPU: a compute "queue" on the caller's thread and a blit queue on a worker thread.
@@ -350,44 +395,83 @@ impl Gpu for HostGpu {
         let _ = std::fs::remove_dir_all(&dir);
         Ok(Arc::new(lib?))
     }
+    fn matmul(&self, key: MatmulKey, library: &Arc<dyn GpuLibrary>) -> Result<Arc<dyn GpuMatmul>> {
+        if !library.has("rlx_gemm_f32") {
+            return Err(Error::Internal(
+                "the host matmul needs the library's GEMM kernel".into(),
+            ));
+        }
+        Ok(Arc::new(HostMatmul {
+            key,
+            library: library.clone(),
+        }))
+    }
     fn compute(
         &self,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
-        dispatches: &[Dispatch<'_>],
+        work: &[Work<'_>],
         _uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>> {
         if let Some((event, value)) = wait {
-            // the device-side wait: this queue does not start the dispatches before the value
+            // the device-side wait: this queue does not start the work before the value
             while !event.wait_until(value, 1000) {}
         }
-        for d in dispatches {
-            let lib = d
-                .library
-                .as_any()
-                .downcast_ref::<HostLibrary>()
-                .ok_or_else(|| Error::Internal("a foreign library on the host GPU".into()))?;
-            if !lib.has(d.kernel) {
-                return Err(Error::Internal(format!("no kernel named '{}'", d.kernel)));
-            }
-            let threads = u32::try_from(d.threads).map_err(|_| Error::Unsupported {
-                op: d.kernel.into(),
-                msg: format!("{} threads exceed a 32-bit grid", d.threads),
-            })?;
-            // The record is copied to an aligned block, as setBytes gives the kernel.
-            let mut rec = vec![0u64; d.record.len().div_ceil(8)];
-            // SAFETY: `rec` has at least `record.len()` bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    d.record.as_ptr(),
-                    rec.as_mut_ptr().cast::<u8>(),
-                    d.record.len(),
-                )
-            };
-            let f = lib.kernel(d.kernel)?;
-            for t in 0..threads {
-                // SAFETY: the record's addresses were built by the caller from live buffers
-                // and the kernel bounds-checks its thread index against the record's sizes.
-                unsafe { f(rec.as_ptr(), t) };
+        for w in work {
+            match w {
+                Work::Kernel(d) => dispatch(d.library, d.kernel, d.record, d.threads)?,
+                Work::Matmul(call) => {
+                    let mm = call
+                        .exe
+                        .as_any()
+                        .downcast_ref::<HostMatmul>()
+                        .ok_or_else(|| {
+                            Error::Internal("a foreign matmul on the host GPU".into())
+                        })?;
+                    // The same product from the key alone, on the GEMM kernel.
+                    let [ab, bb, cb] = mm.key.bytes();
+                    let at = |(buf, off): (&Arc<dyn GpuBuffer>, usize), bytes: usize| {
+                        if off + bytes > buf.len() {
+                            return Err(Error::Internal(format!(
+                                "engine array of {bytes} bytes at {off} past a buffer of {}",
+                                buf.len()
+                            )));
+                        }
+                        Ok(buf.gpu_address() + off as u64)
+                    };
+                    let g = mm
+                        .key
+                        .as_gemm(at(call.a, ab)?, at(call.b, bb)?, at(call.c, cb)?);
+                    let (record, threads) = g.record()?;
+                    dispatch(mm.library.as_ref(), "rlx_gemm_f32", &record, threads)?;
+                    let e = mm.key.epilogue;
+                    if !e.is_none() {
+                        let n = mm.key.n;
+                        let bias = match (e.bias, call.bias) {
+                            (true, Some(b)) => Some(at(b, n * 4)? as usize as *const f32),
+                            (false, None) => None,
+                            _ => {
+                                return Err(Error::Internal(
+                                    "an engine matmul's bias does not match its key".into(),
+                                ))
+                            }
+                        };
+                        let c = at(call.c, cb)? as usize as *mut f32;
+                        for i in 0..cb / 4 {
+                            // SAFETY: C spans `cb` bytes and the bias `n` floats inside their
+                            // buffers (checked by `at`); the GEMM above has completed.
+                            unsafe {
+                                let mut v = *c.add(i);
+                                if let Some(b) = bias {
+                                    v += *b.add(i % n);
+                                }
+                                if let Some(act) = e.act {
+                                    v = act.apply(v);
+                                }
+                                *c.add(i) = v;
+                            }
+                        }
+                    }
+                }
             }
         }
         let done = Done::new();

@@ -81,10 +81,21 @@ pub const RECORD_BYTES: usize =
 
 /// Kernels run by one thread (serial sums); every other kernel runs one thread per element,
 /// row or output: `p.n` threads.
-pub const SERIAL: &[&str] = &["rlx_mean_rows", "rlx_count_labels", "rlx_mse"];
+pub const SERIAL: &[&str] = &[
+    "rlx_mean_rows",
+    "rlx_count_labels",
+    "rlx_mse",
+    "rlx_update_ctrl",
+    "rlx_update_finish",
+];
 
-/// Kernels of the library the plan may launch (the update's kernels are absent: the Metal
-/// backend runs the update on the host).
+/// Elements one thread of `rlx_sumsq` sums (`RX_SUMSQ_CHUNK` in `msl/library.metal`).
+pub const SUMSQ_CHUNK: usize = 1024;
+/// Threads `rlx_update_multi` gives each chunk of the update table (`RX_UPDATE_LANES`).
+pub const UPDATE_LANES: usize = 256;
+
+/// Kernels of the library the plan may launch (the update's kernels only when the update runs
+/// on the device, `crate::UpdateMode::Kernel`).
 pub const NAMES: &[&str] = &[
     "rlx_copy32",
     "rlx_cast_f2i",
@@ -113,6 +124,12 @@ pub const NAMES: &[&str] = &[
     "rlx_attention_grad",
     "rlx_zero32",
     "rlx_gemm_f32",
+    "rlx_sumsq",
+    "rlx_update_ctrl",
+    "rlx_accumulate",
+    "rlx_copy_unless_skipped",
+    "rlx_update_multi",
+    "rlx_update_finish",
 ];
 
 fn count(op: &str, n: usize) -> Result<u32> {
@@ -203,6 +220,12 @@ pub fn threads(kernel: &str, p: &P) -> Result<usize> {
         return Ok(1);
     }
     let n = usize::try_from(p.n).unwrap_or(0);
+    let n = match kernel {
+        "rlx_sumsq" => n.div_ceil(SUMSQ_CHUNK),
+        // one group of lanes per chunk of the table (iv[2] chunks)
+        "rlx_update_multi" => usize::try_from(p.iv[2]).unwrap_or(0) * UPDATE_LANES,
+        _ => n,
+    };
     count(kernel, n)?;
     Ok(n)
 }

@@ -1,7 +1,9 @@
 //! rlx-metal: the Metal backend (Apple silicon): shared-storage buffers, the MSL kernel library
 //! with its launch records, programs lowered by the plan the GPU backends share
-//! (`rlx_runtime::gpu_plan`), the training update run in place on the host over the unified
-//! memory, and the blit copy engine ordered by shared events — all above a thin GPU interface
+//! (`rlx_runtime::gpu_plan`) with their large matmuls on a compiled matrix engine (MPSGraph on
+//! Apple, `matmul` decides), the training update as one multi-tensor kernel or in place on the
+//! host over the unified memory, and the blit copy engine ordered by shared events — all above
+//! a thin GPU interface
 //! (`gpu`) that Metal implements on Apple targets (`sys`) and host memory plus the system C++
 //! compiler implements elsewhere (`host`, for tests).
 pub mod backend;
@@ -10,15 +12,17 @@ pub mod copy;
 pub mod gpu;
 pub mod host;
 pub mod kernels;
+pub mod matmul;
 pub mod program;
 #[cfg(target_vendor = "apple")]
 pub mod sys;
 
-pub use backend::{HostUpdate, MetalBackend};
+pub use backend::{HostUpdate, MetalBackend, MetalOptions, UpdateMode};
 pub use buffer::MetalBuffer;
 pub use copy::MetalCopyEngine;
 
-use gpu::{Dispatch, Gpu, GpuEvent, GpuLibrary};
+use gpu::{Dispatch, Gpu, GpuEvent, GpuLibrary, GpuMatmul, Work};
+use matmul::MatmulKey;
 use rlx_ir::Result;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -34,15 +38,19 @@ pub enum Dialect {
 
 /// Compiled fused-kernel sources of a device, by the hash of their source.
 type FusedCache = Mutex<HashMap<u64, Arc<dyn GpuLibrary>>>;
+/// Compiled engine matmuls of a device, by key.
+type MatmulCache = Mutex<HashMap<MatmulKey, Arc<dyn GpuMatmul>>>;
 
 /// One GPU with the kernel library compiled for it (once, at creation) and the fused kernels
-/// compiled so far (once per distinct source).
+/// compiled so far (once per distinct source), and the engine matmuls compiled so far (once per
+/// key).
 #[derive(Clone)]
 pub struct MetalDevice {
     gpu: Arc<dyn Gpu>,
     dialect: Dialect,
     library: Arc<dyn GpuLibrary>,
     fused: Arc<FusedCache>,
+    matmuls: Arc<MatmulCache>,
 }
 
 impl MetalDevice {
@@ -54,6 +62,7 @@ impl MetalDevice {
             dialect,
             library,
             fused: Arc::default(),
+            matmuls: Arc::default(),
         })
     }
 
@@ -72,6 +81,28 @@ impl MetalDevice {
         let lib = self.gpu.compile(&kernels::source(self.dialect, body))?;
         cache.insert(key, lib.clone());
         Ok(lib)
+    }
+
+    /// The engine matmul of `key`, compiled once per key.
+    pub fn matmul(&self, key: MatmulKey) -> Result<Arc<dyn GpuMatmul>> {
+        let mut cache = self.matmuls.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(m) = cache.get(&key) {
+            return Ok(m.clone());
+        }
+        let m = self.gpu.matmul(key, &self.library)?;
+        cache.insert(key, m.clone());
+        Ok(m)
+    }
+
+    /// How many distinct engine matmuls this device compiled.
+    pub fn matmuls_compiled(&self) -> usize {
+        self.matmuls.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// The keys of the engine matmuls this device compiled.
+    pub fn matmul_keys(&self) -> Vec<MatmulKey> {
+        let cache = self.matmuls.lock().unwrap_or_else(|p| p.into_inner());
+        cache.keys().copied().collect()
     }
 
     /// The host-emulated device (Linux tests); a `Device` error without a C++ compiler.
@@ -107,8 +138,29 @@ impl MetalDevice {
         dispatches: &[Dispatch<'_>],
         uses: &[&MetalBuffer],
     ) -> Result<()> {
+        let work: Vec<Work<'_>> = dispatches
+            .iter()
+            .map(|d| {
+                Work::Kernel(Dispatch {
+                    library: d.library,
+                    kernel: d.kernel,
+                    record: d.record,
+                    threads: d.threads,
+                })
+            })
+            .collect();
+        self.run_work(wait, &work, uses)
+    }
+
+    /// Runs `work` (kernels and engine matmuls) in order on the compute queue, as `run`.
+    pub fn run_work(
+        &self,
+        wait: Option<(&Arc<dyn GpuEvent>, u64)>,
+        work: &[Work<'_>],
+        uses: &[&MetalBuffer],
+    ) -> Result<()> {
         let uses: Vec<_> = uses.iter().map(|b| b.gpu().clone()).collect();
-        self.gpu.compute(wait, dispatches, &uses)?.finish()
+        self.gpu.compute(wait, work, &uses)?.finish()
     }
 }
 

@@ -1,29 +1,47 @@
-//! The Apple-facing part of the Metal backend: `crate::gpu::Gpu` on a Metal device (objc2-metal).
-//! Shared-storage buffers (`contents` is the zero-copy host view, `gpuAddress` goes into launch
-//! records), a library compiled from MSL source with one pipeline per kernel, one compute queue
-//! (dispatches encoded with `setBytes` for the record and `useResource:usage:` for residency,
-//! after an optional `encodeWaitForEvent`), and a separate blit queue whose copies signal an
-//! `MTLSharedEvent`. Nothing above this module touches Metal.
+//! The Apple-facing part of the Metal backend: `crate::gpu::Gpu` on a Metal device (objc2-metal,
+//! objc2-metal-performance-shaders(-graph)). Shared-storage buffers (`contents` is the zero-copy
+//! host view, `gpuAddress` goes into launch records), a library compiled from MSL source with
+//! one pipeline per kernel, engine matmuls (with their bias / activation epilogue) compiled to
+//! `MPSGraphExecutable`s whose feeds and results are `MPSNDArray`s over the shared buffers at
+//! their byte offsets, one compute queue
+//! (each submission one `MPSCommandBuffer`: runs of dispatches in a compute encoder with
+//! `setBytes` for the record and `useResource:usage:` for residency, engine matmuls encoded
+//! between them with no encoder open, after an optional `encodeWaitForEvent`), and a separate
+//! blit queue whose copies signal an `MTLSharedEvent`. An engine encode may commit and continue
+//! the command buffer: encoders are always made after it from the current one, and every
+//! command buffer the submission went through is waited on and checked
+//! (`crate::matmul::CommandBuffers`). Nothing above this module touches Metal.
 //!
 //! Type-checked for aarch64-apple-darwin in CI; it has not run on Apple hardware.
 #![allow(unsafe_code)] // FFI module: Objective-C objects and raw record bytes
-use crate::gpu::{BlitCopy, Dispatch, Gpu, GpuBuffer, GpuEvent, GpuLibrary, Submitted};
+use crate::gpu::{
+    BlitCopy, Dispatch, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work,
+};
 use crate::host::kernel_names;
+use crate::matmul::{segments, Activation, CommandBuffers, MatmulKey, Segment};
 use objc2::rc::Retained;
 use objc2::runtime::ProtocolObject;
-use objc2_foundation::{NSError, NSString};
+use objc2::AnyThread;
+use objc2_foundation::{NSArray, NSDictionary, NSError, NSNumber, NSString};
 use objc2_metal::{
     MTLBlitCommandEncoder, MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder,
     MTLCommandQueue, MTLCompileOptions, MTLComputeCommandEncoder, MTLComputePipelineState,
     MTLCreateSystemDefaultDevice, MTLDevice, MTLLibrary, MTLResourceOptions, MTLResourceUsage,
     MTLSharedEvent, MTLSize,
 };
+use objc2_metal_performance_shaders::{
+    MPSCommandBuffer, MPSDataType, MPSNDArray, MPSNDArrayDescriptor,
+};
+use objc2_metal_performance_shaders_graph::{
+    MPSGraph, MPSGraphDevice, MPSGraphExecutable, MPSGraphShapedType, MPSGraphTensor,
+    MPSGraphTensorData,
+};
 use rlx_ir::{Error, Result};
 use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 fn ns_error(what: &str, e: &NSError) -> Error {
     Error::Device(format!("Metal: {what}: {}", e.localizedDescription()))
@@ -101,13 +119,14 @@ impl GpuLibrary for SysLibrary {
     }
 }
 
-/// A committed command buffer and the buffers it must keep alive until it completed.
+/// The command buffers of one submission (several where an engine encode committed and
+/// continued), oldest first, and the buffers they must keep alive until they completed.
 struct SysSubmitted {
-    cb: Retained<ProtocolObject<dyn MTLCommandBuffer>>,
+    cbs: Vec<Retained<ProtocolObject<dyn MTLCommandBuffer>>>,
     _keep: Vec<Arc<dyn GpuBuffer>>,
 }
 
-// SAFETY: after commit the command buffer is only queried (wait, status, error), which Metal
+// SAFETY: after commit the command buffers are only queried (wait, status, error), which Metal
 // allows from any thread.
 unsafe impl Send for SysSubmitted {}
 // SAFETY: as above.
@@ -115,14 +134,91 @@ unsafe impl Sync for SysSubmitted {}
 
 impl Submitted for SysSubmitted {
     fn finish(&self) -> Result<()> {
-        self.cb.waitUntilCompleted();
-        if self.cb.status() == MTLCommandBufferStatus::Error {
-            return Err(match self.cb.error() {
-                Some(e) => ns_error("command buffer failed", &e),
-                None => Error::Device("Metal: command buffer failed".into()),
-            });
+        // They complete in commit order on one queue; each is checked for its own error.
+        for cb in &self.cbs {
+            cb.waitUntilCompleted();
+            if cb.status() == MTLCommandBufferStatus::Error {
+                return Err(match cb.error() {
+                    Some(e) => ns_error("command buffer failed", &e),
+                    None => Error::Device("Metal: command buffer failed".into()),
+                });
+            }
         }
         Ok(())
+    }
+}
+
+/// A command buffer compared by identity (which object, not its contents).
+struct CbRef(Retained<ProtocolObject<dyn MTLCommandBuffer>>);
+
+impl PartialEq for CbRef {
+    fn eq(&self, other: &Self) -> bool {
+        std::ptr::eq(Retained::as_ptr(&self.0), Retained::as_ptr(&other.0))
+    }
+}
+
+/// `[dims...]` as the `NSArray<NSNumber>` shape MPS takes (slowest dimension first).
+fn ns_shape(dims: &[usize]) -> Retained<NSArray<NSNumber>> {
+    let nums: Vec<Retained<NSNumber>> = dims.iter().map(|&d| NSNumber::new_u64(d as u64)).collect();
+    NSArray::from_retained_slice(&nums)
+}
+
+/// An engine matmul: an `MPSGraphExecutable` computing `C = act(op(A) op(B) + bias)` for one
+/// key, and the order of its feeds.
+pub struct SysMatmul {
+    key: MatmulKey,
+    exe: Retained<MPSGraphExecutable>,
+    /// For each feed of the executable, in its order, which array: 0 A, 1 B, 2 the bias.
+    order: Vec<usize>,
+    /// One encode at a time per executable (MPSGraph objects are not documented thread-safe).
+    encoding: Mutex<()>,
+}
+
+// SAFETY: the executable is only used under `encoding`'s lock.
+unsafe impl Send for SysMatmul {}
+// SAFETY: as above.
+unsafe impl Sync for SysMatmul {}
+
+impl GpuMatmul for SysMatmul {
+    fn key(&self) -> MatmulKey {
+        self.key
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A float32 `MPSGraphTensorData` over `bytes` of `buf` from `offset`, shaped `shape`.
+fn tensor_data(
+    buf: &SysBuffer,
+    offset: usize,
+    shape: &[usize],
+) -> Result<Retained<MPSGraphTensorData>> {
+    let bytes = shape.iter().product::<usize>() * 4;
+    if offset.checked_add(bytes).is_none_or(|end| end > buf.len) {
+        return Err(Error::Internal(format!(
+            "engine array of {bytes} bytes at {offset} past a buffer of {}",
+            buf.len
+        )));
+    }
+    // SAFETY: a float32 descriptor of the given shape; the array aliases `bytes` bytes of the
+    // shared buffer from `offset` (checked above), which the submission keeps alive until it
+    // completed; the bytes are float32 values of the arena.
+    unsafe {
+        let desc = MPSNDArrayDescriptor::descriptorWithDataType_shape(
+            MPSDataType::Float32,
+            &ns_shape(shape),
+        );
+        let nd = MPSNDArray::initWithBuffer_offset_descriptor(
+            MPSNDArray::alloc(),
+            &buf.buf,
+            offset,
+            &desc,
+        );
+        Ok(MPSGraphTensorData::initWithMPSNDArray(
+            MPSGraphTensorData::alloc(),
+            &nd,
+        ))
     }
 }
 
@@ -150,6 +246,45 @@ impl MetalGpu {
             blit,
         })
     }
+}
+
+/// Encodes one dispatch on an open compute encoder.
+fn encode_dispatch(
+    enc: &ProtocolObject<dyn MTLComputeCommandEncoder>,
+    d: &Dispatch<'_>,
+) -> Result<()> {
+    let lib = d
+        .library
+        .as_any()
+        .downcast_ref::<SysLibrary>()
+        .ok_or_else(|| Error::Internal("a foreign library on a Metal device".into()))?;
+    let p = lib
+        .pipelines
+        .get(d.kernel)
+        .ok_or_else(|| Error::Internal(format!("no kernel named '{}'", d.kernel)))?;
+    if d.threads == 0 {
+        return Ok(());
+    }
+    enc.setComputePipelineState(p);
+    let record = NonNull::new(d.record.as_ptr() as *mut c_void)
+        .ok_or_else(|| Error::Internal("empty launch record".into()))?;
+    // SAFETY: setBytes copies `record.len()` bytes from a live slice into the command stream
+    // at index 0, the index every kernel's record is declared at.
+    unsafe { enc.setBytes_length_atIndex(record, d.record.len(), 0) };
+    let width = p.maxTotalThreadsPerThreadgroup().clamp(1, 256);
+    enc.dispatchThreads_threadsPerThreadgroup(
+        MTLSize {
+            width: d.threads,
+            height: 1,
+            depth: 1,
+        },
+        MTLSize {
+            width,
+            height: 1,
+            depth: 1,
+        },
+    );
+    Ok(())
 }
 
 fn sys_buffer(b: &Arc<dyn GpuBuffer>) -> Result<&SysBuffer> {
@@ -212,68 +347,189 @@ impl Gpu for MetalGpu {
         }
         Ok(Arc::new(SysLibrary { pipelines }))
     }
+    fn matmul(&self, key: MatmulKey, _library: &Arc<dyn GpuLibrary>) -> Result<Arc<dyn GpuMatmul>> {
+        let [sa, sb, _] = key.shapes();
+        let sbias = key.bias_shape();
+        // SAFETY: graph construction from valid shapes and tensors of this graph; compile
+        // blocks until the executable is built.
+        let (exe, order) = unsafe {
+            let graph = MPSGraph::new();
+            let place = |s: &[usize]| {
+                graph.placeholderWithShape_dataType_name(
+                    Some(&ns_shape(s)),
+                    MPSDataType::Float32,
+                    None,
+                )
+            };
+            let a = place(&sa);
+            let b = place(&sb);
+            let op_a = if key.ta {
+                graph.transposeTensor_dimension_withDimension_name(&a, 1, 2, None)
+            } else {
+                a.clone()
+            };
+            let op_b = if key.tb {
+                graph.transposeTensor_dimension_withDimension_name(&b, 1, 2, None)
+            } else {
+                b.clone()
+            };
+            // [a_batch, m, k] x [b_batch, k, n] broadcasts to [batch, m, n]
+            let mut c = graph
+                .matrixMultiplicationWithPrimaryTensor_secondaryTensor_name(&op_a, &op_b, None);
+            let mut placeholders = vec![(a, sa.to_vec()), (b, sb.to_vec())];
+            if key.epilogue.bias {
+                let bias = place(&sbias);
+                // [1, 1, n] broadcasts over batches and rows
+                c = graph.additionWithPrimaryTensor_secondaryTensor_name(&c, &bias, None);
+                placeholders.push((bias, sbias.to_vec()));
+            }
+            c = match key.epilogue.act {
+                None => c,
+                Some(Activation::Relu) => graph.reLUWithTensor_name(&c, None),
+                Some(Activation::Tanh) => graph.tanhWithTensor_name(&c, None),
+                Some(Activation::Sigmoid) => graph.sigmoidWithTensor_name(&c, None),
+            };
+            let types: Vec<Retained<MPSGraphShapedType>> = placeholders
+                .iter()
+                .map(|(_, s)| {
+                    MPSGraphShapedType::initWithShape_dataType(
+                        MPSGraphShapedType::alloc(),
+                        Some(&ns_shape(s)),
+                        MPSDataType::Float32,
+                    )
+                })
+                .collect();
+            let keys: Vec<&MPSGraphTensor> = placeholders.iter().map(|(t, _)| &**t).collect();
+            let values: Vec<&MPSGraphShapedType> = types.iter().map(|t| &**t).collect();
+            let feeds = NSDictionary::from_slices(&keys, &values);
+            let gdev = MPSGraphDevice::deviceWithMTLDevice(&self.device);
+            let exe = graph
+                .compileWithDevice_feeds_targetTensors_targetOperations_compilationDescriptor(
+                    Some(&gdev),
+                    &feeds,
+                    &NSArray::from_slice(&[&*c]),
+                    None,
+                    None,
+                );
+            let fed = exe
+                .feedTensors()
+                .ok_or_else(|| missing("MPSGraphExecutable feedTensors"))?;
+            let mut order = Vec::with_capacity(placeholders.len());
+            for i in 0..fed.count() {
+                let t = fed.objectAtIndex(i);
+                let which = placeholders
+                    .iter()
+                    .position(|(p, _)| std::ptr::eq(Retained::as_ptr(p), Retained::as_ptr(&t)))
+                    .ok_or_else(|| {
+                        Error::Device("Metal: a matmul executable feeds an unknown tensor".into())
+                    })?;
+                order.push(which);
+            }
+            if order.len() != placeholders.len() {
+                return Err(Error::Device(format!(
+                    "Metal: a matmul executable with {} feeds, not {}",
+                    order.len(),
+                    placeholders.len()
+                )));
+            }
+            (exe, order)
+        };
+        Ok(Arc::new(SysMatmul {
+            key,
+            exe,
+            order,
+            encoding: Mutex::new(()),
+        }))
+    }
     fn compute(
         &self,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
-        dispatches: &[Dispatch<'_>],
+        work: &[Work<'_>],
         uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>> {
-        let cb = self
-            .compute
-            .commandBuffer()
-            .ok_or_else(|| missing("commandBuffer"))?;
+        let resident: Vec<&SysBuffer> = uses.iter().map(sys_buffer).collect::<Result<_>>()?;
+        // SAFETY: a command buffer of our compute queue wrapped for MPS.
+        let mps = unsafe { MPSCommandBuffer::commandBufferFromCommandQueue(&self.compute) };
+        // SAFETY: reading the wrapper's current underlying command buffer.
+        let mut cbs = CommandBuffers::new(CbRef(unsafe { mps.rootCommandBuffer() }));
         if let Some((event, value)) = wait {
             let ev = sys_event(event)?;
-            cb.encodeWaitForEvent_value(ProtocolObject::from_ref(&*ev.ev), value);
+            mps.encodeWaitForEvent_value(ProtocolObject::from_ref(&*ev.ev), value);
         }
-        let enc = cb
-            .computeCommandEncoder()
-            .ok_or_else(|| missing("computeCommandEncoder"))?;
-        for b in uses {
-            let b = sys_buffer(b)?;
-            enc.useResource_usage(
-                ProtocolObject::from_ref(&*b.buf),
-                MTLResourceUsage::Read | MTLResourceUsage::Write,
-            );
-        }
-        for d in dispatches {
-            let Some(lib) = d.library.as_any().downcast_ref::<SysLibrary>() else {
-                enc.endEncoding();
-                return Err(Error::Internal(
-                    "a foreign library on a Metal device".into(),
-                ));
-            };
-            let Some(p) = lib.pipelines.get(d.kernel) else {
-                enc.endEncoding();
-                return Err(Error::Internal(format!("no kernel named '{}'", d.kernel)));
-            };
-            if d.threads == 0 {
-                continue;
+        let is_matmul: Vec<bool> = work.iter().map(|w| matches!(w, Work::Matmul(_))).collect();
+        for seg in segments(&is_matmul) {
+            match seg {
+                Segment::Kernels(range) => {
+                    // Made now, from the current command buffer (an engine encode before this
+                    // one may have committed the previous one).
+                    let enc = mps
+                        .computeCommandEncoder()
+                        .ok_or_else(|| missing("computeCommandEncoder"))?;
+                    for b in &resident {
+                        enc.useResource_usage(
+                            ProtocolObject::from_ref(&*b.buf),
+                            MTLResourceUsage::Read | MTLResourceUsage::Write,
+                        );
+                    }
+                    let r = work[range].iter().try_for_each(|w| match w {
+                        Work::Kernel(d) => encode_dispatch(&enc, d),
+                        Work::Matmul(_) => Err(Error::Internal("a matmul in a kernel run".into())),
+                    });
+                    enc.endEncoding();
+                    r?;
+                }
+                Segment::Matmul(i) => {
+                    let Work::Matmul(call) = &work[i] else {
+                        return Err(Error::Internal("a kernel in a matmul segment".into()));
+                    };
+                    let mm = call
+                        .exe
+                        .as_any()
+                        .downcast_ref::<SysMatmul>()
+                        .ok_or_else(|| {
+                            Error::Internal("a foreign matmul on a Metal device".into())
+                        })?;
+                    let [sa, sb, sc] = mm.key.shapes();
+                    let mut arrays = vec![
+                        tensor_data(sys_buffer(call.a.0)?, call.a.1, &sa)?,
+                        tensor_data(sys_buffer(call.b.0)?, call.b.1, &sb)?,
+                    ];
+                    match (mm.key.epilogue.bias, call.bias) {
+                        (true, Some((buf, off))) => {
+                            arrays.push(tensor_data(sys_buffer(buf)?, off, &mm.key.bias_shape())?)
+                        }
+                        (false, None) => {}
+                        _ => {
+                            return Err(Error::Internal(
+                                "an engine matmul's bias does not match its key".into(),
+                            ))
+                        }
+                    }
+                    let c = tensor_data(sys_buffer(call.c.0)?, call.c.1, &sc)?;
+                    let inputs: Vec<Retained<MPSGraphTensorData>> =
+                        mm.order.iter().map(|&w| arrays[w].clone()).collect();
+                    let _one = mm.encoding.lock().unwrap_or_else(|p| p.into_inner());
+                    // SAFETY: the arrays alias live shared buffers (kept alive by the
+                    // submission) with the shapes the executable was compiled for; no compute
+                    // encoder is open on the command buffer.
+                    unsafe {
+                        mm.exe
+                            .encodeToCommandBuffer_inputsArray_resultsArray_executionDescriptor(
+                                &mps,
+                                &NSArray::from_retained_slice(&inputs),
+                                Some(&NSArray::from_retained_slice(&[c])),
+                                None,
+                            );
+                    }
+                    // The encode may have committed and continued: follow the current buffer.
+                    // SAFETY: as above.
+                    cbs.observe(CbRef(unsafe { mps.rootCommandBuffer() }));
+                }
             }
-            enc.setComputePipelineState(p);
-            let record = NonNull::new(d.record.as_ptr() as *mut c_void)
-                .ok_or_else(|| Error::Internal("empty launch record".into()))?;
-            // SAFETY: setBytes copies `record.len()` bytes from a live slice into the command
-            // stream at index 0, the index every kernel's record is declared at.
-            unsafe { enc.setBytes_length_atIndex(record, d.record.len(), 0) };
-            let width = p.maxTotalThreadsPerThreadgroup().clamp(1, 256);
-            enc.dispatchThreads_threadsPerThreadgroup(
-                MTLSize {
-                    width: d.threads,
-                    height: 1,
-                    depth: 1,
-                },
-                MTLSize {
-                    width,
-                    height: 1,
-                    depth: 1,
-                },
-            );
         }
-        enc.endEncoding();
-        cb.commit();
+        mps.commit();
         Ok(Box::new(SysSubmitted {
-            cb,
+            cbs: cbs.all().iter().map(|c| c.0.clone()).collect(),
             _keep: uses.to_vec(),
         }))
     }
@@ -309,7 +565,7 @@ impl Gpu for MetalGpu {
         cb.encodeSignalEvent_value(ProtocolObject::from_ref(&*ev.ev), value);
         cb.commit();
         Ok(Box::new(SysSubmitted {
-            cb,
+            cbs: vec![cb],
             _keep: vec![copy.src, copy.dst],
         }))
     }

@@ -3,6 +3,7 @@
 //! device-side waits. Skipped, with a message, where there is no C++ compiler.
 use crate::gpu::Dispatch;
 use crate::kernels::{self, Gemm};
+use crate::matmul::MatmulPolicy;
 use crate::{host, MetalBuffer, MetalDevice};
 use rlx_ir::{AsyncCopy, BarrierToken, Error};
 use rlx_runtime::gpu_plan::P;
@@ -433,14 +434,30 @@ type MatMulCase = (
 fn matmul_programs_match_the_cpu_backend() {
     use rlx_ir::{DType, Op, Shape};
     let Some(dev) = device() else { return };
-    let metal = crate::MetalBackend::new(dev, rlx_cpu::host_update);
-    let cases: [MatMulCase; 4] = [
+    let cases: [MatMulCase; 7] = [
         (&[5, 7], &[7, 6], &[5, 6], false, false),
         (&[7, 5], &[6, 7], &[5, 6], true, true),
         (&[3, 4, 9], &[9, 2], &[3, 4, 2], false, false),
         (&[2, 6, 3], &[2, 5, 6], &[2, 3, 5], true, true),
+        (&[4, 3], &[2, 3, 5], &[2, 4, 5], false, false),
+        (&[2, 3, 4], &[5, 4], &[2, 3, 5], false, true),
+        // numpy batch broadcasting: one GEMM per output matrix, at offsets
+        (&[2, 1, 3, 4], &[1, 3, 4, 2], &[2, 3, 3, 2], false, false),
     ];
-    for (ad, bd, od, ta, tb) in cases {
+    // on the MSL kernel, and on the engine (the host runs it from the key alone)
+    let policies = [MatmulPolicy::OFF, MatmulPolicy::ALL];
+    for ((ad, bd, od, ta, tb), policy) in cases
+        .iter()
+        .flat_map(|c| policies.iter().map(move |p| (*c, *p)))
+    {
+        let metal = crate::MetalBackend::with_options(
+            dev.clone(),
+            rlx_cpu::host_update,
+            crate::MetalOptions {
+                matmul: policy,
+                update: crate::UpdateMode::Kernel,
+            },
+        );
         let (na, nb, no) = (
             ad.iter().product::<usize>(),
             bd.iter().product::<usize>(),
@@ -469,6 +486,111 @@ fn matmul_programs_match_the_cpu_backend() {
         assert!(want[na + nb..].iter().any(|&x| x != 0.0));
         close(&got, &want, 1e-4);
     }
+}
+
+fn matmul_program(m: usize, k: usize, n: usize) -> (Program, usize) {
+    use rlx_ir::{DType, Op, Shape};
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    let program = Program {
+        instrs: vec![Instr::Op {
+            op: Op::MatMul {
+                trans_a: false,
+                trans_b: true,
+            },
+            ins: vec![r(0, &[m, k]), r(m * k, &[n, k])],
+            out: r(m * k + n * k, &[m, n]),
+        }],
+    };
+    (program, (m * k + n * k + m * n) * 4)
+}
+
+#[test]
+fn planned_gemms_are_routed_with_reasons_and_compiled_once_per_key() {
+    use crate::matmul::{MatmulKey, MatmulPolicy};
+    use crate::program::{MatmulRoute, MetalProgram};
+    let Some(dev) = device() else { return };
+    let opts = |matmul| crate::MetalOptions {
+        matmul,
+        update: crate::UpdateMode::Kernel,
+    };
+    let compile = |m, k, n, policy| {
+        let (program, bytes) = matmul_program(m, k, n);
+        MetalProgram::new(
+            dev.clone(),
+            &program,
+            &[bytes],
+            rlx_cpu::host_update,
+            opts(policy),
+        )
+        .unwrap()
+    };
+    let before = dev.matmuls_compiled();
+    let big = compile(80, 72, 64, MatmulPolicy::default());
+    let key = MatmulKey {
+        batch: 1,
+        a_batch: 1,
+        b_batch: 1,
+        m: 80,
+        n: 64,
+        k: 72,
+        ta: false,
+        tb: true,
+        epilogue: Default::default(),
+    };
+    assert_eq!(big.matmul_routes(), &[(0, MatmulRoute::Engine(key))]);
+    assert_eq!(dev.matmuls_compiled(), before + 1);
+    // the same shapes at other offsets, in another program: the cached executable
+    let again = compile(80, 72, 64, MatmulPolicy::ALL);
+    assert_eq!(again.matmul_routes(), big.matmul_routes());
+    assert_eq!(dev.matmuls_compiled(), before + 1);
+    let small = compile(8, 8, 8, MatmulPolicy::default());
+    let [(0, MatmulRoute::Kernel(why))] = small.matmul_routes() else {
+        panic!("{:?}", small.matmul_routes())
+    };
+    assert!(why.contains("below the engine's threshold"), "{why}");
+    let off = compile(80, 72, 64, MatmulPolicy::OFF);
+    let [(0, MatmulRoute::Kernel(why))] = off.matmul_routes() else {
+        panic!("{:?}", off.matmul_routes())
+    };
+    assert!(why.contains("off"), "{why}");
+    assert_eq!(dev.matmuls_compiled(), before + 1);
+}
+
+#[test]
+fn engine_arrays_past_their_buffer_are_refused() {
+    use crate::gpu::{MatmulCall, Work};
+    use crate::matmul::MatmulKey;
+    let Some(dev) = device() else { return };
+    let key = MatmulKey {
+        batch: 1,
+        a_batch: 1,
+        b_batch: 1,
+        m: 4,
+        n: 4,
+        k: 4,
+        ta: false,
+        tb: false,
+        epilogue: Default::default(),
+    };
+    let exe = dev.matmul(key).unwrap();
+    let buf = dev.alloc(64 * 3).unwrap();
+    let call = |c_off| {
+        Work::Matmul(MatmulCall {
+            exe: exe.as_ref(),
+            a: (buf.gpu(), 0),
+            b: (buf.gpu(), 64),
+            c: (buf.gpu(), c_off),
+            bias: None,
+        })
+    };
+    dev.run_work(None, &[call(128)], &[&buf]).unwrap();
+    let e = dev.run_work(None, &[call(132)], &[&buf]).unwrap_err();
+    assert!(e.to_string().contains("past a buffer of 192"), "{e}");
 }
 
 #[test]
@@ -518,5 +640,170 @@ fn fused_programs_with_broadcast_operands_match_the_cpu_backend() {
             (g.is_nan() && w.is_nan()) || (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
             "element {i}: metal {g}, cpu {w}"
         );
+    }
+}
+
+#[test]
+fn update_mode_from_the_environment_value() {
+    use crate::UpdateMode;
+    assert_eq!(UpdateMode::parse(None).unwrap(), UpdateMode::Kernel);
+    assert_eq!(UpdateMode::parse(Some("")).unwrap(), UpdateMode::Kernel);
+    assert_eq!(
+        UpdateMode::parse(Some("kernel")).unwrap(),
+        UpdateMode::Kernel
+    );
+    assert_eq!(UpdateMode::parse(Some(" host")).unwrap(), UpdateMode::Host);
+    let e = UpdateMode::parse(Some("gpu")).unwrap_err();
+    assert!(matches!(e, Error::Input { .. }), "{e}");
+    assert!(e.to_string().contains("RLX_METAL_UPDATE"), "{e}");
+    assert!(e.to_string().contains("\"gpu\""), "{e}");
+}
+
+#[test]
+fn the_update_kernels_thread_counts_follow_their_records() {
+    let mut p = P::sized(2049);
+    assert_eq!(kernels::threads("rlx_sumsq", &p).unwrap(), 3);
+    p.iv[2] = 5; // chunks of the update table
+    assert_eq!(
+        kernels::threads("rlx_update_multi", &p).unwrap(),
+        5 * kernels::UPDATE_LANES
+    );
+    assert_eq!(kernels::threads("rlx_update_ctrl", &p).unwrap(), 1);
+    assert_eq!(kernels::threads("rlx_update_finish", &p).unwrap(), 1);
+    assert_eq!(kernels::threads("rlx_accumulate", &p).unwrap(), 2049);
+    // the MSL source's constants are the ones the thread counts assume
+    let chunk = format!("#define RX_SUMSQ_CHUNK {}", kernels::SUMSQ_CHUNK);
+    let lanes = format!("#define RX_UPDATE_LANES {}", kernels::UPDATE_LANES);
+    assert!(kernels::LIBRARY.contains(&chunk) && kernels::LIBRARY.contains(&lanes));
+}
+
+#[test]
+fn matmul_epilogues_run_on_the_engine_where_they_are_bias_and_activation() {
+    use crate::matmul::{Activation, Epilogue};
+    use crate::program::{MatmulRoute, MetalProgram};
+    use rlx_ir::{BinaryOp as B, DType, Fused, FusedStep as S, Op, Shape, UnaryOp as U};
+    let Some(dev) = device() else { return };
+    let (m, k, n) = (6, 5, 7);
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    let shape = Shape::new([m, n]);
+    let epi = |n_inputs: usize, steps: Vec<S>| Fused {
+        shape: shape.clone(),
+        n_inputs,
+        steps,
+    };
+    // (epilogue, its second input's dims, the engine's epilogue or None: stays a kernel)
+    let cases: Vec<(Fused, Option<Vec<usize>>, Option<Epilogue>)> = vec![
+        (
+            epi(2, vec![S::Binary(B::Add, 0, 1), S::Unary(U::Relu, 2)]),
+            Some(vec![n]),
+            Some(Epilogue {
+                bias: true,
+                act: Some(Activation::Relu),
+            }),
+        ),
+        (
+            epi(2, vec![S::Binary(B::Add, 1, 0), S::Unary(U::Tanh, 2)]),
+            Some(vec![1, n]),
+            Some(Epilogue {
+                bias: true,
+                act: Some(Activation::Tanh),
+            }),
+        ),
+        (
+            epi(2, vec![S::Binary(B::Add, 0, 1)]),
+            Some(vec![n]),
+            Some(Epilogue {
+                bias: true,
+                act: None,
+            }),
+        ),
+        (
+            epi(1, vec![S::Unary(U::Sigmoid, 0)]),
+            None,
+            Some(Epilogue {
+                bias: false,
+                act: Some(Activation::Sigmoid),
+            }),
+        ),
+        // a residual add (a whole matrix, not a vector per row): the epilogue stays a kernel
+        (
+            epi(2, vec![S::Binary(B::Add, 0, 1)]),
+            Some(vec![m, n]),
+            None,
+        ),
+        // a per-row (column) bias: likewise
+        (
+            epi(2, vec![S::Binary(B::Add, 0, 1)]),
+            Some(vec![m, 1]),
+            None,
+        ),
+        // another expression
+        (
+            epi(2, vec![S::Binary(B::Mul, 0, 1), S::Unary(U::Relu, 2)]),
+            Some(vec![n]),
+            None,
+        ),
+    ];
+    for (f, extra, want) in cases {
+        let (na, nb) = (m * k, k * n);
+        let ne = extra.as_ref().map_or(0, |d| d.iter().product::<usize>());
+        let mut ins = vec![r(0, &[m, k]), r(na, &[k, n])];
+        if let Some(d) = &extra {
+            ins.push(r(na + nb, d));
+        }
+        let what = format!("{f}");
+        let program = Program {
+            instrs: vec![Instr::Op {
+                op: Op::MatMulEpilogue {
+                    trans_a: false,
+                    trans_b: false,
+                    epilogue: Arc::new(f),
+                },
+                ins,
+                out: r(na + nb + ne, &[m, n]),
+            }],
+        };
+        let total = na + nb + ne + m * n;
+        let opts = crate::MetalOptions {
+            matmul: MatmulPolicy::ALL,
+            update: crate::UpdateMode::Kernel,
+        };
+        let prog = MetalProgram::new(
+            dev.clone(),
+            &program,
+            &[total * 4],
+            rlx_cpu::host_update,
+            opts,
+        )
+        .unwrap();
+        let routes = prog.matmul_routes();
+        let MatmulRoute::Engine(key) = &routes[0].1 else {
+            panic!("{what}: {routes:?}")
+        };
+        match want {
+            Some(e) => {
+                assert_eq!(key.epilogue, e, "{what}");
+                assert_eq!(routes.len(), 1, "{what}: {routes:?}");
+            }
+            None => {
+                assert!(key.epilogue.is_none(), "{what}");
+                assert!(
+                    matches!(&routes[1], (1, MatmulRoute::EpilogueKernel(_))),
+                    "{what}: {routes:?}"
+                );
+            }
+        }
+        let metal = crate::MetalBackend::with_options(dev.clone(), rlx_cpu::host_update, opts);
+        let mut init = data(na + nb + ne, 33);
+        init.resize(total, 0.0);
+        let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+        let got = run_on(&metal, &program, &init);
+        assert!(want[na + nb + ne..].iter().any(|&x| x != 0.0), "{what}");
+        close(&got, &want, 1e-5);
     }
 }

@@ -2,7 +2,7 @@
 // (rlx_runtime::gpu_plan) launches, each with the record contract written there and in the
 // CUDA library. Every kernel is dispatched on a 1-D grid: one thread per element, row or output
 // (`p.n` threads, bounds-checked), or one thread for the few serial kernels (see
-// `crate::program::threads`). No threadgroup memory or barriers: the host emulation runs thread
+// `crate::kernels::threads`). No threadgroup memory or barriers: the host emulation runs thread
 // indices one after another; concurrent sums into one place use `rx_atomic_add`.
 inline long rx_lmax(long a, long b) { return a > b ? a : b; }
 inline long rx_lmin(long a, long b) { return a < b ? a : b; }
@@ -533,4 +533,243 @@ kernel void rlx_attention_grad(constant P& p [[buffer(0)]], uint row [[thread_po
     }
     device float* dqo = F(5) + rx_att_at(p, 4, u, j, i);
     for (long d = 0; d < E; ++d) dqo[d] = dq[d];
+}
+
+// ---- the training update on the device (the plan's multi-tensor update; the host update is
+// the alternative, crate::UpdateMode). The control block (ptr to RxCtrl, 32 zeroed bytes at
+// the plan's CTRL_AT) carries the decisions between the kernels. MSL has no double, so a sum of
+// squares is two floats: sq[2s] sums the squares of elements below 2^32 in magnitude, sq[2s+1]
+// those of the others scaled by 2^-64 (so a norm overflows only where float32 does).
+#define RX_SUMSQ_CHUNK 1024
+#define RX_UPDATE_LANES 256
+struct RxCtrl {
+    float sq[4];
+    float go;
+    float noskip;
+    float scale;
+    float micro;
+};
+#define RX_2P64 rx_bits(0x5f800000u)
+#define RX_2M64 rx_bits(0x1f800000u)
+// The norm of sum-of-squares slot s, times scale (as the CPU's (sqrt(total) * scale) in f64).
+inline float rx_ctrl_norm(device const RxCtrl* c, int s, float scale) {
+    float small = c->sq[2 * s];
+    float big = c->sq[2 * s + 1];
+    if (big == 0.0f) return sqrt(small) * scale;
+    return sqrt(big + (small * RX_2M64) * RX_2M64) * scale * RX_2P64;
+}
+// Sum of squares of the n floats at ptr0 added to slot iv[0] of the control block at ptr1; a
+// thread per RX_SUMSQ_CHUNK elements.
+kernel void rlx_sumsq(constant P& p [[buffer(0)]], uint t [[thread_position_in_grid]]) {
+    long start = (long)t * RX_SUMSQ_CHUNK;
+    if (start >= p.n) return;
+    long end = rx_lmin(p.n, start + RX_SUMSQ_CHUNK);
+    RxSum small = {0.0f, 0.0f};
+    RxSum big = {0.0f, 0.0f};
+    float bad = 0.0f;
+    for (long i = start; i < end; ++i) {
+        float v = F(0)[i];
+        if (!RX_FINITE(v)) {
+            bad += v * v;
+        } else if (fabs(v) >= 4294967296.0f) {
+            float s = v * RX_2M64;
+            rx_add(big, s * s);
+        } else {
+            rx_add(small, v * v);
+        }
+    }
+    device RxCtrl* c = (device RxCtrl*)p.ptr[1];
+    int s = (int)p.iv[0];
+    rx_atomic_add(&c->sq[2 * s], rx_total(small));
+    float b = rx_total(big) + bad;
+    if (b != 0.0f) rx_atomic_add(&c->sq[2 * s + 1], b);
+}
+// One thread. ptr0 ctrl, ptr1 stats, ptr2 loss. iv[0] phase, iv[1] skip_nonfinite,
+// iv[2] accumulate, iv[3] need_norm, iv[4] norm from slot 0, iv[5] clip on; fv[0] clip.
+kernel void rlx_update_ctrl(constant P& p [[buffer(0)]], uint t [[thread_position_in_grid]]) {
+    if (t != 0) return;
+    device RxCtrl* c = (device RxCtrl*)p.ptr[0];
+    device float* st = F(1);
+    long k = p.iv[2];
+    switch ((int)p.iv[0]) {
+    case 0: {
+        st[3] = 0.0f;
+        c->go = 1.0f;
+        c->noskip = 1.0f;
+        c->scale = 1.0f;
+        c->micro = st[2];
+        if (p.iv[1]) {
+            float loss = F(2)[0];
+            if (!(RX_FINITE(loss) && RX_FINITE(rx_ctrl_norm(c, 0, 1.0f)))) {
+                st[1] += 1.0f;
+                c->go = 0.0f;
+                c->noskip = 0.0f;
+            }
+        }
+        break;
+    }
+    case 1: {
+        if (c->go != 0.0f && k > 1) {
+            long micro = (long)c->micro;
+            if (micro + 1 < k) {
+                st[2] = (float)(micro + 1);
+                c->go = 0.0f;
+            } else {
+                st[2] = 0.0f;
+                c->scale = 1.0f / (float)k;
+            }
+        }
+        break;
+    }
+    case 2: {
+        if (c->go == 0.0f) break;
+        if (!p.iv[3]) {
+            st[0] = RX_NAN;
+            break;
+        }
+        float norm = rx_ctrl_norm(c, p.iv[4] ? 0 : 1, c->scale);
+        st[0] = norm;
+        if (p.iv[1] && !RX_FINITE(norm)) {
+            st[1] += 1.0f;
+            c->go = 0.0f;
+            c->noskip = 0.0f;
+            break;
+        }
+        if (p.iv[5]) {
+            float coef = p.fv[0] / (norm + 1e-6f);
+            if (coef < 1.0f) c->scale *= coef;
+        }
+        break;
+    }
+    default:
+        if (c->go != 0.0f) st[3] = 1.0f;
+    }
+}
+// Gradient accumulation: ptr0 g, ptr1 acc, ptr2 ctrl.
+kernel void rlx_accumulate(constant P& p [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+    if ((long)i >= p.n) return;
+    device const RxCtrl* c = (device const RxCtrl*)p.ptr[2];
+    if (c->go == 0.0f) return;
+    F(1)[i] = c->micro == 0.0f ? F(0)[i] : F(1)[i] + F(0)[i];
+}
+// Buffer updates when the run was not skipped: ptr0 src, ptr1 dst, ptr2 ctrl.
+kernel void rlx_copy_unless_skipped(constant P& p [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+    if ((long)i >= p.n) return;
+    device const RxCtrl* c = (device const RxCtrl*)p.ptr[2];
+    if (c->noskip == 0.0f) return;
+    F(1)[i] = F(0)[i];
+}
+// The rules (0 sgd, 1 adam, 2 adamw, 3 rmsprop, 4 adagrad) of one parameter tensor: its
+// settings from its hyper row h (the plan's hyper columns) and the run's control block.
+struct RxUpd {
+    float lr, wd, mom, nesterov, b1, b2, eps, alpha, c_alpha, c_damp, c1, c2, scale, bc1, ibc2, clr;
+    int rule;
+    bool first;
+};
+inline RxUpd rx_upd_settings(device const float* h, float scale, int step, bool first, int rule) {
+    RxUpd u;
+    u.lr = h[0];
+    u.wd = h[1];
+    u.mom = h[2];
+    u.nesterov = h[4];
+    u.b1 = h[5];
+    u.b2 = h[6];
+    u.eps = h[7];
+    u.alpha = h[8];
+    u.c_alpha = h[10];
+    u.c_damp = h[11];
+    u.c1 = h[12];
+    u.c2 = h[13];
+    u.scale = scale;
+    u.rule = rule;
+    u.first = first;
+    float t = (float)(step > 1 ? step : 1);
+    u.bc1 = 1.0f - pow(u.b1, t);
+    u.ibc2 = 1.0f / sqrt(1.0f - pow(u.b2, t));
+    u.clr = u.lr / (1.0f + (float)(step - 1) * h[9]);
+    return u;
+}
+inline void rx_upd_one(thread const RxUpd& u, device float* w, device const float* g,
+                       device float* s0, device float* s1, long i) {
+    float pi = w[i];
+    float gs = u.scale == 1.0f ? g[i] : g[i] * u.scale;
+    if (u.rule == 1 || u.rule == 2) {
+        bool adamw = u.rule == 2;
+        float pd = pi * (adamw ? 1.0f - u.lr * u.wd : 1.0f);
+        float gi = (adamw || u.wd == 0.0f) ? gs : gs + u.wd * pd;
+        float mi = u.b1 * s0[i] + u.c1 * gi;
+        float vi = u.b2 * s1[i] + u.c2 * gi * gi;
+        s0[i] = mi;
+        s1[i] = vi;
+        w[i] = pd - (u.lr / u.bc1) * mi / (sqrt(vi) * u.ibc2 + u.eps);
+        return;
+    }
+    float gi = u.wd != 0.0f ? gs + u.wd * pi : gs;
+    if (u.rule == 0) {
+        if (u.mom == 0.0f) {
+            w[i] = pi - u.lr * gi;
+            return;
+        }
+        float b = u.first ? gi : u.mom * s0[i] + u.c_damp * gi;
+        s0[i] = b;
+        float d = u.nesterov != 0.0f ? gi + u.mom * b : b;
+        w[i] = pi - u.lr * d;
+    } else if (u.rule == 3) {
+        float sq = u.alpha * s0[i] + u.c_alpha * gi * gi;
+        s0[i] = sq;
+        float avg = sqrt(sq) + u.eps;
+        if (u.mom > 0.0f) {
+            float b = u.mom * s1[i] + gi / avg;
+            s1[i] = b;
+            w[i] = pi - u.lr * b;
+        } else {
+            w[i] = pi - u.lr * (gi / avg);
+        }
+    } else {
+        float sq = s0[i] + gi * gi;
+        s0[i] = sq;
+        w[i] = pi - u.clr * (gi / (sqrt(sq) + u.eps));
+    }
+}
+// Where a table word points: buffer (top 8 bits) base plus byte offset; all ones for none.
+inline device char* rx_upd_at(constant P& p, ulong w) {
+    if (w == ~0ul) return (device char*)0;
+    return (device char*)p.ptr[w >> 56] + (w & ((1ul << 56) - 1));
+}
+// Every parameter tensor in one dispatch. ptr0..ptr5 the run's buffer bases, ptr6 the table,
+// ptr7 ctrl; iv[0] rule, iv[1] tensors, iv[2] chunks, iv[3] elements a chunk. The table (u64
+// words) holds 8 words a tensor -- where its parameter, gradient, state 0, state 1, step count,
+// started flag and hyper row are, then its element count -- then one word a chunk:
+// tensor << 40 | first element. RX_UPDATE_LANES threads a chunk (iv[2] * lanes threads).
+kernel void rlx_update_multi(constant P& p [[buffer(0)]], uint t [[thread_position_in_grid]]) {
+    long k = (long)(t / RX_UPDATE_LANES);
+    long lane = (long)(t % RX_UPDATE_LANES);
+    if (k >= p.iv[2]) return;
+    device const RxCtrl* c = (device const RxCtrl*)p.ptr[7];
+    if (c->go == 0.0f) return;
+    device const ulong* tab = (device const ulong*)p.ptr[6];
+    ulong ch = tab[8 * p.iv[1] + k];
+    device const ulong* d = tab + 8 * (ch >> 40);
+    long start = (long)(ch & ((1ul << 40) - 1));
+    long end = rx_lmin((long)d[7], start + p.iv[3]);
+    bool first = d[5] != ~0ul && ((device const int*)rx_upd_at(p, d[5]))[0] == 0;
+    int step = ((device const int*)rx_upd_at(p, d[4]))[0] + 1;
+    RxUpd u = rx_upd_settings((device const float*)rx_upd_at(p, d[6]), c->scale, step, first,
+                              (int)p.iv[0]);
+    device float* w = (device float*)rx_upd_at(p, d[0]);
+    device const float* g = (device const float*)rx_upd_at(p, d[1]);
+    device float* s0 = (device float*)rx_upd_at(p, d[2]);
+    device float* s1 = (device float*)rx_upd_at(p, d[3]);
+    for (long i = start + lane; i < end; i += RX_UPDATE_LANES) rx_upd_one(u, w, g, s0, s1, i);
+}
+// One thread, up to 5 parameters: ptr0 ctrl; for i < iv[0]: ptr[1+3i] step, ptr[2+3i] started
+// (or none), ptr[3+3i] hyper row. Counts the update and marks SGD momentum as started.
+kernel void rlx_update_finish(constant P& p [[buffer(0)]], uint t [[thread_position_in_grid]]) {
+    if (t != 0) return;
+    device const RxCtrl* c = (device const RxCtrl*)p.ptr[0];
+    if (c->go == 0.0f) return;
+    for (int i = 0; i < (int)p.iv[0]; ++i) {
+        I(1 + 3 * i)[0] += 1;
+        if (p.ptr[2 + 3 * i] != 0 && F(3 + 3 * i)[2] != 0.0f) I(2 + 3 * i)[0] = 1;
+    }
 }
