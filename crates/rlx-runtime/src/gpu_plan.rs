@@ -1360,7 +1360,7 @@ impl Builder {
             Kernel::Library("rlx_att_softmax"),
             rows,
             THREADS,
-            p.clone(),
+            p,
             vec![(0, probs)],
         );
         // A product into output tensor `x` (`rows` x `cols` per head): straight there when it
