@@ -135,7 +135,11 @@ impl Comm {
     fn at(&self, buf: &dyn DeviceBuffer, offset: usize, bytes: usize) -> Result<u64> {
         check_range("nccl", offset, bytes, buf.len())?;
         match buf.device_ptr() {
-            Some((ptr, ord)) if ord == self.dev.ordinal && offset % 4 == 0 && bytes % 4 == 0 => {
+            Some((ptr, ord))
+                if ord == self.dev.ordinal
+                    && offset.is_multiple_of(4)
+                    && bytes.is_multiple_of(4) =>
+            {
                 Ok(ptr + offset as u64)
             }
             Some((_, ord)) => Err(Error::Input {
