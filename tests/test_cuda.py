@@ -324,6 +324,7 @@ def test_mixed_precision_training_matches_cpu(precision):
     s_gpu = rlx.compile_train_step(loss, gpu_m, rlx.optim.AdamW(lr=3e-3), specs, device="cuda", **kw)
     s_f32 = rlx.compile_train_step(loss, f32_m, rlx.optim.AdamW(lr=3e-3), specs, device="cuda")
     assert s_gpu.precision == precision
+    assert s_gpu.memory()["workspace_bytes"] > 0  # the GPU program's scratch memory is counted
     first = s_f32(idx=idx, tgt=tgt)
     for i in range(5):
         l_gpu, l_cpu = s_gpu(idx=idx, tgt=tgt), s_cpu(idx=idx, tgt=tgt)
