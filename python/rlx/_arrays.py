@@ -107,12 +107,22 @@ def _how(value: Any, spec_dtype: str) -> str:
     return f".astype({target})" if isinstance(value, np.ndarray) else f"np.asarray(value, {target})"
 
 
+#: The canonical numpy dtype objects of the dtypes whose arrays go to the native side as they are.
+_FAST = {n: np.dtype(n) for n in ("float32", "float64", "float16", "int32", "int64")}
+
+
 def convert(name: str, spec_shape: Sequence[int], spec_dtype: str, value: Any) -> np.ndarray:
     """Checks ``value`` against a spec and returns a flat C-contiguous native array of the spec's
     dtype (bfloat16 and bool as their raw bits, see ``raw``). Float inputs take arrays of exactly
     their dtype; integer inputs take any integer array whose values fit; bool inputs take bool
     arrays. Non-contiguous, Fortran-ordered and byte-swapped arrays are converted; anything else
     raises before any work."""
+    # The common case, checked first (this runs for every input of every step): a C-contiguous,
+    # native-order numpy array of exactly the spec's (plain) dtype and shape.
+    fast = _FAST.get(spec_dtype)
+    if type(value) is np.ndarray and value.dtype is fast and value.flags.c_contiguous and \
+            value.shape == tuple(spec_shape):
+        return value.reshape(-1)
     try:
         arr = np.asarray(value)
     except (TypeError, ValueError) as e:
