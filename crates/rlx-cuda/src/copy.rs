@@ -1,5 +1,6 @@
 //! The CUDA copy engine: copies on a stream of their own, each followed by an event; a token's
-//! wait is that event's (the stream runs copies in issue order, so it covers every earlier one).
+//! wait is that event's (the stream runs copies in issue order, so it covers every earlier one),
+//! on the host or, for `wait_on_device`, by the compute stream itself (the host goes on).
 use crate::driver::{Event, Stream};
 use crate::mem::CudaBuffer;
 use rlx_ir::{AsyncCopy, BarrierToken, Error, Result};
@@ -67,6 +68,42 @@ impl CudaCopyEngine {
         }
     }
 
+    /// Forgets the pending copies that have completed (their sources may go), without waiting.
+    fn prune(&self) {
+        let mut st = self.lock();
+        let mut done = Vec::new();
+        for (&s, p) in &st.pending {
+            match p.event.done() {
+                Ok(true) => done.push((s, None)),
+                Ok(false) => break, // later copies complete after this one
+                Err(e) => done.push((s, Some(e))),
+            }
+        }
+        for (s, e) in done {
+            st.pending.remove(&s);
+            if let Some(e) = e {
+                st.failed.insert(s, e);
+            }
+        }
+    }
+
+    /// `Ok` for a token of this engine that was issued.
+    fn check_token(&self, token: BarrierToken) -> Result<()> {
+        if token.engine != self.id {
+            return Err(Error::Device(format!(
+                "a barrier token of copy engine {} was waited on engine {}",
+                token.engine, self.id
+            )));
+        }
+        if token.seq > self.lock().issued {
+            return Err(Error::Device(format!(
+                "barrier token {} was never issued",
+                token.seq
+            )));
+        }
+        Ok(())
+    }
+
     /// Waits for every pending copy up to `seq` and forgets them.
     fn settle(&self, seq: u64) -> Result<()> {
         loop {
@@ -93,6 +130,7 @@ impl AsyncCopy for CudaCopyEngine {
 
     fn issue(&self, src: CopySrc, dst: CopyDst, bytes: usize) -> Result<BarrierToken> {
         check_copy(&src, &dst, bytes)?;
+        self.prune();
         let mut st = self.lock();
         let seq = st.issued + 1;
         st.issued = seq;
@@ -118,21 +156,25 @@ impl AsyncCopy for CudaCopyEngine {
     }
 
     fn wait(&self, token: BarrierToken) -> Result<()> {
-        if token.engine != self.id {
-            return Err(Error::Device(format!(
-                "a barrier token of copy engine {} was waited on engine {}",
-                token.engine, self.id
-            )));
-        }
-        if token.seq > self.lock().issued {
-            return Err(Error::Device(format!(
-                "barrier token {} was never issued",
-                token.seq
-            )));
-        }
+        self.check_token(token)?;
         self.settle(token.seq)?;
         match self.lock().failed.get(&token.seq) {
             Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    fn wait_on_device(&self, token: BarrierToken) -> Result<()> {
+        self.check_token(token)?;
+        self.prune();
+        let st = self.lock();
+        if let Some(e) = st.failed.get(&token.seq) {
+            return Err(e.clone());
+        }
+        // The copy stream runs copies in issue order: the token's own event covers the earlier
+        // ones. Already complete (pruned): nothing to wait for.
+        match st.pending.get(&token.seq) {
+            Some(p) => self.stream.device().stream_wait(&p.event),
             None => Ok(()),
         }
     }

@@ -598,6 +598,34 @@ impl Event {
         // SAFETY: the event is live until dropped.
         unsafe { cu::event::synchronize(self.0) }.map_err(|e| dev_err("event wait", e))
     }
+
+    /// Whether the work before the event has completed (`Err` if it failed), without blocking.
+    pub fn done(&self) -> Result<bool> {
+        // SAFETY: the event is live until dropped.
+        match unsafe { sys::cuEventQuery(self.0) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(dev_err("event query", e)),
+        }
+    }
+}
+
+impl Device {
+    /// Makes the compute stream wait (on the device) for `event`: work queued after this call
+    /// starts once the event's work is done.
+    pub fn stream_wait(&self, event: &Event) -> Result<()> {
+        let _run = self.run_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.bind()?;
+        // SAFETY: the stream and the event are live.
+        unsafe {
+            cu::stream::wait_event(
+                self.stream,
+                event.0,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .map_err(|e| dev_err("stream wait", e))
+    }
 }
 
 impl Event {

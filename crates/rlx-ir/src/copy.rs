@@ -33,4 +33,11 @@ pub trait AsyncCopy: Send + Sync {
     fn wait(&self, token: BarrierToken) -> Result<()>;
     /// Blocks until every copy issued so far has completed.
     fn wait_all(&self) -> Result<()>;
+    /// Orders the device's next computation after the copy named by `token` (and all earlier
+    /// ones) without blocking the caller where the device can wait by itself (a GPU stream
+    /// waiting on the copy's event); the default blocks, as [`AsyncCopy::wait`]. A copy's own
+    /// failure may then surface in that computation instead of here.
+    fn wait_on_device(&self, token: BarrierToken) -> Result<()> {
+        self.wait(token)
+    }
 }

@@ -149,6 +149,33 @@ pub fn copy_engine_contract(backend: &Arc<dyn Backend>) {
     engine.wait(t).unwrap();
     dst.read(0, &mut out[..64]).unwrap();
     assert!(out[..64].iter().all(|&b| b == 1), "in-buffer copy");
+    // A device-side wait orders the device's next work (a read, on the GPU's stream) after
+    // the copy, on every backend; tokens of another engine or never issued are refused.
+    for round in 0..3u8 {
+        let src: Arc<dyn HostBytes> = Arc::new(vec![7 + round; 64]);
+        let to = CopyDst {
+            buffer: dst.clone(),
+            offset: 128,
+        };
+        let t = engine.issue(CopySrc::Host(src), to, 64).unwrap();
+        engine.wait_on_device(t).unwrap();
+        dst.read(128, &mut out[..64]).unwrap();
+        assert!(
+            out[..64].iter().all(|&b| b == 7 + round),
+            "a read after a device-side wait saw the old bytes"
+        );
+    }
+    let foreign = rlx_ir::BarrierToken {
+        engine: u64::MAX,
+        seq: 1,
+    };
+    assert!(engine.wait_on_device(foreign).is_err());
+    let unissued = rlx_ir::BarrierToken {
+        engine: t.engine,
+        seq: 1 << 40,
+    };
+    assert!(engine.wait_on_device(unissued).is_err());
+    assert!(engine.wait(unissued).is_err());
 }
 
 /// y = 2x; two prefetched batches are consumed in order; a third prefetch is refused.

@@ -395,13 +395,15 @@ impl Executable {
             let batch = pf.queue.pop_front().expect("queued");
             let (set, token) = (batch.set, batch.token);
             consumed = Some(batch);
-            // Only this batch's copy is waited for; a later prefetch keeps copying meanwhile.
+            // Only this batch's copy is waited for (by the device itself where it can: a GPU
+            // stream waits on the copy's event); a later prefetch keeps copying meanwhile.
             if let Some(token) = token {
-                pf.engine.wait(token)?;
+                pf.engine.wait_on_device(token)?;
             }
             bufs.push(pf.stage.as_ref());
-            // SAFETY: see below; the copy into this staging set has completed (waited above) and
-            // the copy engine only writes the other set.
+            // SAFETY: see below; the run is ordered after the copy into this staging set
+            // (waited above, on the host or on the device) and the copy engine only writes the
+            // other set.
             #[allow(unsafe_code)]
             unsafe {
                 pf.variants[set].run_io(&bufs, hyper, &writes, &mut reads)?
