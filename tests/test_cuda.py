@@ -323,6 +323,8 @@ def test_grads_and_optimizer_state_export_dlpack_on_the_gpu_without_a_copy():
     assert t.device.type == "cuda" and t.dtype == torch.float32 and t.stride() == (32, 1)
     assert torch.from_dlpack(step.grad_tensor("fc1.weight")).data_ptr() == t.data_ptr()  # a fixed slot
     np.testing.assert_array_equal(t.cpu().numpy(), step.grads["fc1.weight"])
+    np.testing.assert_array_equal(g.numpy(), step.grads["fc1.weight"])  # numpy(): a read-only copy on CUDA
+    assert not g.numpy().flags.writeable
     np.testing.assert_array_equal(torch.from_dlpack(step.grad_tensor("fc2.bias")).cpu().numpy(), step.grads["fc2.bias"])
     step(x=x * 2.0, y=y)
     np.testing.assert_array_equal(t.cpu().numpy(), step.grads["fc1.weight"])  # the next step's, in place

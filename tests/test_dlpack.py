@@ -145,6 +145,8 @@ def test_copy_requests_on_host_memory():
     assert not np.shares_memory(c, step.grads["weight"])
     np.testing.assert_array_equal(c, step.grads["weight"])
     assert np.shares_memory(np.from_dlpack(g, copy=False), step.grads["weight"])
+    assert np.shares_memory(np.from_dlpack(g, device="cpu"), step.grads["weight"])  # dl_device=(1, 0)
+    assert np.shares_memory(torch.from_dlpack(g.__dlpack__(max_version=(1, 0))).numpy(), step.grads["weight"])
     a = np.asarray(g)
     assert np.shares_memory(a, step.grads["weight"])
     assert not np.shares_memory(np.array(g, copy=True), a)
