@@ -15,7 +15,7 @@ Workloads:
   first           rlx: seconds from compile_train_step to the end of the first step of the tiny
                   GPT, in a fresh process with the PTX disk cache off (cold NVRTC) and on (warm).
 Each cell is the median step time in ms over --steps steps after --warmup steps. "memory" is rlx's
-planned device bytes (arena + weights + optimizer state, step.memory()) against PyTorch's
+planned device bytes (arena + weights + optimizer state + per-program workspace, step.memory()) against PyTorch's
 torch.cuda.max_memory_allocated() for the same step.
 """
 
@@ -61,7 +61,7 @@ def rlx_mlp(batch, n, warmup):
     specs = {"x": rlx.InputSpec(x.shape), "y": rlx.InputSpec(y.shape, "int32")}
     step = rlx.compile_train_step(loss_fn, MLP(), rlx.optim.Adam(lr=1e-3), specs, device="cuda")
     ms = timed(lambda: float(step(x=x, y=y)), n, warmup)
-    MEM[f"rlx mlp{batch}"] = sum(step.memory()[k] for k in ("arena_bytes", "param_bytes", "optimizer_state_bytes"))
+    MEM[f"rlx mlp{batch}"] = sum(step.memory()[k] for k in ("arena_bytes", "param_bytes", "optimizer_state_bytes", "workspace_bytes"))
     return ms
 
 
@@ -165,7 +165,7 @@ def rlx_gpt(n, warmup, cfg=None, precision="fp32"):
     first = time.perf_counter() - t0
     ms = timed(lambda: float(step(idx=idx, tgt=tgt)), n, warmup)
     MEM[f"rlx gpt d{GPT['dim']} {precision}"] = sum(
-        step.memory()[k] for k in ("arena_bytes", "param_bytes", "optimizer_state_bytes"))
+        step.memory()[k] for k in ("arena_bytes", "param_bytes", "optimizer_state_bytes", "workspace_bytes"))
     return ms, first
 
 

@@ -417,6 +417,7 @@ def test_mixed_precision_training_matches_cpu(precision):
     s_gpu = rlx.compile_train_step(loss, gpu_m, rlx.optim.AdamW(lr=3e-3), specs, device="cuda", **kw)
     s_f32 = rlx.compile_train_step(loss, f32_m, rlx.optim.AdamW(lr=3e-3), specs, device="cuda")
     assert s_gpu.precision == precision
+    assert s_gpu.memory()["workspace_bytes"] > 0  # the GPU program's scratch memory is counted
     first = s_f32(idx=idx, tgt=tgt)
     for i in range(5):
         l_gpu, l_cpu = s_gpu(idx=idx, tgt=tgt), s_cpu(idx=idx, tgt=tgt)
@@ -443,3 +444,49 @@ def test_low_precision_outside_products_is_a_clear_error_on_cuda():
                                                    r"from and to float32 and in matrix products \(mixed precision\), "
                                                    r"not transpose on \[bfloat16 \(3, 4\)\]"):
         rlx.compile(f, rlx.nn.Module(), {"x": rlx.InputSpec((4, 3))}, device="cuda")
+
+
+_NCCL_RANK = """
+import json, numpy as np, rlx, rlx.distributed as dist
+from models import MLP, ce_loss
+comm = dist.init("nccl")
+assert isinstance(comm, dist.NCCLCommunicator) and (comm.rank, comm.size, comm.device) == (0, 1, "cuda:0")
+rng = np.random.default_rng(0)
+x, y = rng.standard_normal((64, 32)).astype(np.float32), rng.integers(0, 10, 64).astype(np.int32)
+spec = {"x": rlx.InputSpec(x.shape), "y": rlx.InputSpec(y.shape, "int32")}
+out = {}
+for dp in (False, True):
+    rlx.seed(0)
+    m = MLP(32, 16, 10)
+    s = rlx.compile_train_step(ce_loss, m, rlx.optim.Adam(lr=1e-2), spec, device="cuda", distributed=dp)
+    out[str(dp)] = [[s(x=x, y=y) for _ in range(4)], {k: p.numpy().tolist() for k, p in m.parameters().items()}]
+try:
+    rlx.compile_train_step(ce_loss, MLP(32, 16, 10), rlx.optim.SGD(lr=0.1), spec, device="cpu", distributed=True)
+except rlx.InputError as e:
+    out["error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+@needs_cuda
+def test_nccl_data_parallel_on_one_rank_matches_a_plain_step():
+    """init(backend="nccl") in a fresh process without a launcher: a group of one whose
+    gradients are averaged by NCCL on the GPU and whose weights are broadcast over the store;
+    with one rank both are identities, so the step equals a plain CUDA step. (Two ranks need two
+    GPUs.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-c", _NCCL_RANK], cwd=tests, capture_output=True, text=True, timeout=240)
+    if "NCCL backend is not available" in run.stderr:
+        pytest.skip(run.stderr.strip().splitlines()[-1])
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    (plain_losses, plain), (dp_losses, dp) = out["False"], out["True"]
+    np.testing.assert_allclose(dp_losses, plain_losses, rtol=1e-6)
+    for k in plain:
+        np.testing.assert_allclose(dp[k], plain[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    assert "computes on this rank's GPU 'cuda:0'" in out["error"]

@@ -254,7 +254,8 @@ def test_memory_report():
     n_tensors = len(model.parameters())
     assert mem["param_bytes"] <= 4 * n_params + 4096 * n_tensors  # params plus alignment only
     assert mem["arena_bytes"] <= mem["naive_bytes"]
-    assert set(mem) == {"arena_bytes", "naive_bytes", "param_bytes", "optimizer_state_bytes"}
+    assert set(mem) == {"arena_bytes", "naive_bytes", "param_bytes", "optimizer_state_bytes", "workspace_bytes"}
+    assert mem["workspace_bytes"] == 0  # the CPU keeps no per-program device memory
     assert mem["optimizer_state_bytes"] >= 2 * 4 * n_params  # Adam: exp_avg and exp_avg_sq
     # naive = every tensor once: at least the gradients and the hidden activation
     assert mem["naive_bytes"] >= 4 * (n_params + B * D_H)

@@ -386,10 +386,15 @@ class TrainStep(_Compiled):
         var.read = [0, *range(1 + len(trainable), 1 + len(trainable) + len(aux_names)), n - 1]
         if self._comm is not None:
             region = exe.grad_region()
-            if region is None or region[0] is None:
-                raise UnsupportedError(f"[compile_train_step] distributed=True needs gradients the host can see "
-                                       f"(the CPU); '{self._device}' is not supported yet")
-            var.region = np.frombuffer(region[0], dtype=np.float32)
+            if region is None:
+                raise RlxError("[compile_train_step] a data-parallel step has no gradient region (a bug in rlx)")
+            if hasattr(self._comm, "allreduce_grads_"):
+                var.region = None  # NCCL: averaged on the GPU
+            elif region[0] is None:
+                raise UnsupportedError(f"[compile_train_step] distributed=True on '{self._device}' needs the NCCL "
+                                       f"backend: rlx.distributed.init(backend='nccl')")
+            else:
+                var.region = np.frombuffer(region[0], dtype=np.float32)
         return self._with_rng(var)
 
     def __call__(self, **arrays: Any) -> Any:
@@ -406,8 +411,10 @@ class TrainStep(_Compiled):
             # Gradients, their mean over the ranks (in place over the arena's gradient region),
             # then the update: every rank updates with the same gradients.
             out = var.exe.run(feeds, hyper, var.read[:-1], "gradients")
-            assert var.region is not None
-            self._comm.allreduce_mean_(var.region)
+            if var.region is None:
+                self._comm.allreduce_grads_(var.exe)
+            else:
+                self._comm.allreduce_mean_(var.region)
             out += var.exe.run({}, hyper, var.read[-1:], "update")
         self._rng_calls += 1
         # Views (host-visible memory) stay current; copies (device memory) are taken again.
@@ -532,8 +539,18 @@ def _join_ranks(model: Module, device: str) -> Any:
     from . import distributed
 
     comm = distributed.communicator()
+    nccl = hasattr(comm, "broadcast_store_")
+    if nccl and _rlx.check_device(device) != _rlx.check_device(comm.device):
+        raise InputError(f"[compile_train_step] distributed=True with the NCCL backend computes on this rank's GPU "
+                         f"'{comm.device}' (its local rank); got device={device!r}")
+    if not nccl and device.split(":")[0] == "cuda":
+        raise UnsupportedError(f"[compile_train_step] distributed=True on '{device}' needs the NCCL backend: "
+                               f"rlx.distributed.init(backend='nccl')")
     store = model._store_for(device)
     _check_same_model(comm, [(name, tuple(shape), dtype) for name, shape, dtype in store.entries()])
+    if nccl:
+        comm.broadcast_store_(store)  # every tensor, on the GPU
+        return comm
     for name, _shape, dtype in store.entries():
         raw = store.view(name)
         if raw is None:

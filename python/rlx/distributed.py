@@ -7,10 +7,14 @@ arena's contiguous gradient region) before the update. N ranks with batch B each
 same weights, within float32 tolerance, as one process with the concatenated batch N·B.
 
 The exchange goes through a :class:`Communicator`. :class:`MPICommunicator` (mpi4py, installed
-by ``pip install "rlx[mpi]"``) is the one for CPU processes; an NCCL one for CUDA ranks is not
-built yet (``init(backend="nccl")`` says so). A failure on one rank never leaves the others
-hanging: an exception that reaches the top of a rank aborts the whole job, and a collective that
-waits longer than ``RLX_DIST_TIMEOUT`` seconds (default 300) raises :class:`DistributedError`.
+by ``pip install "rlx[mpi]"``) is the one for CPU processes. CUDA ranks use
+:class:`NCCLCommunicator` (``init(backend="nccl")``, one process per GPU, rank r on
+``cuda:<local rank>``): the gradients are averaged by an NCCL all-reduce over the arena's gradient
+region and the weights broadcast over the weight store, both on the GPU, ordered on rlx's compute
+stream; MPI only bootstraps the group (the NCCL id, the model check). A failure on one rank never
+leaves the others hanging: an exception that reaches the top of a rank aborts the whole job, and
+a collective that waits longer than ``RLX_DIST_TIMEOUT`` seconds (default 300) raises
+:class:`DistributedError` (NCCL's is aborted and raises ``DeviceError``).
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import numpy as np
 
 from .errors import DistributedError, InputError, RlxError, UnsupportedError
 
-__all__ = ["Communicator", "DistributedError", "MPICommunicator", "barrier", "communicator", "init",
-           "is_initialized", "local_rank", "rank", "world_size"]
+__all__ = ["Communicator", "DistributedError", "MPICommunicator", "NCCLCommunicator", "barrier", "communicator",
+           "init", "is_initialized", "local_rank", "rank", "world_size"]
 
 
 class Communicator(Protocol):
@@ -111,13 +115,96 @@ class MPICommunicator:
         self._comm.Abort(code)
 
 
+class _SoloCommunicator:
+    """A group of one process (no launcher): every collective is a no-op. Bootstraps a
+    one-rank NCCL group where mpi4py is absent."""
+
+    rank, size, local_rank, local_size = 0, 1, 0, 1
+
+    def allreduce_mean_(self, array: np.ndarray) -> None:
+        if array.dtype != np.float32 or not array.flags.c_contiguous:
+            raise InputError(f"[allreduce] needs a contiguous float32 array, got {array.dtype}")
+
+    def broadcast_(self, array: np.ndarray, root: int = 0) -> None:
+        pass
+
+    def barrier(self) -> None:
+        pass
+
+    def abort(self, code: int = 1) -> None:
+        os._exit(code)
+
+
+_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE")
+
+
+def _host_group() -> Any:
+    """The host-side group that bootstraps NCCL: MPI where mpi4py is installed, else (only for a
+    single process, no launcher) a group of one."""
+    try:
+        return MPICommunicator()
+    except UnsupportedError:
+        launched = [v for v in _LAUNCHER_SIZE_VARS if os.environ.get(v, "1") not in ("", "1")]
+        if launched:
+            raise UnsupportedError(
+                f"[distributed] backend='nccl' with several ranks ({launched[0]}={os.environ[launched[0]]}) "
+                'bootstraps through MPI: pip install "rlx[mpi]" and launch with mpirun -n N') from None
+        return _SoloCommunicator()
+
+
+class NCCLCommunicator:
+    """CUDA ranks, one process per GPU: rank r computes on ``cuda:<local rank>``
+    (:attr:`device`), a step's gradients are averaged by an NCCL all-reduce in place over the
+    arena's gradient region and rank 0's weights are broadcast over the weight store, both on
+    the GPU, stream-ordered with the step (no copy through the host). The host group (MPI, or a
+    group of one) makes the NCCL unique id known to every rank and carries the small host-side
+    collectives (the model check at compile)."""
+
+    def __init__(self, host: Any | None = None) -> None:
+        from . import _rlx
+
+        why = _rlx.nccl_unavailable()
+        if why is not None:
+            raise UnsupportedError(f"[distributed] the NCCL backend is not available here: {why}")
+        self._host = host if host is not None else _host_group()
+        self.rank, self.size = self._host.rank, self._host.size
+        self.local_rank, self.local_size = self._host.local_rank, self._host.local_size
+        self.device = f"cuda:{self.local_rank}"
+        _rlx.check_device(self.device)
+        uid = np.frombuffer(_rlx.nccl_unique_id(), dtype=np.uint8).copy() if self.rank == 0 \
+            else np.zeros(128, np.uint8)
+        self._host.broadcast_(uid)
+        self._nccl = _rlx.NcclComm(uid.tobytes(), self.size, self.rank, self.local_rank, _timeout())
+
+    def allreduce_mean_(self, array: np.ndarray) -> None:
+        self._host.allreduce_mean_(array)
+
+    def broadcast_(self, array: np.ndarray, root: int = 0) -> None:
+        self._host.broadcast_(array, root)
+
+    def barrier(self) -> None:
+        self._host.barrier()
+
+    def abort(self, code: int = 1) -> None:
+        self._host.abort(code)
+
+    def allreduce_grads_(self, exe: Any) -> None:
+        """Averages the gradient region of a data-parallel executable over the ranks, on the GPU."""
+        self._nccl.allreduce_grads(exe)
+
+    def broadcast_store_(self, store: Any, root: int = 0) -> None:
+        """Overwrites a weight store (every tensor) with rank ``root``'s, on the GPU."""
+        self._nccl.broadcast_store(store, root)
+
+
 _COMM: Communicator | None = None
 
 
 def init(backend: str | None = None) -> Communicator:
     """Joins the process group the launcher set up and returns its communicator (calling it again
-    returns the same one). ``backend``: ``"mpi"`` (the default for CPU processes); ``"nccl"`` is
-    for CUDA ranks and not built yet.
+    returns the same one). ``backend``: ``"mpi"`` (the default for CPU processes); ``"nccl"`` for
+    CUDA ranks (one process per GPU; compile with ``device=comm.device``; launched by mpirun, or a
+    single process without a launcher).
 
     Also: unless ``RLX_NUM_THREADS`` is set, each rank's kernels use the cores available divided
     by the ranks on this host (call ``init`` before the first step for this to apply); and an
@@ -133,11 +220,11 @@ def init(backend: str | None = None) -> Communicator:
     global _COMM
     if backend not in (None, "mpi", "nccl"):
         raise InputError(f"[distributed] unknown backend {backend!r}; use 'mpi' (CPU) or 'nccl' (CUDA)")
-    if backend == "nccl":
-        raise UnsupportedError("[distributed] the NCCL backend (CUDA ranks) is not built yet; use backend='mpi'")
     if _COMM is not None:
+        if backend == "nccl" and not isinstance(_COMM, NCCLCommunicator):
+            raise InputError("[distributed] init() already joined the MPI group; backend='nccl' must be the first init")
         return _COMM
-    comm = MPICommunicator()
+    comm: Any = NCCLCommunicator() if backend == "nccl" else MPICommunicator()
     if "RLX_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         os.environ["RLX_NUM_THREADS"] = str(max(1, cores // max(1, comm.local_size)))

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::sync::{Arc, Mutex, OnceLock};
 
-fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
+pub(crate) fn dev_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Device(format!("[cuda] {what} failed: {e:?}"))
 }
 
@@ -64,6 +64,7 @@ fn lib_dirs() -> Vec<std::path::PathBuf> {
             "cu13/lib",
             "cublas/lib",
             "cuda_nvrtc/lib",
+            "nccl/lib",
             "cu13/lib64",
             "nvjitlink/lib",
         ] {
@@ -75,7 +76,7 @@ fn lib_dirs() -> Vec<std::path::PathBuf> {
 
 /// Loads `names` (first found wins) from the search directories, then by plain name; the handle
 /// is kept for the process, so cudarc's own lookup by soname finds the same library.
-fn preload(names: &[&str]) -> bool {
+pub(crate) fn preload(names: &[&str]) -> bool {
     static KEPT: Mutex<Vec<libloading::Library>> = Mutex::new(Vec::new());
     let try_load = |path: &std::ffi::OsStr| -> bool {
         // SAFETY: loading a vendor library runs its initialisers, which are designed for
@@ -272,6 +273,11 @@ impl Device {
             modules: Mutex::new(HashMap::new()),
             run_lock: Mutex::new(()),
         })
+    }
+
+    /// The compute stream (for collectives ordered with the runs).
+    pub(crate) fn stream(&self) -> sys::CUstream {
+        self.stream
     }
 
     /// Makes this device's context current on the calling thread.

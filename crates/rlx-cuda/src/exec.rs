@@ -343,6 +343,10 @@ impl CudaProgram {
 }
 
 impl Compiled for CudaProgram {
+    fn workspace_bytes(&self) -> usize {
+        self.scratch.len() + self.product.len()
+    }
+
     unsafe fn run(
         &mut self,
         buffers: &[&dyn DeviceBuffer],

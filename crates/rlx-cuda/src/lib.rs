@@ -5,8 +5,8 @@
 //!
 //! The CUDA libraries are loaded at run time (no CUDA SDK is needed to build): [`available`]
 //! says why CUDA cannot be used where it cannot, and [`CudaBackend::new`] fails with that reason
-//! instead of panicking. Where `unsafe` lives: `driver.rs` only (every FFI call, each with a
-//! `// SAFETY:` note), plus `exec.rs` implementing the `unsafe` `Compiled::run` and `copy.rs`
+//! instead of panicking. Where `unsafe` lives: `driver.rs` and `nccl.rs` (every FFI call, each
+//! with a `// SAFETY:` note), plus `exec.rs` implementing the `unsafe` `Compiled::run` and `copy.rs`
 //! keeping a host source alive for an asynchronous copy.
 //!
 //! Environment: `RLX_CUDA_LIB_DIR` adds folders searched for `libnvrtc.so.13` and
@@ -20,6 +20,7 @@ mod copy;
 mod driver;
 mod exec;
 mod mem;
+pub mod nccl;
 /// The lowering, shared with the Metal backend.
 pub use rlx_runtime::gpu_plan as plan;
 pub mod source;

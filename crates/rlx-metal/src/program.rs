@@ -279,6 +279,10 @@ enum Item {
 }
 
 impl Compiled for MetalProgram {
+    fn workspace_bytes(&self) -> usize {
+        self.scratch.len() + self.product.len()
+    }
+
     #[allow(unsafe_code)] // implements the trait's contract; the host update passes it on
     unsafe fn run(
         &mut self,

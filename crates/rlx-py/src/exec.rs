@@ -18,6 +18,13 @@ pub struct PyExecutable {
     exe: Executable,
 }
 
+impl PyExecutable {
+    /// The native executable (for the NCCL collectives).
+    pub fn inner(&self) -> &Executable {
+        &self.exe
+    }
+}
+
 #[pymethods]
 impl PyExecutable {
     /// Compiles `graph` on `device` against the weight store `params`; with `optimizer =

@@ -7,6 +7,7 @@ mod errors;
 mod exec;
 mod gate;
 mod graph;
+mod nccl;
 mod store;
 
 use pyo3::prelude::*;
@@ -19,6 +20,9 @@ fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyStore>()?;
     m.add_class::<exec::PyExecutable>()?;
     m.add_class::<buffer::ArenaView>()?;
+    m.add_class::<nccl::PyNcclComm>()?;
+    m.add_function(wrap_pyfunction!(nccl::nccl_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(nccl::nccl_unavailable, m)?)?;
     m.add_function(wrap_pyfunction!(devices::devices, m)?)?;
     m.add_function(wrap_pyfunction!(devices::check_device, m)?)?;
     m.add_function(wrap_pyfunction!(devices::cpu_isa, m)?)?;

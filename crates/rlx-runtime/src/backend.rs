@@ -122,6 +122,12 @@ pub trait Compiled: Send {
         hyper: Option<&crate::OptimHyper>,
     ) -> Result<()>;
 
+    /// Device bytes this program keeps besides the buffers it is given (scratch, product
+    /// buffers); reported as `workspace_bytes` by [`crate::Executable::memory`].
+    fn workspace_bytes(&self) -> usize {
+        0
+    }
+
     /// [`Compiled::run`] with the host copies of one step around it: every `writes` entry is
     /// copied into its buffer before the run, every `reads` entry filled from its buffer after
     /// it. The default does exactly that with the buffers' `write` and `read`; a GPU backend

@@ -29,16 +29,20 @@ pub struct MemoryReport {
     pub naive_bytes: usize,
     pub param_bytes: usize,
     pub optimizer_state_bytes: usize,
+    /// Device memory the backend keeps per program besides the arena (a GPU backend's scratch
+    /// and product buffers, e.g. attention scores; 0 on the CPU).
+    pub workspace_bytes: usize,
 }
 
 impl MemoryReport {
     /// `(key, bytes)` for every field, keyed by the field's name (the keys of `step.memory()`).
-    pub fn entries(&self) -> [(&'static str, usize); 4] {
+    pub fn entries(&self) -> [(&'static str, usize); 5] {
         [
             ("arena_bytes", self.arena_bytes),
             ("naive_bytes", self.naive_bytes),
             ("param_bytes", self.param_bytes),
             ("optimizer_state_bytes", self.optimizer_state_bytes),
+            ("workspace_bytes", self.workspace_bytes),
         ]
     }
 }
@@ -171,6 +175,8 @@ impl Executable {
             naive_bytes: low.naive_bytes + (arena_bytes - low.arena_bytes), // the tail counts in both
             param_bytes: params.bytes(),
             optimizer_state_bytes: state_len,
+            workspace_bytes: compiled.workspace_bytes()
+                + update.as_ref().map_or(0, |u| u.workspace_bytes()),
         };
         Ok(Executable {
             backend,

@@ -97,6 +97,10 @@ pub const ERR_AT: usize = 0;
 pub const CTRL_AT: usize = 256;
 pub const HYPER_AT: usize = 512;
 pub const ROWS_AT: usize = 1024;
+/// The largest score matrix (bytes, all heads of one attention) the GEMM attention path
+/// materialises; larger attention runs the fused kernels.
+pub const GEMM_ATTENTION_MAX_SCORES: usize = 512 << 20;
+
 /// Elements a block of the multi-tensor update takes at a time.
 pub const UPDATE_CHUNK: usize = 16384;
 
@@ -1207,7 +1211,13 @@ impl Builder {
         let tiled = self.target.tiled_attention && e <= 64 && ev <= 64;
         if let Some(min) = self.target.gemm_attention {
             let forward_too = self.target.gemm_attention_forward || !tiled;
-            if units * h * l * s * e.max(ev) >= min && (grad || forward_too) {
+            // The scores are materialised (twice for the gradient): past a bound, the fused
+            // kernels' memory-light path instead.
+            let scores = units * h * l * s * 4;
+            if units * h * l * s * e.max(ev) >= min
+                && scores <= GEMM_ATTENTION_MAX_SCORES
+                && (grad || forward_too)
+            {
                 // The gradient's inputs: q, k, v, o, g (o is not needed here).
                 let g = match (grad, packed) {
                     (false, _) => None,
