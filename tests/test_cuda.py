@@ -299,6 +299,99 @@ def test_parameters_export_dlpack_on_the_gpu_without_a_copy():
         w.__dlpack__(copy=True)
 
 
+def _torch_cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA")
+    return torch
+
+
+@needs_cuda
+def test_grads_and_optimizer_state_export_dlpack_on_the_gpu_without_a_copy():
+    """step.grad_tensor / optimizer.state_tensors are the arena's and the state store's own GPU
+    memory: the same device pointer on every export, values equal to the copies grads / state
+    return, updated in place by the next step, and writes through PyTorch reach the next step."""
+    torch = _torch_cuda()
+    m = MLP(32, 16, 10)
+    x, y = _data()
+    opt = rlx.optim.Adam(lr=1e-2)
+    step = rlx.compile_train_step(ce_loss, m, opt, _specs({"x": x, "y": y}), device="cuda")
+    step(x=x, y=y)
+    g = step.grad_tensor("fc1.weight")
+    assert g.__dlpack_device__() == (2, 0) and g.shape == (16, 32)
+    t = torch.from_dlpack(g)
+    assert t.device.type == "cuda" and t.dtype == torch.float32 and t.stride() == (32, 1)
+    assert torch.from_dlpack(step.grad_tensor("fc1.weight")).data_ptr() == t.data_ptr()  # a fixed slot
+    np.testing.assert_array_equal(t.cpu().numpy(), step.grads["fc1.weight"])
+    np.testing.assert_array_equal(g.numpy(), step.grads["fc1.weight"])  # numpy(): a read-only copy on CUDA
+    assert not g.numpy().flags.writeable
+    np.testing.assert_array_equal(torch.from_dlpack(step.grad_tensor("fc2.bias")).cpu().numpy(), step.grads["fc2.bias"])
+    step(x=x * 2.0, y=y)
+    np.testing.assert_array_equal(t.cpu().numpy(), step.grads["fc1.weight"])  # the next step's, in place
+    st = opt.state_tensors("fc1.weight")
+    mom = torch.from_dlpack(st["exp_avg"])
+    count = torch.from_dlpack(st["step"])
+    assert mom.device.type == "cuda" and count.dtype == torch.int32 and int(count.cpu()) == 2
+    np.testing.assert_array_equal(mom.cpu().numpy(), opt.state("fc1.weight")["exp_avg"])
+    mom.zero_()  # writes the state store itself
+    torch.cuda.synchronize()
+    step(x=x, y=y)
+    np.testing.assert_allclose(opt.state("fc1.weight")["exp_avg"], 0.1 * step.grads["fc1.weight"], rtol=1e-5, atol=1e-8)
+    np.testing.assert_array_equal(mom.cpu().numpy(), opt.state("fc1.weight")["exp_avg"])
+    # The copies stay copies (the documented contract of grads / state on CUDA).
+    assert not step.grads["fc1.weight"].flags.writeable
+
+
+@needs_cuda
+def test_resident_inputs_export_dlpack_on_the_gpu_and_writes_reach_the_next_call():
+    torch = _torch_cuda()
+    fn = rlx.compile(lambda m, x, c: x + c * 2.0, rlx.nn.Module(), {"x": rlx.InputSpec((2, 3)), "c": rlx.InputSpec((2, 3))},
+                     device="cuda")
+    fn.bind("c", np.ones((2, 3), np.float32))
+    t = torch.from_dlpack(fn.view_tensor("c"))
+    assert t.device.type == "cuda"
+    np.testing.assert_array_equal(t.cpu().numpy(), np.ones((2, 3), np.float32))
+    t[1] = 5.0
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(fn(x=np.zeros((2, 3), np.float32)), [[2.0] * 3, [10.0] * 3])
+    np.testing.assert_array_equal(fn.view("c"), t.cpu().numpy())
+    fn.write_rows("c", 0, np.full((1, 3), -1.0, np.float32))
+    np.testing.assert_array_equal(t.cpu().numpy()[0], [-1.0] * 3)
+
+
+@needs_cuda
+def test_gpu_dlpack_exports_outlive_the_step_and_refuse_bad_requests_by_name():
+    torch = _torch_cuda()
+    import gc
+
+    m = MLP(32, 16, 10)
+    x, y = _data()
+    opt = rlx.optim.SGD(lr=0.1, momentum=0.9)
+    step = rlx.compile_train_step(ce_loss, m, opt, _specs({"x": x, "y": y}), device="cuda")
+    step(x=x, y=y)
+    # A consumer on a non-default stream: rlx's calls have finished their GPU work on return.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        g = torch.from_dlpack(step.grad_tensor("fc1.weight"))
+        buf = torch.from_dlpack(opt.state_tensors("fc1.weight")["momentum_buffer"])
+        w = torch.from_dlpack(m.fc1.weight)
+    want = [step.grads["fc1.weight"].copy(), opt.state("fc1.weight")["momentum_buffer"].copy(), m.fc1.weight.numpy().copy()]
+    d = step.grad_tensor("fc2.weight")
+    with pytest.raises(BufferError, match=r"\[fc2.weight \(gradient\)\] rlx exports GPU memory without copying"):
+        d.__dlpack__(copy=True)
+    with pytest.raises(BufferError, match=r"\[fc2.weight \(gradient\)\] stream must be .*got 0"):
+        d.__dlpack__(stream=0)
+    with pytest.raises(BufferError, match=r"\[fc2.weight \(gradient\)\] the tensor is on \(2, 0\), not \(1, 0\)"):
+        d.__dlpack__(dl_device=(1, 0))
+    del step, m, opt, d
+    gc.collect()
+    junk = torch.full((1 << 24,), 7.0, device="cuda")  # would land in freed memory
+    torch.cuda.synchronize()
+    for t, v in zip([g, buf, w], want):
+        np.testing.assert_array_equal(t.cpu().numpy(), v)
+    del junk
+
+
 @needs_cuda
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_training_matches_cpu(precision):

@@ -10,6 +10,7 @@ from . import _rlx as _rlx_native
 from . import distributed, models, nn, optim
 from ._compile import Function, InputSpec, TrainStep, compile, compile_train_step
 from ._devices import devices
+from ._dlpack import DeviceTensor
 from ._graph import Executable, Graph, grad
 from ._losses import binary_cross_entropy_with_logits, cross_entropy, l1_loss, nll_loss, smooth_l1_loss
 from ._random import seed
@@ -107,6 +108,7 @@ __all__ = [
     "CheckpointError",
     "DTypeError",
     "DeviceError",
+    "DeviceTensor",
     "DistributedError",
     "Executable",
     "Function",

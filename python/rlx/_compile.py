@@ -13,6 +13,7 @@ import numpy as np
 from . import _check, _rlx
 from ._arrays import _NP, convert, dtype_name, parse_dtype
 from ._arrays import raw as bits
+from ._dlpack import DeviceTensor
 from ._tensor import Tensor, Trace
 from ._vision import RNG_INPUT, new_rng_key
 from .errors import DTypeError, InputError, RlxError, ShapeError, UnsupportedError
@@ -467,7 +468,8 @@ class TrainStep(_Compiled):
     @property
     def grads(self) -> dict[str, np.ndarray]:
         """The last call's gradients by parameter name (read-only views where the host can see
-        the memory; frozen parameters have none).
+        the memory, copies on CUDA; frozen parameters have none). ``grad_tensor(name)`` exports
+        one by DLPack with no copy on every device.
 
         Example:
             >>> step.grads["fc1.weight"].shape
@@ -479,6 +481,32 @@ class TrainStep(_Compiled):
         if self._grads is None:
             self._grads = {n: _output(var.exe, i + 1) for i, n in enumerate(var.trainable)}
         return dict(self._grads)
+
+    def grad_tensor(self, name: str) -> DeviceTensor:
+        """The last call's gradient of parameter ``name`` as a ``DeviceTensor``: exported by
+        DLPack with no copy on every device (on CUDA the arena's own GPU memory, where
+        ``grads`` returns copies), e.g. ``torch.from_dlpack(step.grad_tensor("fc1.weight"))``.
+
+        The memory is the step's gradient slot: it holds the last call's gradient between calls
+        and is overwritten by the next call of the same input sizes (during a call it holds
+        other intermediate values). Writes through it change nothing the step already did
+        (the update has run). With ``None`` dimensions, each input size has its own slots:
+        this is the slot of the last call's size.
+
+        Example:
+            >>> g = torch.from_dlpack(step.grad_tensor("fc1.weight"))
+        """
+        var = self._last or next(iter(self._variants.values()), None)
+        if var is None:
+            raise RlxError("nothing compiled yet: with None dimensions, each size compiles at its first call")
+        if not isinstance(name, str) or name not in var.trainable:
+            raise InputError(f"[{name!r}] has no gradient: it is not a trained parameter of this step "
+                             f"(trained: {var.trainable})")
+        i = var.trainable.index(name) + 1
+        shape, dtype = var.outs[i]
+        exe = var.exe
+        return DeviceTensor(f"{name} (gradient)", shape, dtype, exe.dlpack_device(), lambda: exe.output_view(i),
+                            lambda: exe.output_read(i), lambda: exe.output_dlpack(i))
 
     @property
     def grad_norm(self) -> float:
@@ -649,7 +677,8 @@ class Function(_Compiled):
 
     def view(self, name: str) -> np.ndarray:
         """The arena view of input ``name`` (writable) where the host can see the memory; on CUDA a
-        read-only copy of its current values (change it with ``bind`` or ``write_rows``).
+        read-only copy of its current values (change it with ``bind`` or ``write_rows``, or write
+        through the DLPack export of ``view_tensor(name)``).
 
         Example:
             >>> fn.view("k_cache")[:, :, 0] = 0.0
@@ -660,6 +689,22 @@ class Function(_Compiled):
             # Device memory (CUDA): a read-only copy of the slot; write with bind / write_rows.
             return np.frombuffer(self._exe.input_read(name), dtype=_NP[spec.dtype]).reshape(spec.shape)
         return np.frombuffer(raw, dtype=_NP[spec.dtype]).reshape(spec.shape)
+
+    def view_tensor(self, name: str) -> DeviceTensor:
+        """Input ``name``'s arena slot as a ``DeviceTensor``: exported by DLPack with no copy on
+        every device (on CUDA the arena's own GPU memory, where ``view`` returns a copy), e.g.
+        ``torch.from_dlpack(fn.view_tensor("k_cache"))``. Writes through it are what the next
+        call reads, as ``bind`` and ``write_rows`` writes are. A bound input keeps its values
+        between calls; an input passed to a call is overwritten by the next call that passes it.
+
+        Example:
+            >>> k = torch.from_dlpack(fn.view_tensor("k_cache"))
+        """
+        spec = self._spec(name)
+        exe = self._exe
+        return DeviceTensor(f"{name} (input)", spec.shape, spec.dtype, exe.dlpack_device(),
+                            lambda: exe.input_view(name), lambda: exe.input_read(name),
+                            lambda: exe.input_dlpack(name))
 
     def write_rows(self, name: str, start: int, rows: Any, axis: int = 0) -> None:
         """Writes ``rows`` into input ``name`` in place from index ``start`` along ``axis``

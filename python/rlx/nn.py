@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _check, _rlx
 from ._arrays import _NP, DTYPES, FLOATS, contiguous, from_bytes, parse_dtype, raw
+from ._dlpack import export
 from ._random import rng
 from ._tensor import (
     Tensor,
@@ -166,22 +167,11 @@ class Parameter:
         Example:
             >>> w = torch.from_dlpack(model.fc1.weight)   # same memory, on rlx's device
         """
-        if self._store is not None and self._store.dlpack_device() is not None:
-            if copy:
-                raise BufferError(f"[{self._name}] rlx exports GPU memory without copying; copy=True is not supported")
-            if dl_device is not None and tuple(dl_device) != self.__dlpack_device__():
-                raise BufferError(f"[{self._name}] the parameter is on {self.__dlpack_device__()}, not {tuple(dl_device)}")
-            return self._store.dlpack(self._name)
-        if self._dtype == "bfloat16":
-            raise BufferError(
-                f"[{self._name or 'parameter'}] a bfloat16 parameter in host memory has no DLPack export (numpy, "
-                "which provides it, has no bfloat16): use numpy() (an ml_dtypes.bfloat16 array) or .to('float32')"
-            )
-        kw: dict[str, Any] = {"stream": stream}
-        for k, v in (("max_version", max_version), ("dl_device", dl_device), ("copy", copy)):
-            if v is not None:
-                kw[k] = v
-        return self.numpy().__dlpack__(**kw)
+        return export(self._name or "parameter", self.__dlpack_device__(), self._dtype, self.numpy,
+                      lambda: self._store.dlpack(self._name),
+                      "parameter in host memory has no DLPack export (numpy, which provides it, has no bfloat16): "
+                      "use numpy() (an ml_dtypes.bfloat16 array) or .to('float32')",
+                      stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(DLPack device type, ordinal)``: ``(1, 0)`` for host memory, ``(2, n)`` for ``cuda:n``."""

@@ -220,6 +220,42 @@ impl PyExecutable {
         })
     }
 
+    /// A DLPack capsule over output `i` in GPU memory (no copy; it holds the buffer), or None
+    /// when the memory is host-visible (export its `output_view` instead).
+    fn output_dlpack(&self, py: Python<'_>, i: usize) -> PyResult<Option<Py<PyAny>>> {
+        let t = self
+            .exe
+            .outputs()
+            .get(i)
+            .ok_or_else(|| to_py(py, Error::Graph(format!("no output {i}"))))?;
+        let buf = self
+            .exe
+            .buffer(t.buf)
+            .ok_or_else(|| to_py(py, Error::Graph("output buffer missing".into())))?;
+        crate::dlpack::export(py, buf, t.offset, t.shape.dims(), t.dtype)
+    }
+
+    /// A DLPack capsule over input `name`'s arena slot in GPU memory (no copy; it holds the
+    /// arena), or None when the memory is host-visible (export its `input_view` instead).
+    fn input_dlpack(&self, py: Python<'_>, name: &str) -> PyResult<Option<Py<PyAny>>> {
+        let slot = native(py, || Ok(self.exe.inputs()))?
+            .into_iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| to_py(py, Error::input(name, "unknown input")))?;
+        crate::dlpack::export(
+            py,
+            self.exe.arena(),
+            slot.at.offset,
+            slot.at.shape.dims(),
+            slot.at.dtype,
+        )
+    }
+
+    /// `(DLPack device type, ordinal)` of the arena's GPU memory, or None for host memory.
+    fn dlpack_device(&self) -> Option<(i32, usize)> {
+        crate::dlpack::device(self.exe.arena().as_ref())
+    }
+
     /// A zero-copy view of output `i` (None when not host-visible).
     fn output_view(&self, py: Python<'_>, i: usize) -> PyResult<Option<ArenaView>> {
         let t = self

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .. import _check, _rlx
+from .._dlpack import DeviceTensor
 from ..errors import CheckpointError, InputError, RlxError
 
 # Columns of the per-parameter settings table (rlx_runtime::hyper_col).
@@ -183,8 +184,9 @@ class Optimizer:
         return []
 
     def state(self, name: str) -> dict[str, np.ndarray]:
-        """The state buffers of parameter ``name`` (views where the host can see the memory),
-        with its update count as ``"step"``.
+        """The state buffers of parameter ``name`` (views where the host can see the memory,
+        read-only copies on CUDA), with its update count as ``"step"``. ``state_tensors(name)``
+        exports them by DLPack with no copy on every device.
 
         Example:
             >>> opt.state("fc1.weight")["exp_avg"].shape   # after compiling a step with Adam
@@ -201,6 +203,35 @@ class Optimizer:
         out = {key: _read(store, f"{name}.{key}", *entries[f"{name}.{key}"]) for key in self._slots()}
         out["step"] = _read(store, f"{name}.step", *entries[f"{name}.step"])
         return out
+
+    def state_tensors(self, name: str) -> dict[str, DeviceTensor]:
+        """The state buffers of parameter ``name`` (and ``"step"``, its int32 update count) as
+        ``DeviceTensor`` objects: exported by DLPack with no copy on every device (on CUDA the
+        state store's own GPU memory, where ``state`` returns copies), e.g.
+        ``torch.from_dlpack(opt.state_tensors("fc1.weight")["exp_avg"])``. Each step updates
+        them in place, and writes through them are what the next step reads. They belong to the
+        state of the step compiled last: compiling for another device makes new state.
+
+        Example:
+            >>> m = torch.from_dlpack(opt.state_tensors("fc1.weight")["exp_avg"])
+        """
+        if self._current is None:
+            raise RlxError(f"[{type(self).__name__}] has no state until a training step is compiled with it")
+        store = self._current
+        entries = {n: (s, d) for n, s, d in store.entries()}
+        if not isinstance(name, str) or name not in self._param_names:
+            raise InputError(f"[{type(self).__name__}] no parameter named {name!r}")
+        if f"{name}.step" not in entries:
+            raise InputError(f"[{type(self).__name__}] {name!r} has no optimizer state (only float32 tensors are trained)")
+        device = store.dlpack_device()
+
+        def tensor(key: str) -> DeviceTensor:
+            full = f"{name}.{key}"
+            shape, dtype = entries[full]
+            return DeviceTensor(f"{full} (optimizer state)", shape, dtype, device, lambda: store.view(full),
+                                lambda: store.read(full), lambda: store.dlpack(full))
+
+        return {key: tensor(key) for key in [*self._slots(), "step"]}
 
     def _settings_dict(self) -> dict[str, Any]:
         out = {}
