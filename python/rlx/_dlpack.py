@@ -133,6 +133,9 @@ class DeviceTensor:
         return from_bytes(raw, self._dtype, self._shape)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if copy is False and self._view() is None:
+            # numpy 2's protocol: copy=False must not copy, and device memory cannot be viewed.
+            raise ValueError(f"[{self._label}] is GPU memory: numpy can only copy it (np.asarray(t) or t.numpy())")
         values = self.numpy()
         if copy:
             values = values.copy()

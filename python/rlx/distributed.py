@@ -135,7 +135,8 @@ class _SoloCommunicator:
         os._exit(code)
 
 
-_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE")
+_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS", "WORLD_SIZE",
+                       "SLURM_NTASKS", "SLURM_NPROCS")
 
 
 def _host_group() -> Any:
@@ -174,7 +175,13 @@ class NCCLCommunicator:
         uid = np.frombuffer(_rlx.nccl_unique_id(), dtype=np.uint8).copy() if self.rank == 0 \
             else np.zeros(128, np.uint8)
         self._host.broadcast_(uid)
-        self._nccl = _rlx.NcclComm(uid.tobytes(), self.size, self.rank, self.local_rank, _timeout())
+        try:
+            self._nccl = _rlx.NcclComm(uid.tobytes(), self.size, self.rank, self.local_rank, _timeout())
+        except BaseException:
+            # The other ranks wait inside NCCL's rendezvous, which has no timeout: end the job.
+            if self.size > 1:
+                self._host.abort(1)
+            raise
 
     def allreduce_mean_(self, array: np.ndarray) -> None:
         self._host.allreduce_mean_(array)
@@ -221,8 +228,10 @@ def init(backend: str | None = None) -> Communicator:
     if backend not in (None, "mpi", "nccl"):
         raise InputError(f"[distributed] unknown backend {backend!r}; use 'mpi' (CPU) or 'nccl' (CUDA)")
     if _COMM is not None:
-        if backend == "nccl" and not isinstance(_COMM, NCCLCommunicator):
-            raise InputError("[distributed] init() already joined the MPI group; backend='nccl' must be the first init")
+        nccl = isinstance(_COMM, NCCLCommunicator)
+        if backend is not None and (backend == "nccl") != nccl:
+            raise InputError(f"[distributed] init() already joined the {'NCCL' if nccl else 'MPI'} group; "
+                             f"backend={backend!r} must be asked for in the first init")
         return _COMM
     comm: Any = NCCLCommunicator() if backend == "nccl" else MPICommunicator()
     if "RLX_NUM_THREADS" not in os.environ:

@@ -106,7 +106,8 @@ impl Comm {
             *d = *s as std::ffi::c_char;
         }
         let mut comm = std::ptr::null_mut();
-        let _run = dev.run_lock.lock().unwrap_or_else(|p| p.into_inner());
+        // Not under the run lock: joining waits for the other ranks (NCCL's own rendezvous,
+        // without a timeout; the launcher's abort ends a job whose rank failed before joining).
         dev.bind()?;
         // SAFETY: NCCL writes a new communicator into `comm`; the device's context is current,
         // so NCCL uses this GPU.
@@ -134,19 +135,21 @@ impl Comm {
     /// The device address of `bytes` float32 bytes at `offset` of `buf`, checked.
     fn at(&self, buf: &dyn DeviceBuffer, offset: usize, bytes: usize) -> Result<u64> {
         check_range("nccl", offset, bytes, buf.len())?;
+        if !offset.is_multiple_of(4) || !bytes.is_multiple_of(4) {
+            return Err(Error::Input {
+                name: "nccl".into(),
+                msg: format!(
+                    "collectives move whole float32 elements: offset {offset} and {bytes} bytes \
+                     must be multiples of 4"
+                ),
+            });
+        }
         match buf.device_ptr() {
-            Some((ptr, ord))
-                if ord == self.dev.ordinal
-                    && offset.is_multiple_of(4)
-                    && bytes.is_multiple_of(4) =>
-            {
-                Ok(ptr + offset as u64)
-            }
+            Some((ptr, ord)) if ord == self.dev.ordinal => Ok(ptr + offset as u64),
             Some((_, ord)) => Err(Error::Input {
                 name: "nccl".into(),
                 msg: format!(
-                    "a collective over cuda:{ord} memory (offset {offset}, {bytes} bytes) on a \
-                     communicator of cuda:{} (float32, whole elements only)",
+                    "a collective over cuda:{ord} memory on a communicator of cuda:{}",
                     self.dev.ordinal
                 ),
             }),
@@ -258,6 +261,7 @@ impl Drop for Comm {
         if self.aborted.load(Ordering::Acquire) {
             return; // abort already freed it
         }
+        let _run = self.dev.run_lock.lock().unwrap_or_else(|p| p.into_inner());
         let _ = self.dev.bind();
         // SAFETY: the communicator was made by `ncclCommInitRank` and is destroyed once.
         unsafe { nccl::ncclCommDestroy(self.comm) };

@@ -152,6 +152,7 @@ extern "C" __global__ void rlx_cast_h2f(const P p) {
     F(1)[off(p, 1, i)] = x;
   }
 }
+#undef H
 /* cond (f32 when iv[0]==0, else i32) ? a : b over 4-byte values. */
 extern "C" __global__ void rlx_where32(const P p) {
   GRID_LOOP(i, p.n) {

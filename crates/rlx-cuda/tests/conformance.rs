@@ -53,7 +53,7 @@ fn nccl_one_rank_collectives() {
     let e = comm.broadcast(buf.as_ref(), 0, 1024, 1).unwrap_err();
     assert!(e.to_string().contains("root 1 of 1 ranks"), "{e}");
     let e = comm.all_reduce_mean(buf.as_ref(), 2, 8).unwrap_err();
-    assert!(e.to_string().contains("whole elements"), "{e}");
+    assert!(e.to_string().contains("whole float32 elements"), "{e}");
     let e = comm.all_reduce_mean(buf.as_ref(), 1020, 8).unwrap_err();
     assert!(
         matches!(e, rlx_ir::Error::Bounds(_) | rlx_ir::Error::Input { .. }),

@@ -42,13 +42,18 @@ impl PyNcclComm {
         ordinal: usize,
         timeout_s: f64,
     ) -> PyResult<PyNcclComm> {
-        if !(timeout_s.is_finite() && timeout_s > 0.0) {
+        let Some(t) = Duration::try_from_secs_f64(timeout_s)
+            .ok()
+            .filter(|t| !t.is_zero())
+        else {
             return Err(to_py(
                 py,
-                Error::input("nccl", format!("timeout must be > 0 s, got {timeout_s}")),
+                Error::input(
+                    "nccl",
+                    format!("the timeout must be a finite number of seconds > 0, got {timeout_s}"),
+                ),
             ));
-        }
-        let t = Duration::from_secs_f64(timeout_s);
+        };
         let comm = native(py, || Comm::new(ordinal, &id, size, rank, t))?;
         Ok(PyNcclComm { comm })
     }

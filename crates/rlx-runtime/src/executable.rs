@@ -214,7 +214,16 @@ impl Executable {
     }
 
     pub fn memory(&self) -> MemoryReport {
-        self.memory
+        let mut m = self.memory;
+        // The prefetch variants (one program per staging set) keep workspaces of their own.
+        if let Some(pf) = &self.lock().prefetch {
+            m.workspace_bytes += pf
+                .variants
+                .iter()
+                .map(|v| v.workspace_bytes())
+                .sum::<usize>();
+        }
+        m
     }
 
     pub fn arena(&self) -> &Arc<dyn DeviceBuffer> {

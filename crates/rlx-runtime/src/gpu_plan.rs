@@ -415,6 +415,24 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
 fn low_precision_only_in_products(program: &Program, backend: &str) -> Result<()> {
     for instr in &program.instrs {
         let Instr::Op { op, ins, out } = instr else {
+            // The update (parameters, state, buffer updates) copies and computes in 4-byte
+            // elements: a low-precision buffer there is refused by name.
+            let (reads, writes) = instr.operands();
+            if let Some(t) = reads
+                .iter()
+                .chain(&writes)
+                .find(|t| t.dtype.is_low_precision())
+            {
+                return Err(Error::unsupported(
+                    "optimizer update",
+                    format!(
+                        "the {backend} backend updates float32 and int32 tensors only, this step \
+                         updates a {} tensor {} (a bfloat16/float16 buffer?); keep buffers \
+                         float32 there or train on the cpu",
+                        t.dtype, t.shape
+                    ),
+                ));
+            }
             continue;
         };
         let low = |t: &TRef| t.dtype.is_low_precision();
@@ -1971,6 +1989,37 @@ mod tests {
                 "[transpose] the cuda backend runs bfloat16/float16 only in casts from and to \
                  float32 and in matrix products (mixed precision), not transpose on [float16 (2, 3)]"
             ),
+            "{e}"
+        );
+    }
+
+    /// A low-precision tensor in the update (a bfloat16 buffer's in-place update) is refused:
+    /// the update's kernels move 4-byte elements.
+    #[test]
+    fn low_precision_buffers_in_the_update_are_refused() {
+        let bf = |offset: usize| TRef {
+            dtype: DType::BF16,
+            ..t(offset, &[8])
+        };
+        let update = UpdatePlan {
+            rule: OptimRule::Sgd,
+            params: vec![],
+            hyper: None,
+            loss: t(128, &[1]),
+            stats: t(192, &[2]),
+            clip: None,
+            accumulate: 1,
+            skip_nonfinite: false,
+            buffer_updates: vec![(bf(0), bf(64))],
+        };
+        let prog = Program {
+            instrs: vec![Instr::Update(Box::new(update))],
+        };
+        let e = plan(&prog, &[256], Target::CUDA).unwrap_err();
+        assert!(matches!(e, rlx_ir::Error::Unsupported { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .contains("updates a bfloat16 tensor (8,) (a bfloat16/float16 buffer?)"),
             "{e}"
         );
     }
