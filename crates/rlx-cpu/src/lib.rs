@@ -37,6 +37,7 @@ pub mod isa;
 mod kernels;
 mod mem;
 mod pool;
+pub mod sgemm;
 mod train;
 
 use rlx_runtime::{Backend, Compiled, CopyEngine, DeviceBuffer, Program, Result};
