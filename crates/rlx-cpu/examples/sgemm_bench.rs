@@ -2,7 +2,8 @@
 //! the benchmark workloads (the shapes of `benches/gemm_study.py`), as the matmul driver calls
 //! them: row-major C, transposed operands read in place.
 //!
-//!     cargo run --release -p rlx-cpu --example sgemm_bench [-- 1]   # 1: one thread only
+//!     cargo run --release -p rlx-cpu --example sgemm_bench [-- 1|2]   # 1: one thread only,
+//!                                                                      # 2: every shape split
 //!
 //! Each cell is the best single call, the paths called in turn (on a shared machine each sees
 //! the same load). With one thread on Linux the time is the thread's CPU time (time the thread
@@ -57,7 +58,8 @@ const SHAPES: [(&str, usize, usize, usize, bool, bool); 18] = [
 ];
 
 fn main() {
-    let one = std::env::args().nth(1).is_some_and(|a| a == "1");
+    let arg = std::env::args().nth(1).unwrap_or_default();
+    let (one, all) = (arg == "1", arg == "2");
     println!("| product | m x k x n | threads | avx512 us | avx2 us | crate us |");
     println!("|---|---|---|---|---|---|");
     let only = std::env::var("ONLY").unwrap_or_default();
@@ -83,7 +85,7 @@ fn main() {
         };
         let mut c = vec![0.0f32; m * n];
         // The driver's rule: one thread below 128 * 256 * 256 multiply-adds.
-        let par = !one && m * n * k >= 128 * 256 * 256;
+        let par = all || (!one && m * n * k >= 128 * 256 * 256);
         // Interleaved calls (the machine is shared: each path sees the same load), the best
         // single call of each path.
         let paths: Vec<Path> = [Path::Avx512, Path::Avx2Fma, Path::Crate]
