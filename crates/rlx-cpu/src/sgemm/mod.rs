@@ -3,7 +3,9 @@
 //! instruction set chosen once per process by run-time detection: AVX-512F (`avx512.rs`),
 //! AVX2 + FMA (`avx2.rs`), else the `gemm` crate (`fallback.rs`, also the reference in tests).
 //! `RLX_CPU_GEMM=crate` selects the `gemm` crate on any CPU, `RLX_CPU_GEMM=avx2` the AVX2 kernel
-//! on an AVX-512 CPU; `RLX_CPU_ISA=portable` selects the `gemm` crate too.
+//! on an AVX-512 CPU. `RLX_CPU_ISA` does not change the GEMM (as before this GEMM existed, when
+//! the `gemm` crate chose its kernels itself): the baseline and AVX2 builds of the other kernels
+//! keep giving the same bits.
 //!
 //! This file owns the choice of kernel and the driver: the K/N/M blocking, packing into
 //! per-thread buffers (`pack.rs`) and the split over the rayon pool.
@@ -84,17 +86,18 @@ fn code(p: Path) -> u8 {
     }
 }
 
-/// The path GEMMs take in this process: chosen once from `RLX_CPU_GEMM`, `RLX_CPU_ISA` and the
-/// CPU (the fastest kernel the CPU has, unless the environment asks for another).
+/// The path GEMMs take in this process: chosen once from `RLX_CPU_GEMM` and the CPU (the
+/// fastest kernel the CPU has, unless the environment asks for another).
 pub fn path() -> Path {
     match CHOSEN.load(Ordering::Relaxed) {
         1 => Path::Avx512,
         2 => Path::Avx2Fma,
         3 => Path::Crate,
         _ => {
-            let var = |name: &str| std::env::var(name).unwrap_or_default().to_ascii_lowercase();
-            let (gemm, isa) = (var("RLX_CPU_GEMM"), var("RLX_CPU_ISA"));
-            let p = if gemm == "crate" || isa == "portable" {
+            let gemm = std::env::var("RLX_CPU_GEMM")
+                .unwrap_or_default()
+                .to_ascii_lowercase();
+            let p = if gemm == "crate" {
                 Path::Crate
             } else if gemm != "avx2" && Path::Avx512.available() {
                 Path::Avx512
