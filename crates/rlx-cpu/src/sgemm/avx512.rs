@@ -45,9 +45,12 @@ impl Micro for Kernel {
             block(kc, mc, nc, a, pb, c, rs, beta)
         }
         #[cfg(not(target_arch = "x86_64"))]
-        unreachable!(
-            "the AVX-512 GEMM kernel runs only on x86-64 ({kc} {mc} {nc} {pb:?} {c:?} {rs} {beta})"
-        )
+        {
+            let _ = (a, c);
+            unreachable!(
+                "the AVX-512 GEMM kernel runs only on x86-64 ({kc} {mc} {nc} {pb:?} {rs} {beta})"
+            )
+        }
     }
 }
 
@@ -69,8 +72,8 @@ unsafe fn block(
     assert!(pb.len() >= panels * NR * kc);
     match a {
         ASrc::Packed(pa) => assert!(pa.len() >= tiles * MR * kc),
-        ASrc::Rows(ra, ars) => assert!(mc % MR == 0 && (mc - 1) * ars + kc <= ra.len()),
-        ASrc::Cols(ca, acs) => assert!(mc % MR == 0 && (kc - 1) * acs + mc <= ca.len()),
+        ASrc::Rows(ra, ars) => assert!(mc / MR * MR == mc && (mc - 1) * ars + kc <= ra.len()),
+        ASrc::Cols(ca, acs) => assert!(mc / MR * MR == mc && (kc - 1) * acs + mc <= ca.len()),
     }
     // One tile of A rows stays in L1 while the packed B panels stream by from L2.
     for t in 0..tiles {
@@ -113,8 +116,11 @@ unsafe fn block(
 }
 
 /// How [`tile`] reads A: a packed panel, or a whole tile of row- or column-major A in place.
+#[cfg(target_arch = "x86_64")]
 const PACKED: u8 = 0;
+#[cfg(target_arch = "x86_64")]
 const ROWS: u8 = 1;
+#[cfg(target_arch = "x86_64")]
 const COLS: u8 = 2;
 
 /// One register tile: `C[i, j] = beta * C[i, j] + sum_p A(i, p) * b[p * NR + j]` for

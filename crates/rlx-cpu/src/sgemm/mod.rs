@@ -319,6 +319,13 @@ unsafe impl Send for Out {}
 // SAFETY: as above.
 unsafe impl Sync for Out {}
 
+impl Out {
+    /// The base pointer (a method, so closures capture the whole `Sync` wrapper).
+    fn ptr(&self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// Runs the product on the calling thread, or (`parallel`, with a pool of several threads)
 /// split into one independent product per thread: blocks of whole tiles of rows, or of whole
 /// panels of columns when that balances better. Each part packs its own operands, so the
@@ -366,7 +373,6 @@ fn split<K: Micro>(
         }
     };
     let run = |&(r0, rows, j0, cols): &(usize, usize, usize, usize)| {
-        let out = out;
         let av = View {
             off: av.off + r0 * av.rs,
             ..av
@@ -384,7 +390,7 @@ fn split<K: Micro>(
                 rows,
                 cols,
                 k,
-                out.0.add(r0 * rs + j0),
+                out.ptr().add(r0 * rs + j0),
                 rs,
                 beta,
                 a,
