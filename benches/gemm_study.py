@@ -8,8 +8,9 @@ same load), and each cell is the best round; the spread is the median round's ti
 
 rlx side: a one-matmul graph with resident inputs, run with RLX_PROFILE=1 so the time is the
 kernel's alone (no copy of the result); the kernel time per call is the profile's total / calls of
-an executable compiled after a warm-up one (thread pool and packing buffers already made). PyTorch side: torch.matmul(a, b, out=c) on views that transpose the
-stored operand (as autograd calls it), with as many threads as the process may use; best of
+an executable compiled after a warm-up one (thread pool and packing buffers already made).
+PyTorch side: torch.matmul(a, b, out=c) on views that transpose the stored operand (as autograd
+calls it), with as many threads as the process may use; best of
 several rounds of timed loops.
 """
 
