@@ -1,13 +1,16 @@
-"""GEMM study (issue 11): rlx's matrix products (the `gemm` crate, as the CPU backend calls it)
-against torch.matmul (the BLAS PyTorch uses) on the exact shapes of the benchmark workloads, both
-transposes, each in its own process pinned to the same cores.
+"""GEMM study (issue 11): rlx's matrix products (its own GEMM, and the `gemm` crate it used before,
+selected with RLX_CPU_GEMM=crate) against torch.matmul (the BLAS PyTorch uses) on the exact shapes
+of the benchmark workloads, both transposes, each in its own process pinned to the same cores.
+The three are measured in alternation, round after round (the machine may be shared: each sees the
+same load), and each cell is the best round; the spread is the median round's time over the best.
 
     taskset -c 0,1 python benches/gemm_study.py            # prints one markdown table
 
 rlx side: a one-matmul graph with resident inputs, run with RLX_PROFILE=1 so the time is the
-kernel's alone (no copy of the result); the kernel time per call is the profile's total / calls,
-best of several rounds. PyTorch side: torch.matmul(a, b, out=c) on views that transpose the
-stored operand (as autograd calls it), with as many threads as the process may use; best of
+kernel's alone (no copy of the result); the kernel time per call is the profile's total / calls of
+an executable compiled after a warm-up one (thread pool and packing buffers already made).
+PyTorch side: torch.matmul(a, b, out=c) on views that transpose the stored operand (as autograd
+calls it), with as many threads as the process may use; best of
 several rounds of timed loops.
 """
 
@@ -43,7 +46,7 @@ SHAPES = [
     ("mlp512 l2 dX", 512, 256, 256, False, False),
     ("mlp512 l2 dW", 256, 512, 256, True, False),
 ]
-ROUNDS, CALLS = 5, 50
+ROUNDS, CALLS = int(os.environ.get("ROUNDS", "5")), 50
 if os.environ.get("ONLY"):  # e.g. ONLY=dW: the shapes whose label contains it
     SHAPES = [s for s in SHAPES if os.environ["ONLY"] in s[0]]
 
@@ -59,15 +62,17 @@ def child_rlx() -> dict:
     for label, m, k, n, ta, tb in SHAPES:
         a, b = stored(m, k, n, ta, tb, np.random.default_rng(0))
         best = float("inf")
-        for _ in range(ROUNDS):
+        for _ in range(1):
             code = (
                 "import sys, numpy as np, rlx\n"
                 f"m,k,n,ta,tb={m},{k},{n},{ta},{tb}\n"
                 "a=np.load(sys.argv[1]); b=np.load(sys.argv[2])\n"
                 "g=rlx.Graph(); ga=g.input('a',a.shape); gb=g.input('b',b.shape)\n"
                 "g.output(rlx.Tensor(ga._trace, ga._trace.graph.matmul(ga._id, gb._id, ta, tb)))\n"
-                "e=g.compile('cpu'); e.bind('a',a); e.bind('b',b)\n"
-                f"[e.run() for _ in range({CALLS})]\n"
+                "for calls in (5, %d):  # a warm-up executable, then the measured one\n"
+                "    e=g.compile('cpu'); e.bind('a',a); e.bind('b',b)\n"
+                "    [e.run() for _ in range(calls)]\n"
+                "    del e\n" % CALLS
             )
             best = min(best, profiled(code, a, b))
         out[label] = best
@@ -82,11 +87,14 @@ def profiled(code: str, a, b) -> float:
         np.save(pb, b)
         r = subprocess.run([sys.executable, "-c", code, pa, pb], env={**os.environ, "RLX_PROFILE": "1"},
                            capture_output=True, text=True, check=True)
+    times = []
     for line in r.stderr.splitlines():
         mm = re.match(r"\s+matmul\S* .*?\s([\d.]+) ms\s+[\d.]+%\s+(\d+) calls", line)
         if mm:
-            return float(mm.group(1)) / int(mm.group(2)) * 1e-3
-    raise RuntimeError(r.stderr)
+            times.append(float(mm.group(1)) / int(mm.group(2)) * 1e-3)
+    if not times:
+        raise RuntimeError(r.stderr)
+    return times[-1]  # the measured executable's profile is printed last
 
 
 def child_torch() -> dict:
@@ -99,7 +107,7 @@ def child_torch() -> dict:
         va, vb = (ta_.t() if ta else ta_), (tb_.t() if tb else tb_)
         c = torch.empty(m, n)
         best = float("inf")
-        for _ in range(ROUNDS):
+        for _ in range(3):
             torch.matmul(va, vb, out=c)
             t0 = time.perf_counter()
             for _ in range(CALLS):
@@ -111,20 +119,29 @@ def child_torch() -> dict:
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        print("RESULT " + json.dumps({"rlx": child_rlx, "torch": child_torch}[sys.argv[2]]()))
+        fw = sys.argv[2]
+        print("RESULT " + json.dumps(child_torch() if fw == "torch" else child_rlx()))
         return
-    res = {}
-    for fw in ("rlx", "torch"):
-        r = subprocess.run([sys.executable, __file__, "--child", fw], capture_output=True, text=True, check=True)
-        res[fw] = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    print("| product | m x k x n | rlx (gemm crate) | PyTorch | rlx / PyTorch |")
-    print("|---|---|---|---|---|")
+    variants = {"rlx": {}, "crate": {"RLX_CPU_GEMM": "crate"}, "torch": {}}
+    rounds = {fw: [] for fw in variants}
+    for _ in range(ROUNDS):
+        for fw, env in variants.items():
+            r = subprocess.run([sys.executable, __file__, "--child", fw], capture_output=True, text=True,
+                               check=True, env={**os.environ, **env})
+            rounds[fw].append(json.loads(next(x for x in r.stdout.splitlines() if x.startswith("RESULT "))[7:]))
+    best = {fw: {s[0]: min(r[s[0]] for r in rs) for s in SHAPES} for fw, rs in rounds.items()}
+    spread = {fw: {s[0]: float(np.median([r[s[0]] for r in rs])) / best[fw][s[0]] for s in SHAPES}
+              for fw, rs in rounds.items()}
+    print("| product | m x k x n | rlx | rlx, gemm crate | PyTorch | rlx / PyTorch | crate / PyTorch |")
+    print("|---|---|---|---|---|---|---|")
     for label, m, k, n, ta, tb in SHAPES:
-        r, t = res["rlx"][label], res["torch"][label]
         gf = lambda s: 2 * m * k * n / s * 1e-9  # noqa: E731
+        cell = lambda fw: (f"{best[fw][label] * 1e6:.0f} us ({gf(best[fw][label]):.0f} GFLOP/s, "  # noqa: E731
+                           f"+{(spread[fw][label] - 1) * 100:.0f} %)")
         flags = ("A^T " if ta else "") + ("B^T" if tb else "")
-        print(f"| {label} {flags.strip()} | {m}x{k}x{n} | {r * 1e6:.0f} us ({gf(r):.0f} GFLOP/s) | "
-              f"{t * 1e6:.0f} us ({gf(t):.0f} GFLOP/s) | {r / t:.2f} |")
+        t = best["torch"][label]
+        print(f"| {label} {flags.strip()} | {m}x{k}x{n} | {cell('rlx')} | {cell('crate')} | {cell('torch')} | "
+              f"{best['rlx'][label] / t:.2f} | {best['crate'][label] / t:.2f} |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@
 //! an input; implementing the `unsafe` `Compiled::run`), `isa.rs` (calling the AVX2+FMA copy of a
 //! kernel loop after feature detection), `f16c.rs` (the F16C float16 conversions, after feature
 //! detection), `bf16dot.rs` (the AVX512-BF16 micro-kernel, after feature detection) and
-//! `kernels/matmul.rs` (the GEMM call, its bounds asserted first). Kernels themselves are safe code over slices.
+//! `sgemm/` (the float32 GEMM: `avx512.rs` and `avx2.rs`, the micro-kernels' vector loads and
+//! stores after feature detection and bounds asserts; `mod.rs`, the output pointer the threads
+//! of a split write disjoint blocks through; `fallback.rs`, the `gemm` crate call). Kernels themselves are safe code over slices.
 //!
 //! ```
 //! use rlx_ir::{DType, Graph, Op, Shape, UnaryOp};
@@ -37,6 +39,7 @@ pub mod isa;
 mod kernels;
 mod mem;
 mod pool;
+pub mod sgemm;
 mod train;
 
 use rlx_runtime::{Backend, Compiled, CopyEngine, DeviceBuffer, Program, Result};

@@ -34,6 +34,13 @@ pub fn cpu_bf16_path() -> &'static str {
     rlx_cpu::bf16dot::path_name()
 }
 
+/// The float32 GEMM the CPU kernels use in this process: `"avx512"`, `"avx2"` (rlx's own kernels)
+/// or `"crate"` (the `gemm` crate), chosen once from the CPU and `RLX_CPU_GEMM`.
+#[pyfunction]
+pub fn cpu_gemm_path() -> &'static str {
+    rlx_cpu::sgemm::path().name()
+}
+
 /// Normalises a device name, raising `DeviceError` for unknown or absent devices.
 #[pyfunction]
 pub fn check_device(py: Python<'_>, device: &str) -> PyResult<String> {

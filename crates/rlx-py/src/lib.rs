@@ -27,6 +27,7 @@ fn _rlx(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(devices::check_device, m)?)?;
     m.add_function(wrap_pyfunction!(devices::cpu_isa, m)?)?;
     m.add_function(wrap_pyfunction!(devices::cpu_bf16_path, m)?)?;
+    m.add_function(wrap_pyfunction!(devices::cpu_gemm_path, m)?)?;
     m.add_function(wrap_pyfunction!(store::save_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(store::optimizer_slots, m)?)?;
     m.add_function(wrap_pyfunction!(store::load_checkpoint, m)?)?;

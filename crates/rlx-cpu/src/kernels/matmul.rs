@@ -1,7 +1,8 @@
-//! Matrix multiplication through the `gemm` crate (runtime-dispatched AVX-512/AVX2/FMA kernels),
-//! strided so transposed operands are never copied; batches broadcast like numpy.
+//! Matrix multiplication through rlx's GEMM (`crate::sgemm`: run-time dispatched AVX-512 / AVX2
+//! kernels, the `gemm` crate elsewhere), strided so transposed operands are never copied;
+//! batches broadcast like numpy.
 use super::Strided;
-use gemm::Parallelism;
+pub use crate::sgemm::View;
 use rayon::prelude::*;
 
 /// Below this many multiply-adds one GEMM runs on one thread: waking the pool costs more than
@@ -130,66 +131,27 @@ pub(super) fn products(
 
 /// `out (m x n, row-major) = a (m x k) @ b (k x n)`.
 fn gemm_into(out: &mut [f32], m: usize, n: usize, k: usize, a: Mat, b: Mat, parallel: bool) {
-    // Every element the GEMM reads must be inside the slices it was given.
-    let last = |x: Mat, r: usize, c: usize| (r - 1) * x.rs + (c - 1) * x.cs;
-    assert!(out.len() >= m * n && last(a, m, k) < a.data.len() && last(b, k, n) < b.data.len());
-    let par = if parallel {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
-    // SAFETY: the assert above proves every index the GEMM touches (row/col strides as given)
-    // lies inside `out`, `a.data` and `b.data`; `out` is a unique borrow, so it aliases neither
-    // input; `read_dst = false` means `out` is never read before it is written.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.data.as_ptr(),
-            a.cs as isize,
-            a.rs as isize,
-            b.data.as_ptr(),
-            b.cs as isize,
-            b.rs as isize,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            par,
-        )
-    }
-}
-
-/// A strided matrix inside a slice: element (i, j) is at `off + i * rs + j * cs`.
-#[derive(Clone, Copy, Debug)]
-pub struct View {
-    pub off: usize,
-    pub rs: usize,
-    pub cs: usize,
-}
-
-impl View {
-    /// Row-major rows of `rs` elements starting at `off`.
-    pub fn rows(off: usize, rs: usize) -> View {
-        View { off, rs, cs: 1 }
-    }
-    /// The transpose of this view.
-    pub fn t(self) -> View {
+    crate::sgemm::sgemm(
+        m,
+        n,
+        k,
+        out,
+        View::rows(0, n),
+        0.0,
+        a.data,
         View {
-            off: self.off,
-            rs: self.cs,
-            cs: self.rs,
-        }
-    }
-    fn last(self, r: usize, c: usize) -> usize {
-        self.off + (r - 1) * self.rs + (c - 1) * self.cs
-    }
+            off: 0,
+            rs: a.rs,
+            cs: a.cs,
+        },
+        b.data,
+        View {
+            off: 0,
+            rs: b.rs,
+            cs: b.cs,
+        },
+        parallel,
+    );
 }
 
 /// `out[o] = beta * out[o] + a[av] (m x k) @ b[bv] (k x n)` on one thread, every operand a
@@ -208,45 +170,7 @@ pub fn gemm_view(
     b: &[f32],
     bv: View,
 ) {
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        for i in 0..m {
-            for j in 0..n {
-                let x = &mut out[o.off + i * o.rs + j * o.cs];
-                *x = if beta == 0.0 { 0.0 } else { beta * *x };
-            }
-        }
-        return;
-    }
-    assert!(o.last(m, n) < out.len() && av.last(m, k) < a.len() && bv.last(k, n) < b.len());
-    // SAFETY: the assert proves every index the GEMM touches (offsets and strides as given)
-    // lies inside `out`, `a` and `b`; `out` is a unique borrow, so it aliases neither input;
-    // with `read_dst = false` `out` is only written.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            out.as_mut_ptr().add(o.off),
-            o.cs as isize,
-            o.rs as isize,
-            beta != 0.0,
-            a.as_ptr().add(av.off),
-            av.cs as isize,
-            av.rs as isize,
-            b.as_ptr().add(bv.off),
-            bv.cs as isize,
-            bv.rs as isize,
-            beta,
-            1.0,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        )
-    }
+    crate::sgemm::sgemm(m, n, k, out, o, beta, a, av, b, bv, false);
 }
 
 #[cfg(test)]
