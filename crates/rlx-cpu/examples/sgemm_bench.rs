@@ -84,8 +84,8 @@ fn main() {
             View::rows(0, n)
         };
         let mut c = vec![0.0f32; m * n];
-        // The driver's rule: one thread below 128 * 256 * 256 multiply-adds.
-        let par = all || (!one && m * n * k >= 128 * 256 * 256);
+        // The driver's rule (matmul::PAR_FLOPS): one thread below 64 * 256 * 256 multiply-adds.
+        let par = all || (!one && m * n * k >= 64 * 256 * 256);
         // Interleaved calls (the machine is shared: each path sees the same load), the best
         // single call of each path.
         let paths: Vec<Path> = [Path::Avx512, Path::Avx2Fma, Path::Crate]

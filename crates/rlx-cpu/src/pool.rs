@@ -1,4 +1,13 @@
-//! The worker threads kernels run on, and how a forked child gets its own.
+//! The worker threads kernels run on, how a forked child gets its own, and how they stay awake
+//! for the length of one program run.
+//!
+//! A program run is a few dozen to a few hundred instructions, many of them split over the
+//! threads. Rayon's idle workers go to sleep within microseconds, so every parallel
+//! instruction used to pay for waking one (a futex wake, tens of microseconds on a VM) and the
+//! calling thread for waiting on it. Now the whole run is one job on the pool: one worker drives
+//! the instructions and the others keep polling for the work it splits off (`keep_awake`) until
+//! the run ends, so a split costs a deque push and a steal. Idle pollers yield to the OS now and
+//! then, so a copy thread or another process still gets the cores.
 //!
 //! A forked child inherits the parent's memory but none of its threads, so rayon's global pool
 //! would accept work in the child and never run it (a hang). The process that first runs a
@@ -7,6 +16,7 @@
 //! process, and programs run inside it; the pool of an earlier process is leaked, never dropped
 //! (its threads do not exist here, so it can be neither joined nor shut down).
 use rlx_ir::{Error, Result};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The process whose rayon global pool serves programs.
@@ -35,9 +45,62 @@ pub fn run<T: Send>(f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
         pid
     }) == pid
     {
+        return awake(f);
+    }
+    child_pool(pid)?.install(|| awake(f))
+}
+
+/// Sets the flag when dropped (also when the run panics, so the pollers stop).
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// Runs `f` on a worker of the current pool (the global one when called from outside any pool)
+/// while the pool's other workers poll for the work it splits off; on a pool of one thread,
+/// just runs it.
+fn awake<T: Send>(f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    if rayon::current_num_threads() < 2 {
         return f();
     }
-    child_pool(pid)?.install(f)
+    let done = AtomicBool::new(false);
+    let driver = AtomicUsize::new(usize::MAX);
+    let (result, ()) = rayon::join(
+        || {
+            let _done = SetOnDrop(&done);
+            if let Some(i) = rayon::current_thread_index() {
+                driver.store(i, Ordering::Release);
+            }
+            f()
+        },
+        || keep_awake(&done, &driver),
+    );
+    result
+}
+
+/// Polls the pool for work until `done`. Returns at once on the driving thread itself (which
+/// pops this job when nobody stole it, or while it waits inside the run: polling there until
+/// the run ends would never end).
+fn keep_awake(done: &AtomicBool, driver: &AtomicUsize) {
+    if rayon::current_thread_index() == Some(driver.load(Ordering::Acquire)) {
+        return;
+    }
+    let mut idle = 0u32;
+    while !done.load(Ordering::Acquire) {
+        if let Some(rayon::Yield::Executed) = rayon::yield_now() {
+            idle = 0;
+            continue;
+        }
+        idle = idle.wrapping_add(1);
+        if idle & 63 == 0 {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 /// This (forked) process's private pool, made on first use.
@@ -63,10 +126,25 @@ fn child_pool(pid: u32) -> Result<Arc<rayon::ThreadPool>> {
 
 #[cfg(test)]
 mod tests {
+    use rayon::prelude::*;
+
     #[test]
-    fn the_first_process_runs_on_the_calling_thread() {
-        let here = std::thread::current().id();
-        let ran_on = super::run(|| Ok(std::thread::current().id())).unwrap();
-        assert_eq!(here, ran_on);
+    fn a_run_splits_work_and_returns_its_result() {
+        let sum = super::run(|| Ok((0..100_000u64).into_par_iter().sum::<u64>())).unwrap();
+        assert_eq!(sum, 100_000 * 99_999 / 2);
+        // Runs inside a run, and errors, come back as they are.
+        let nested = super::run(|| super::run(|| Ok(7))).unwrap();
+        assert_eq!(nested, 7);
+        let err = super::run(|| -> rlx_ir::Result<()> { Err(rlx_ir::Error::Device("x".into())) });
+        assert!(err.is_err());
+    }
+
+    #[test]
+    fn a_panicking_run_stops_the_pollers() {
+        let r =
+            std::panic::catch_unwind(|| super::run(|| -> rlx_ir::Result<()> { panic!("boom") }));
+        assert!(r.is_err());
+        // The pool still works afterwards (no worker is left polling for the dead run).
+        assert_eq!(super::run(|| Ok(1)).unwrap(), 1);
     }
 }

@@ -1,6 +1,6 @@
 //! The fused elementwise kernel: evaluates an `Op::Fused` expression tile by tile, so every
 //! intermediate lives in a cache-sized scratch tile and memory is read and written once.
-use super::{elementwise, map_rows, math, Strided, PAR_MIN};
+use super::{elementwise, map_rows, math, thread_scratch, Strided, PAR_MIN};
 use rayon::prelude::*;
 use rlx_ir::{BinaryOp, Fused, FusedStep, UnaryOp};
 use std::cell::RefCell;
@@ -94,8 +94,7 @@ pub fn matmul_epilogue(
         };
         od.extend([m, n]);
         debug_assert_eq!(od, product_dims(ad, bd, ta, tb));
-        return PRODUCT.with(|p| {
-            let mut p = p.borrow_mut();
+        return thread_scratch(&PRODUCT, |p| {
             if p.len() < out.len() {
                 p.resize(out.len(), 0.0);
             }
@@ -145,8 +144,7 @@ pub fn matmul_epilogue(
         }
         fused_shaped(f, &rn, &ins, o);
     };
-    PRODUCT.with(|p| {
-        let p = &mut p.borrow_mut();
+    thread_scratch(&PRODUCT, |p| {
         out.chunks_mut(block_rows * n)
             .enumerate()
             .for_each(|c| one(c, p))
@@ -188,8 +186,7 @@ pub fn fused_sum_to(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32], od: 
         });
     if !rows_sum {
         // A per-thread scratch, not a fresh allocation per call (large ones are fresh pages).
-        return WHOLE.with(|w| {
-            let mut w = w.borrow_mut();
+        return thread_scratch(&WHOLE, |w| {
             if w.len() < total {
                 w.resize(total, 0.0);
             }
@@ -335,8 +332,7 @@ fn row_groups(
     let group = (TILE / row).max(1);
     let tile = |(c, chunk): (usize, &mut [f32])| {
         let (r0, len) = (c * group, chunk.len());
-        EXPANDED.with(|e| {
-            let mut e = e.borrow_mut();
+        thread_scratch(&EXPANDED, |e| {
             if e.len() < ins.len() * TILE {
                 e.resize(ins.len() * TILE, 0.0);
             }
@@ -383,8 +379,7 @@ fn row_groups(
 }
 
 fn with_scratch(f: &Fused, body: impl FnOnce(&mut [f32])) {
-    SCRATCH.with(|s| {
-        let mut s = s.borrow_mut();
+    thread_scratch(&SCRATCH, |s| {
         let need = f.steps.len() * TILE;
         if s.len() < need {
             s.resize(need, 0.0);
@@ -532,8 +527,7 @@ pub fn matmul_epilogue_lowp(
     out: &mut [f32],
 ) {
     let od = product_dims(ad, bd, ta, tb);
-    PRODUCT.with(|p| {
-        let mut p = p.borrow_mut();
+    thread_scratch(&PRODUCT, |p| {
         if p.len() < out.len() {
             p.resize(out.len(), 0.0);
         }

@@ -58,7 +58,8 @@ pub fn matmul(
             let (wa, wb) = &mut *w;
             widened(wa, wb, out)
         }
-        // Re-entered on this thread (not expected: products do not nest): fresh buffers.
+        // Re-entered on this thread (a worker waiting in a parallel loop ran another product's
+        // task): fresh buffers.
         Err(_) => widened(&mut Vec::new(), &mut Vec::new(), out),
     })
 }

@@ -5,9 +5,11 @@ use super::Strided;
 pub use crate::sgemm::View;
 use rayon::prelude::*;
 
-/// Below this many multiply-adds one GEMM runs on one thread: waking the pool costs more than
-/// the second core gains (measured on the digits MLP: 64x256x256 is faster on one thread).
-pub const PAR_FLOPS: usize = 128 * 256 * 256;
+/// Below this many multiply-adds one GEMM runs on one thread: splitting costs more than the
+/// second core gains. Measured with the pool kept awake for the run (`crate::pool`): the digits
+/// MLP's 64x256x256 products (4.2M) are faster split (step 0.44 -> 0.36 ms on two cores), a
+/// threshold of 1M made the tiny GPT's step slower (25 -> 29 ms).
+pub const PAR_FLOPS: usize = 64 * 256 * 256;
 
 /// A row-major matrix view: element (i, j) is at `data[i * rs + j * cs]`.
 #[derive(Clone, Copy)]

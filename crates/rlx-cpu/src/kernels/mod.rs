@@ -14,6 +14,19 @@ pub mod reduce;
 
 use rayon::prelude::*;
 
+/// Runs `body` with this thread's scratch vector `key`, or with a fresh one when this thread is
+/// already using it: a worker waiting inside a parallel loop runs other tasks meanwhile (of this
+/// program, or of another program on the pool), and they may ask for the same scratch.
+pub(crate) fn thread_scratch<R>(
+    key: &'static std::thread::LocalKey<std::cell::RefCell<Vec<f32>>>,
+    body: impl FnOnce(&mut Vec<f32>) -> R,
+) -> R {
+    key.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut v) => body(&mut v),
+        Err(_) => body(&mut Vec::new()),
+    })
+}
+
 /// Below this many output elements a kernel runs on the calling thread: waking the pool costs
 /// more than the work.
 pub const PAR_MIN: usize = 1 << 18;
