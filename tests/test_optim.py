@@ -21,10 +21,10 @@ loss_fn = mse_loss
 INPUTS = {"x": rlx.InputSpec((N, D_IN)), "y": rlx.InputSpec((N, D_OUT))}
 
 
-def batches(seed=0, n=N_STEPS):
+def batches(seed=0, n=N_STEPS, dims=(D_IN, D_OUT)):
     rng = np.random.default_rng(seed)
-    return [(rng.standard_normal((N, D_IN)).astype(np.float32),
-             rng.standard_normal((N, D_OUT)).astype(np.float32)) for _ in range(n)]
+    return [(rng.standard_normal((N, dims[0])).astype(np.float32),
+             rng.standard_normal((N, dims[1])).astype(np.float32)) for _ in range(n)]
 
 
 def ref_loss_and_grads(p, x, y):
@@ -90,15 +90,16 @@ CONFIGS = [
 ]
 
 
-def run_both(make_opt, make_ref, lr_schedule=None, seed=0):
+def run_both(make_opt, make_ref, lr_schedule=None, seed=0, dims=(D_IN, D_OUT)):
     """Run N_STEPS in rlx and in the reference, checking loss, grads and params at every step."""
     rlx.seed(seed)
-    model = Net()
+    model = LinearNet(*dims)
+    inputs = {"x": rlx.InputSpec((N, dims[0])), "y": rlx.InputSpec((N, dims[1]))}
     params = {k: p.numpy().astype(np.float64) for k, p in model.parameters().items()}
     assert list(params) == ["fc.weight", "fc.bias"]
     opt, ref = make_opt(), make_ref()
-    step = rlx.compile_train_step(loss_fn, model, opt, INPUTS)
-    for i, (x, y) in enumerate(batches(seed)):
+    step = rlx.compile_train_step(loss_fn, model, opt, inputs)
+    for i, (x, y) in enumerate(batches(seed, dims=dims)):
         if lr_schedule is not None:
             opt.lr = ref.lr = lr_schedule[i]
         loss = step(x=x, y=y)
@@ -154,6 +155,59 @@ def test_lr_change_between_steps_takes_effect(kind):
     cfg = {c[0]: c for c in CONFIGS}[kind]
     schedule = [cfg[2]().lr] * 2 + [0.003, 0.0, 0.2]
     run_both(cfg[1], cfg[2], lr_schedule=schedule)
+
+
+# 39,000 weights: the CPU shares the update of a large model between its threads in pieces of
+# 8K elements (the last one partial); piece boundaries and SGD's first-step flag must not show.
+LARGE = (300, 130)
+
+
+@pytest.mark.parametrize("kind", ["sgd-momentum", "sgd-momentum-wd"])
+def test_large_parameters_update_in_pieces(kind):
+    cfg = {c[0]: c for c in CONFIGS}[kind]
+    run_both(cfg[1], cfg[2], dims=LARGE)
+
+
+LARGE_SCRIPT = """
+import sys, numpy as np, rlx
+sys.path.insert(0, {tests!r})
+from models import LinearNet, mse_loss
+from test_optim import batches, N
+out = {{}}
+for name, opt in [("sgd", rlx.optim.SGD(lr=0.05, momentum=0.9, nesterov=True)),
+                  ("adam", rlx.optim.Adam(lr=0.02, weight_decay=0.1)),
+                  ("adamw", rlx.optim.AdamW(lr=0.05, weight_decay=0.2))]:
+    rlx.seed(0)
+    model = LinearNet(*{dims})
+    specs = {{"x": rlx.InputSpec((N, {dims}[0])), "y": rlx.InputSpec((N, {dims}[1]))}}
+    step = rlx.compile_train_step(mse_loss, model, opt, specs)
+    for x, y in batches(0, dims={dims}):
+        step(x=x, y=y)
+    for k, p in model.parameters().items():
+        out[name + "/" + k] = p.numpy().copy()
+        for s, v in opt.state(k).items():
+            out[name + "/" + k + "/" + s] = np.asarray(v).copy()
+np.savez(sys.argv[1], **out)
+"""
+
+
+def test_large_update_is_the_same_on_one_thread_and_two(tmp_path):
+    # Adam's first steps divide by sqrt(v) of tiny gradients, so a float64 reference differs in
+    # a few elements; the split update must instead be bit-identical to the one-thread update.
+    import os
+    import subprocess
+    import sys
+    script = LARGE_SCRIPT.format(tests=os.path.dirname(__file__), dims=LARGE)
+    results = []
+    for threads in ("1", "2"):
+        path = tmp_path / f"t{threads}.npz"
+        env = dict(os.environ, RLX_NUM_THREADS=threads)
+        subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True, timeout=120)
+        results.append(np.load(path))
+    one, two = results
+    assert sorted(one.files) == sorted(two.files) and len(one.files) > 6
+    for k in one.files:
+        np.testing.assert_array_equal(one[k], two[k], err_msg=k)
 
 
 def test_lr_attribute_round_trip():
