@@ -154,7 +154,11 @@ pub fn train_update(
         stats[stat::GRAD_NORM] = f32::NAN;
     }
     let total: usize = params.iter().map(|s| s.p.len()).sum();
-    let parallel = total >= PAR_UPDATE && rayon::current_num_threads() > 1;
+    // Only on a worker of a pool (`crate::pool::run` puts every program run on one; a direct
+    // caller elsewhere may be in a forked child, whose global pool is its parent's).
+    let parallel = total >= PAR_UPDATE
+        && rayon::current_thread_index().is_some()
+        && rayon::current_num_threads() > 1;
     for s in params.iter_mut() {
         *s.step += 1;
         let step = *s.step;
