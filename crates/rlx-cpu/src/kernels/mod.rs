@@ -27,8 +27,8 @@ pub(crate) fn thread_scratch<R>(
     })
 }
 
-/// Below this many output elements a kernel runs on the calling thread: waking the pool costs
-/// more than the work.
+/// Below this many output elements a kernel runs on the calling thread: splitting costs more
+/// than the work (32K was tried with the pool kept awake: within noise, so it stayed).
 pub const PAR_MIN: usize = 1 << 18;
 
 /// How a source tensor is read while walking an output shape: one element stride per output dim
