@@ -77,10 +77,12 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
     if ho * wo >= _DIRECT_MIN:
         # Large images: one GEMM per image, weight (O, K) @ patches^T, straight into NCHW; the
         # gradients are per-image GEMMs too (the weight's summed over the batch).
-        y = Tensor(t, t.graph.matmul(w2._id, cols._id, False, True))
+        # The bias is added in NCHW shape, so an activation after the conv joins the same
+        # matmul epilogue (a reshape between them would end the fused expression).
+        y = Tensor(t, t.graph.matmul(w2._id, cols._id, False, True)).reshape(n, o, ho, wo)
         if b is not None:
-            y = y + b.reshape(o, 1)
-        return y.reshape(n, o, ho, wo)
+            y = y + b.reshape(o, 1, 1)
+        return y
     # Small images: all patches of the batch as one 2-D (N*Ho*Wo, K) matrix times the weight:
     # one tall GEMM forward, one for the patch gradient and one (K = N*Ho*Wo) for the weight
     # gradient (a batched product would make that a GEMM per image plus a sum over the batch);

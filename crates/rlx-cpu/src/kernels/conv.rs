@@ -263,6 +263,35 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
     );
 }
 
+/// One row of 2x2, stride-2 max-pool windows: the gradient `g[j]` goes to the first maximum
+/// (or the first NaN) of window j — (`i0[2j]`, `i0[2j+1]`, `i1[2j]`, `i1[2j+1]`) — and zeros to
+/// the other three. Written with plain indices and selects so it vectorizes (stride-2 loads
+/// and stores).
+#[inline(always)]
+fn window_row_grad(i0: &[f32], i1: &[f32], g: &[f32], o0: &mut [f32], o1: &mut [f32]) {
+    let n = g.len();
+    let (i0, i1, o0, o1) = (
+        &i0[..2 * n],
+        &i1[..2 * n],
+        &mut o0[..2 * n],
+        &mut o1[..2 * n],
+    );
+    for j in 0..n {
+        let (a, b, c, d, gv) = (i0[2 * j], i0[2 * j + 1], i1[2 * j], i1[2 * j + 1], g[j]);
+        // `v` beats `best` when larger, or NaN over a number: the first maximum wins ties.
+        let beats = |v: f32, best: f32| v > best || (v.is_nan() && !best.is_nan());
+        let tb = beats(b, a);
+        let best = if tb { b } else { a };
+        let tc = beats(c, best);
+        let best = if tc { c } else { best };
+        let td = beats(d, best);
+        o0[2 * j] = if !tb && !tc && !td { gv } else { 0.0 };
+        o0[2 * j + 1] = if tb && !tc && !td { gv } else { 0.0 };
+        o1[2 * j] = if tc && !td { gv } else { 0.0 };
+        o1[2 * j + 1] = if td { gv } else { 0.0 };
+    }
+}
+
 /// The VJP of `pool2d` w.r.t. x: `g` `[N, C, Ho, Wo]` into `[N, C, H, W]`.
 pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, out: &mut [f32]) {
     let (h, wd) = (xd[2], xd[3]);
@@ -281,39 +310,20 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
                 |nc, gx| {
                     let img = &x[nc * h * wd..(nc + 1) * h * wd];
                     let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
-                    gx.fill(0.0); // rows / columns past the last window (odd sizes) stay 0
+                    // Rows and columns past the last window (odd sizes) stay 0.
+                    if h != 2 * oh || wd != 2 * ow {
+                        gx.fill(0.0);
+                    }
                     for y in 0..oh {
                         let (r0, r1) = (2 * y * wd, (2 * y + 1) * wd);
-                        let (i0, i1) = (&img[r0..r0 + 2 * ow], &img[r1..r1 + 2 * ow]);
                         let (o0, o1) = gx.split_at_mut(r1);
-                        let (o0, o1) = (&mut o0[r0..r0 + 2 * ow], &mut o1[..2 * ow]);
-                        let gr = &gp[y * ow..(y + 1) * ow];
-                        for ((((a, b), (c, d)), gv), ((oa, ob), (oc, od))) in i0
-                            .chunks_exact(2)
-                            .map(|p| (p[0], p[1]))
-                            .zip(i1.chunks_exact(2).map(|p| (p[0], p[1])))
-                            .zip(gr)
-                            .zip(
-                                o0.chunks_exact_mut(2)
-                                    .map(|p| p.split_at_mut(1))
-                                    .zip(o1.chunks_exact_mut(2).map(|p| p.split_at_mut(1))),
-                            )
-                        {
-                            // The first maximum (or first NaN) of (a, b, c, d), branch-free.
-                            let beats =
-                                |v: f32, best: f32| v > best || (v.is_nan() && !best.is_nan());
-                            let mut k = 0u8;
-                            let mut best = a;
-                            for (i, v) in [(1u8, b), (2, c), (3, d)] {
-                                let t = beats(v, best);
-                                k = if t { i } else { k };
-                                best = if t { v } else { best };
-                            }
-                            oa[0] = if k == 0 { *gv } else { 0.0 };
-                            ob[0] = if k == 1 { *gv } else { 0.0 };
-                            oc[0] = if k == 2 { *gv } else { 0.0 };
-                            od[0] = if k == 3 { *gv } else { 0.0 };
-                        }
+                        window_row_grad(
+                            &img[r0..r0 + 2 * ow],
+                            &img[r1..r1 + 2 * ow],
+                            &gp[y * ow..(y + 1) * ow],
+                            &mut o0[r0..r0 + 2 * ow],
+                            &mut o1[..2 * ow],
+                        );
                     }
                 },
             );
@@ -496,6 +506,42 @@ mod tests {
                 assert_eq!(gx[1], 1.0);
                 assert_eq!(gx[4], 1.0);
             }
+        }
+    }
+
+    /// The vectorized 2x2 stride-2 gradient on rows long enough for its vector loop, with
+    /// ties, NaNs and odd sizes (a last row and column no window covers), against a naive
+    /// first-maximum walk.
+    #[test]
+    fn max_pool_2x2_gradient_matches_a_naive_walk() {
+        for xd in [[2usize, 3, 6, 40], [1, 2, 7, 37]] {
+            let (h, wd) = (xd[2], xd[3]);
+            let (oh, ow) = (h / 2, wd / 2);
+            let total: usize = xd.iter().product();
+            let vals = [0.0f32, 1.0, 2.0, f32::NAN, -1.0];
+            let x: Vec<f32> = (0..total).map(|i| vals[(i * 7 + i / 3) % 5]).collect();
+            let g: Vec<f32> = (0..total / (h * wd) * oh * ow)
+                .map(|i| i as f32 + 1.0)
+                .collect();
+            let mut want = vec![0.0f32; total];
+            for nc in 0..xd[0] * xd[1] {
+                for y in 0..oh {
+                    for xo in 0..ow {
+                        let at = |i: usize, j: usize| nc * h * wd + (2 * y + i) * wd + 2 * xo + j;
+                        let mut best = at(0, 0);
+                        for (i, j) in [(0, 1), (1, 0), (1, 1)] {
+                            let (v, b) = (x[at(i, j)], x[best]);
+                            if v > b || (v.is_nan() && !b.is_nan()) {
+                                best = at(i, j);
+                            }
+                        }
+                        want[best] += g[(nc * oh + y) * ow + xo];
+                    }
+                }
+            }
+            let mut got = vec![7.0f32; total];
+            pool2d_grad(&x, &xd, &g, &win(2, 2, 0), true, &mut got);
+            assert_eq!(got, want, "{xd:?}");
         }
     }
 

@@ -79,6 +79,9 @@ pub fn matmul_epilogue(
         && xs
             .iter()
             .all(|(x, d)| x.len() == 1 || x.len() == out.len() || row_like(d));
+    if !blocked && per_product(f, ad, bd, ta, tb, b, a, xs, out) {
+        return;
+    }
     if !blocked {
         let mut od: Vec<usize> = {
             let (pa, pb) = (&ad[..ad.len() - 2], &bd[..bd.len() - 2]);
@@ -149,6 +152,113 @@ pub fn matmul_epilogue(
             .enumerate()
             .for_each(|c| one(c, p))
     });
+}
+
+/// `matmul_epilogue` for a batch of small products (each below `PAR_FLOPS_BATCHED`, one operand
+/// per batch or shared), e.g. conv2d's per-image GEMMs: each product is computed into a
+/// per-thread scratch and its block of `out` written from it while it is in cache, the
+/// products shared between the threads whole, so the product is never stored whole. Returns
+/// false (doing nothing) when the shapes do not fit: some input of the epilogue differs
+/// between products other than as a full-size tensor.
+#[allow(clippy::too_many_arguments)]
+fn per_product(
+    f: &Fused,
+    ad: &[usize],
+    bd: &[usize],
+    ta: bool,
+    tb: bool,
+    b: &[f32],
+    a: &[f32],
+    xs: &[(&[f32], &[usize])],
+    out: &mut [f32],
+) -> bool {
+    use super::matmul::{gemm_view, View, PAR_FLOPS, PAR_FLOPS_BATCHED};
+    let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+    let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+    let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
+    let n = if tb { rb } else { cb };
+    let size = m * n;
+    if size == 0 || k == 0 || out.len() % size != 0 {
+        return false;
+    }
+    let batch = out.len() / size;
+    let a_batch: usize = ad[..ad.len() - 2].iter().product();
+    let b_batch: usize = bd[..bd.len() - 2].iter().product();
+    let tall = a_batch == batch && b_batch == 1 && !ta;
+    if batch < 2 || tall || size * k >= PAR_FLOPS_BATCHED {
+        return false;
+    }
+    if ![1, batch].contains(&a_batch) || ![1, batch].contains(&b_batch) {
+        return false;
+    }
+    // The epilogue's shape is the batch's dims, then one product's.
+    let fd = f.shape.dims();
+    let Some(lead) = (0..=fd.len()).find(|&p| fd[..p].iter().product::<usize>() == batch) else {
+        return false;
+    };
+    let one_dims = &fd[lead..];
+    // Each input as one product's share: a scalar, a block of a full-size tensor, or the
+    // same values for every product (its batch dims all 1).
+    let mut shares: Vec<(&[f32], &[usize], bool)> = Vec::with_capacity(xs.len());
+    for &(x, d) in xs {
+        if x.len() == 1 {
+            shares.push((x, &[1], false));
+        } else if x.len() == out.len() {
+            shares.push((x, one_dims, true));
+        } else {
+            if d.len() > fd.len() {
+                return false;
+            }
+            // `d` is right-aligned to `fd`: its dims before `start` face the batch's.
+            let start = lead.saturating_sub(fd.len() - d.len());
+            if d[..start].iter().any(|&v| v != 1) {
+                return false;
+            }
+            shares.push((x, &d[start..], false));
+        }
+    }
+    let (a_rs, a_cs) = if ta { (1, ca) } else { (ca, 1) };
+    let (b_rs, b_cs) = if tb { (1, cb) } else { (cb, 1) };
+    let one = |i: usize, o: &mut [f32]| {
+        thread_scratch(&PRODUCT, |p| {
+            if p.len() < size {
+                p.resize(size, 0.0);
+            }
+            let product = &mut p[..size];
+            let a_off = if a_batch == 1 { 0 } else { i * ra * ca };
+            let b_off = if b_batch == 1 { 0 } else { i * rb * cb };
+            let av = View {
+                off: a_off,
+                rs: a_rs,
+                cs: a_cs,
+            };
+            let bv = View {
+                off: b_off,
+                rs: b_rs,
+                cs: b_cs,
+            };
+            gemm_view(m, n, k, product, View::rows(0, n), 0.0, a, av, b, bv);
+            let mut ins: Vec<(&[f32], &[usize])> = vec![(product, one_dims)];
+            for &(x, d, blocked) in &shares {
+                ins.push(if blocked {
+                    (&x[i * size..(i + 1) * size], d)
+                } else {
+                    (x, d)
+                });
+            }
+            fused_shaped(f, one_dims, &ins, o);
+        })
+    };
+    if batch * size * k >= PAR_FLOPS {
+        out.par_chunks_mut(size)
+            .enumerate()
+            .for_each(|(i, o)| one(i, o));
+    } else {
+        out.chunks_mut(size)
+            .enumerate()
+            .for_each(|(i, o)| one(i, o));
+    }
+    true
 }
 
 thread_local! {
@@ -638,6 +748,64 @@ mod tests {
                 assert!(
                     (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
                     "{batch}x{m}x{k}x{n} ta={ta} tb={tb}: {i}: {x} vs {y}"
+                );
+            }
+        }
+    }
+
+    /// A shared left operand times a batch of transposed right ones, the epilogue in NCHW shape
+    /// with a per-channel bias (conv2d's per-image GEMMs: one product at a time, in parallel),
+    /// and inputs that differ per product in a way it cannot split (computed whole).
+    #[test]
+    fn per_product_epilogues_match_naive() {
+        for &(batch, m, k, h, w, per_channel) in &[
+            (64usize, 8usize, 27usize, 16usize, 16usize, true),
+            (3, 5, 4, 3, 2, true),
+            (4, 6, 5, 2, 3, false),
+        ] {
+            let n = h * w;
+            let a = data(m * k, 0.3);
+            let b = data(batch * n * k, 1.1);
+            // Per channel (m, 1, 1), or per image and channel (batch, m, 1, 1).
+            let bias = data(if per_channel { m } else { batch * m }, 2.0);
+            let mul = data(batch * m * n, 0.7);
+            let mut want = vec![0.0f32; batch * m * n];
+            for bi in 0..batch {
+                for i in 0..m {
+                    for j in 0..n {
+                        let s: f32 = (0..k).map(|p| a[i * k + p] * b[(bi * n + j) * k + p]).sum();
+                        let o = (bi * m + i) * n + j;
+                        let bv = if per_channel {
+                            bias[i]
+                        } else {
+                            bias[bi * m + i]
+                        };
+                        want[o] = (s + bv).max(0.0) * mul[o];
+                    }
+                }
+            }
+            let shape = [batch, m, h, w];
+            let bias_shape: Vec<usize> = if per_channel {
+                vec![m, 1, 1]
+            } else {
+                vec![batch, m, 1, 1]
+            };
+            let mut out = vec![0.0; want.len()];
+            matmul_epilogue(
+                &expr(&shape),
+                &a,
+                &[m, k],
+                false,
+                &b,
+                &[batch, n, k],
+                true,
+                &[(&bias, &bias_shape), (&mul, &shape)],
+                &mut out,
+            );
+            for (i, (x, y)) in out.iter().zip(&want).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                    "{batch}x{m}x{k}x{n} per_channel={per_channel}: {i}: {x} vs {y}"
                 );
             }
         }

@@ -14,7 +14,7 @@ pub const PAR_FLOPS: usize = 64 * 256 * 256;
 /// In a batch of products, below this many multiply-adds per product the products are shared
 /// between the threads whole rather than each split (the CIFAR CNN's per-image weight-gradient
 /// products, ~4.7M each, are faster that way).
-const PAR_FLOPS_BATCHED: usize = 128 * 256 * 256;
+pub(super) const PAR_FLOPS_BATCHED: usize = 128 * 256 * 256;
 
 /// A row-major matrix view: element (i, j) is at `data[i * rs + j * cs]`.
 #[derive(Clone, Copy)]
