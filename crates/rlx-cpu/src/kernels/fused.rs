@@ -178,7 +178,7 @@ fn per_product(
     let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
     let n = if tb { rb } else { cb };
     let size = m * n;
-    if size == 0 || k == 0 || out.len() % size != 0 {
+    if size == 0 || k == 0 || out.len() / size * size != out.len() {
         return false;
     }
     let batch = out.len() / size;
