@@ -67,7 +67,6 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
     if kh == 0 or kw == 0:
         raise ShapeError(f"[conv2d] weight {w.shape} has an empty kernel")
     ho, wo = _out_size("conv2d", x, (kh, kw), s, p, "kernel")
-    cols = Tensor(t, t.graph.window("im2col", x._id, (kh, kw), s, p))  # (N, Ho*Wo, C*kh*kw)
     w2 = w.reshape(o, c * kh * kw)
     b = None
     if bias is not None:
@@ -75,11 +74,13 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
         if b.shape != (o,):
             raise ShapeError(f"[conv2d] bias must have shape ({o},), got {b.shape}")
     if ho * wo >= _DIRECT_MIN:
-        # Large images: one GEMM per image, weight (O, K) @ patches^T, straight into NCHW; the
-        # gradients are per-image GEMMs too (the weight's summed over the batch).
-        # The bias is added in NCHW shape, so an activation after the conv joins the same
-        # matmul epilogue (a reshape between them would end the fused expression).
-        y = Tensor(t, t.graph.matmul(w2._id, cols._id, False, True)).reshape(n, o, ho, wo)
+        # Large images: tap-major patches (N, K, Ho*Wo), whose rows are shifted copies of input
+        # rows, and one GEMM per image, weight (O, K) @ patches, straight into NCHW; the
+        # gradients are per-image GEMMs too (the weight's summed over the batch). The bias is
+        # added in NCHW shape, so an activation after the conv joins the same matmul epilogue
+        # (a reshape between them would end the fused expression).
+        cols = Tensor(t, t.graph.window("im2col_k", x._id, (kh, kw), s, p))
+        y = Tensor(t, t.graph.matmul(w2._id, cols._id, False, False)).reshape(n, o, ho, wo)
         if b is not None:
             y = y + b.reshape(o, 1, 1)
         return y
@@ -88,6 +89,7 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
     # gradient (a batched product would make that a GEMM per image plus a sum over the batch);
     # then one transpose to NCHW.
     k = c * kh * kw
+    cols = Tensor(t, t.graph.window("im2col", x._id, (kh, kw), s, p))  # (N, Ho*Wo, K)
     y = _matmul_nt(cols.reshape(n * ho * wo, k), w2)
     if b is not None:
         y = y + b

@@ -402,8 +402,24 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                 .collect();
             layout::concat(&parts, *axis, od, b.get_mut::<T>(out))
         }),
-        Op::Im2Col(w) => conv::im2col(f(0), sh(0), w, unsafe { b.get_mut(out) }),
-        Op::Col2Im { window, .. } => conv::col2im(f(0), window, od, unsafe { b.get_mut(out) }),
+        Op::Im2Col { window, k_major } => {
+            let im2col = if *k_major {
+                conv::im2col_k
+            } else {
+                conv::im2col
+            };
+            im2col(f(0), sh(0), window, unsafe { b.get_mut(out) })
+        }
+        Op::Col2Im {
+            window, k_major, ..
+        } => {
+            let col2im = if *k_major {
+                conv::col2im_k
+            } else {
+                conv::col2im
+            };
+            col2im(f(0), window, od, unsafe { b.get_mut(out) })
+        }
         Op::Pool2d { window, max } => {
             conv::pool2d(f(0), sh(0), window, *max, unsafe { b.get_mut(out) })
         }

@@ -366,21 +366,29 @@ fn vision_ops() {
         padding: [p, p],
     };
     for (k, s, p) in [(3, 1, 1), (3, 2, 1), (2, 2, 0), (1, 1, 0), (5, 1, 2)] {
-        check(
-            &format!("im2col k{k} s{s} p{p}"),
-            &[rand(&[2, 3, 5, 6], 40)],
-            op1(Op::Im2Col(w(k, s, p))),
-        );
         let window = w(k, s, p);
         let [oh, ow] = window.out_size([5, 6]).unwrap();
-        check(
-            &format!("col2im k{k} s{s} p{p}"),
-            &[rand(&[2, oh * ow, 3 * k * k], 41)],
-            op1(Op::Col2Im {
-                window,
-                size: [5, 6],
-            }),
-        );
+        for k_major in [false, true] {
+            check(
+                &format!("im2col k{k} s{s} p{p} k_major={k_major}"),
+                &[rand(&[2, 3, 5, 6], 40)],
+                op1(Op::Im2Col { window, k_major }),
+            );
+            let patches = if k_major {
+                [2, 3 * k * k, oh * ow]
+            } else {
+                [2, oh * ow, 3 * k * k]
+            };
+            check(
+                &format!("col2im k{k} s{s} p{p} k_major={k_major}"),
+                &[rand(&patches, 41)],
+                op1(Op::Col2Im {
+                    window,
+                    size: [5, 6],
+                    k_major,
+                }),
+            );
+        }
     }
     for (k, s, p) in [(2, 2, 0), (3, 2, 1), (3, 1, 1)] {
         for max in [true, false] {

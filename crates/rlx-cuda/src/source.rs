@@ -477,12 +477,15 @@ extern "C" __global__ void rlx_normalize_grad(const P p) {
 #define WINDOW \
   long long H = p.iv[0], W = p.iv[1], Ho = p.iv[2], Wo = p.iv[3], KH = p.iv[4], KW = p.iv[5]; \
   long long SH = p.st[0][0], SW = p.st[0][1], PH = p.st[0][2], PW = p.st[0][3];
-/* Patches [N, Ho*Wo, C*kh*kw] (iv[7] = C): row oy*Wo + ox, column (c*kh + i)*kw + j. */
+/* Patches [N, Ho*Wo, C*kh*kw] (iv[7] = C): row oy*Wo + ox, column (c*kh + i)*kw + j; with
+   iv[6] (k-major) [N, C*kh*kw, Ho*Wo]. */
 extern "C" __global__ void rlx_im2col(const P p) {
   WINDOW
   long long C = p.iv[7], K = C * KH * KW, PP = Ho * Wo;
+  bool KM = p.iv[6] != 0;
   GRID_LOOP(i, p.n) {
-    long long kk = i % K, t = i / K, col = t % PP, n = t / PP;
+    long long kk = KM ? (i / PP) % K : i % K, col = KM ? i % PP : (i / K) % PP;
+    long long n = i / (K * PP);
     long long kj = kk % KW, r = kk / KW, ki = r % KH, c = r / KH;
     long long y = (col / Wo) * SH + ki - PH, x = (col % Wo) * SW + kj - PW;
     F(1)[i] = (y >= 0 && y < H && x >= 0 && x < W) ? F(0)[((n * C + c) * H + y) * W + x] : 0.0f;
@@ -491,6 +494,7 @@ extern "C" __global__ void rlx_im2col(const P p) {
 extern "C" __global__ void rlx_col2im(const P p) {
   WINDOW
   long long C = p.iv[7], K = C * KH * KW, PP = Ho * Wo;
+  bool KM = p.iv[6] != 0;
   GRID_LOOP(i, p.n) {
     long long x = i % W, t = i / W, y = t % H, nc = t / H, n = nc / C, c = nc % C;
     float acc = 0.0f;
@@ -500,7 +504,8 @@ extern "C" __global__ void rlx_col2im(const P p) {
       for (long long kj = 0; kj < KW; ++kj) {
         long long b = x + PW - kj;
         if (b < 0 || b % SW != 0 || b / SW >= Wo) continue;
-        acc += F(0)[(n * PP + (a / SH) * Wo + b / SW) * K + (c * KH + ki) * KW + kj];
+        long long col = (a / SH) * Wo + b / SW, kk = (c * KH + ki) * KW + kj;
+        acc += F(0)[KM ? (n * K + kk) * PP + col : (n * PP + col) * K + kk];
       }
     }
     F(1)[i] = acc;

@@ -536,12 +536,28 @@ fn vjp(
                 "second derivatives are not supported",
             ))
         }
-        Op::Im2Col(w) => {
+        Op::Im2Col { window, k_major } => {
             let xs = shape(g, ins[0]);
             let size = [xs.0[2], xs.0[3]];
-            vec![Some(g.add(Op::Col2Im { window: *w, size }, &[gy])?)]
+            let (window, k_major) = (*window, *k_major);
+            vec![Some(g.add(
+                Op::Col2Im {
+                    window,
+                    size,
+                    k_major,
+                },
+                &[gy],
+            )?)]
         }
-        Op::Col2Im { window, .. } => vec![Some(g.add(Op::Im2Col(*window), &[gy])?)],
+        Op::Col2Im {
+            window, k_major, ..
+        } => vec![Some(g.add(
+            Op::Im2Col {
+                window: *window,
+                k_major: *k_major,
+            },
+            &[gy],
+        )?)],
         Op::Pool2d { window, max } => vec![Some(g.add(
             Op::Pool2dGrad {
                 window: *window,

@@ -380,21 +380,32 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             out[*axis] = total;
             Ok((Shape(out), ins[0].dtype))
         }
-        Op::Im2Col(w) => {
+        Op::Im2Col { window: w, k_major } => {
             float(0)?;
             let (n, c, o) = windowed(name, &ins[0].shape, w)?;
             let k = c * w.kernel[0] * w.kernel[1];
-            Ok((Shape(vec![n, o[0] * o[1], k]), DType::F32))
+            let (rows, cols) = if *k_major {
+                (k, o[0] * o[1])
+            } else {
+                (o[0] * o[1], k)
+            };
+            Ok((Shape(vec![n, rows, cols]), DType::F32))
         }
-        Op::Col2Im { window: w, size } => {
+        Op::Col2Im {
+            window: w,
+            size,
+            k_major,
+        } => {
             float(0)?;
             let s = &ins[0].shape;
             let kk = w.kernel[0] * w.kernel[1];
             let o = w.out_size(*size);
+            // The patch axis and the position axis of the patches.
+            let (kx, px) = if *k_major { (1, 2) } else { (2, 1) };
             let fits = s.rank() == 3
                 && kk > 0
-                && s.0[2] % kk == 0
-                && o.is_some_and(|o| o[0] * o[1] == s.0[1]);
+                && s.0[kx] % kk == 0
+                && o.is_some_and(|o| o[0] * o[1] == s.0[px]);
             if !fits {
                 return Err(Error::shape(
                     name,
@@ -405,7 +416,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                 ));
             }
             Ok((
-                Shape(vec![s.0[0], s.0[2] / kk, size[0], size[1]]),
+                Shape(vec![s.0[0], s.0[kx] / kk, size[0], size[1]]),
                 DType::F32,
             ))
         }

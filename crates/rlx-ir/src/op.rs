@@ -221,12 +221,19 @@ pub enum Op {
     /// `[N, Ho*Wo, C*kh*kw]` where row `oy*Wo + ox`, column `(c*kh + i)*kw + j` holds
     /// `x[n, c, oy*sh - ph + i, ox*sw - pw + j]` (0 outside the input);
     /// `Ho = (H + 2*ph - kh) / sh + 1` (floor), likewise `Wo`. `[a, b]` pairs are (height, width).
-    Im2Col(Window),
-    /// The adjoint of `Im2Col`: sums the patches `[N, Ho*Wo, C*kh*kw]` back into an image
+    /// With `k_major` the patches of each image are transposed, `[N, C*kh*kw, Ho*Wo]`: a row per
+    /// kernel tap, so a per-image GEMM `weight @ patches` writes NCHW directly and each row is a
+    /// shifted copy of input rows.
+    Im2Col {
+        window: Window,
+        k_major: bool,
+    },
+    /// The adjoint of `Im2Col` (the same `k_major` layout): sums the patches back into an image
     /// `[N, C, size[0], size[1]]` (positions in the padding are dropped).
     Col2Im {
         window: Window,
         size: [usize; 2],
+        k_major: bool,
     },
     /// 2-D pooling of x `[N, C, H, W]` over `window` (output size as `Im2Col`'s). Max: padding
     /// counts as -inf; avg: the sum over the window divided by `kh*kw` (padding counts as zeros,
@@ -397,7 +404,7 @@ impl Op {
             Op::Pad { .. } => "pad",
             Op::Concat { .. } => "concat",
             Op::Fused(_) => "fused",
-            Op::Im2Col(_) => "im2col",
+            Op::Im2Col { .. } => "im2col",
             Op::Col2Im { .. } => "col2im",
             Op::Pool2d { max: true, .. } => "max_pool2d",
             Op::Pool2d { max: false, .. } => "avg_pool2d",

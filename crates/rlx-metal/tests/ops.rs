@@ -481,14 +481,39 @@ fn matmuls_attention_and_convolution_windows() {
     };
     let img = Case::new().f("x", &[2, 3, 7, 6]);
     img.check("im2col/col2im/pool", &[], |g, x| {
-        let cols = op(g, Op::Im2Col(w), &[x[0]]);
+        let cols = op(
+            g,
+            Op::Im2Col {
+                window: w,
+                k_major: false,
+            },
+            &[x[0]],
+        );
         let back = op(
             g,
             Op::Col2Im {
                 window: w,
                 size: [7, 6],
+                k_major: false,
             },
             &[cols],
+        );
+        let cols_k = op(
+            g,
+            Op::Im2Col {
+                window: w,
+                k_major: true,
+            },
+            &[x[0]],
+        );
+        let back_k = op(
+            g,
+            Op::Col2Im {
+                window: w,
+                size: [7, 6],
+                k_major: true,
+            },
+            &[cols_k],
         );
         let mx = op(
             g,
@@ -522,6 +547,6 @@ fn matmuls_attention_and_convolution_windows() {
             },
             &[x[0], avg],
         );
-        vec![cols, back, mx, avg, gmx, gavg]
+        vec![cols, back, cols_k, back_k, mx, avg, gmx, gavg]
     });
 }

@@ -373,7 +373,8 @@ impl PyGraph {
         self.add(py, Op::Concat { axis }, &xs)
     }
 
-    /// A windowed op over an NCHW input: `"im2col"`, `"max_pool2d"` or `"avg_pool2d"`.
+    /// A windowed op over an NCHW input: `"im2col"` (patches `[N, Ho*Wo, C*kh*kw]`),
+    /// `"im2col_k"` (`[N, C*kh*kw, Ho*Wo]`), `"max_pool2d"` or `"avg_pool2d"`.
     fn window(
         &mut self,
         py: Python<'_>,
@@ -389,7 +390,10 @@ impl PyGraph {
             padding,
         };
         let op = match kind {
-            "im2col" => Op::Im2Col(window),
+            "im2col" | "im2col_k" => Op::Im2Col {
+                window,
+                k_major: kind == "im2col_k",
+            },
             "max_pool2d" => Op::Pool2d { window, max: true },
             "avg_pool2d" => Op::Pool2d { window, max: false },
             k => return Err(to_py(py, Error::unsupported(k, "unknown windowed op"))),

@@ -134,17 +134,21 @@ pub fn vision_ops_match_references(backend: &Arc<dyn Backend>) {
         let gi = g
             .input("g", Shape::new([N, C, oh, ow]), DType::F32)
             .unwrap();
-        let cols = g.add(Op::Im2Col(w), &[xi]).unwrap();
-        let back = g
-            .add(
-                Op::Col2Im {
-                    window: w,
-                    size: [H, W],
-                },
-                &[cols],
-            )
-            .unwrap();
-        let mut outs: Vec<NodeId> = vec![cols, back];
+        let mut outs: Vec<NodeId> = Vec::new();
+        for k_major in [false, true] {
+            let cols = g.add(Op::Im2Col { window: w, k_major }, &[xi]).unwrap();
+            let back = g
+                .add(
+                    Op::Col2Im {
+                        window: w,
+                        size: [H, W],
+                        k_major,
+                    },
+                    &[cols],
+                )
+                .unwrap();
+            outs.extend([cols, back]);
+        }
         for max in [true, false] {
             outs.push(g.add(Op::Pool2d { window: w, max }, &[xi]).unwrap());
             outs.push(g.add(Op::Pool2dGrad { window: w, max }, &[xi, gi]).unwrap());
@@ -166,10 +170,23 @@ pub fn vision_ops_match_references(backend: &Arc<dyn Backend>) {
         }
         let want_back: Vec<f64> = x.iter().zip(&count).map(|(&v, &k)| v as f64 * k).collect();
         close(&got[1], &want_back, &format!("col2im {what}"));
+        // Tap-major: each image's patch matrix transposed; the same image back.
+        let (p, k) = (
+            want_cols.len() / N / (C * w.kernel[0] * w.kernel[1]),
+            C * w.kernel[0] * w.kernel[1],
+        );
+        let want_cols_k: Vec<f64> = (0..want_cols.len())
+            .map(|i| {
+                let (n, kk, col) = (i / (k * p), i / p % k, i % p);
+                want_cols[(n * p + col) * k + kk]
+            })
+            .collect();
+        close(&got[2], &want_cols_k, &format!("im2col k-major {what}"));
+        close(&got[3], &want_back, &format!("col2im k-major {what}"));
         for (k, max) in [true, false].into_iter().enumerate() {
             let (y, gx) = pool_ref(&x, &w, max, &gvals);
-            close(&got[2 + 2 * k], &y, &format!("pool max={max} {what}"));
-            close(&got[3 + 2 * k], &gx, &format!("pool grad max={max} {what}"));
+            close(&got[4 + 2 * k], &y, &format!("pool max={max} {what}"));
+            close(&got[5 + 2 * k], &gx, &format!("pool grad max={max} {what}"));
         }
     }
 

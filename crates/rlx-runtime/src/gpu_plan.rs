@@ -1049,25 +1049,30 @@ impl Builder {
                 ins,
                 out,
             ),
-            Op::Im2Col(w) => {
+            // The window kernels' `max` slot carries the patch layout for these two.
+            Op::Im2Col { window, k_major } => {
                 let d = sh(0);
                 let ops = vec![(0, at(&ins[0])), (1, at(out))];
                 self.window(
                     "rlx_im2col",
-                    w,
+                    window,
                     [d[2], d[3]],
-                    (false, d[1]),
+                    (*k_major, d[1]),
                     out.numel(),
                     ops,
                 )
             }
-            Op::Col2Im { window, size } => {
+            Op::Col2Im {
+                window,
+                size,
+                k_major,
+            } => {
                 let ops = vec![(0, at(&ins[0])), (1, at(out))];
                 self.window(
                     "rlx_col2im",
                     window,
                     *size,
-                    (false, od[1]),
+                    (*k_major, od[1]),
                     out.numel(),
                     ops,
                 )

@@ -133,6 +133,101 @@ pub fn col2im(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
     );
 }
 
+/// The output positions `[lo, hi)` (of `o` in all) whose kernel tap `j` lands inside
+/// `0..size`: input index `o * stride + j - pad`.
+#[inline(always)]
+fn tap_span(j: usize, o: usize, stride: usize, pad: usize, size: usize) -> (usize, usize) {
+    let lo = pad.saturating_sub(j).div_ceil(stride).min(o);
+    let hi = (size + pad)
+        .saturating_sub(j)
+        .div_ceil(stride)
+        .min(o)
+        .max(lo);
+    (lo, hi)
+}
+
+/// x `[N, C, H, W]` into tap-major patches `[N, C*kh*kw, Ho*Wo]`: row `(c*kh + i)*kw + j`
+/// holds tap (i, j) of channel c at every output position, zeros where it reaches into the
+/// padding. Each output row is a run of (shifted, for stride 1 contiguous) input row pieces.
+pub fn im2col_k(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
+    let (c, h, wd) = (xd[1], xd[2], xd[3]);
+    let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
+    let [kh, kw] = w.kernel;
+    let ([sh, sw], [ph, pw]) = (w.stride, w.padding);
+    let k = c * kh * kw;
+    planes(
+        out,
+        oh * ow,
+        #[inline(always)]
+        |row, o| {
+            let (n, kk) = (row / k, row % k);
+            let (ch, i, j) = (kk / (kh * kw), kk / kw % kh, kk % kw);
+            let plane = &x[(n * c + ch) * h * wd..(n * c + ch + 1) * h * wd];
+            let (lo, hi) = tap_span(j, ow, sw, pw, wd);
+            for (oy, dst) in o.chunks_exact_mut(ow).enumerate() {
+                let iy = (oy * sh + i).wrapping_sub(ph);
+                if iy >= h {
+                    dst.fill(0.0);
+                    continue;
+                }
+                dst[..lo].fill(0.0);
+                dst[hi..].fill(0.0);
+                let x0 = iy * wd + (lo * sw + j) - pw;
+                if sw == 1 {
+                    dst[lo..hi].copy_from_slice(&plane[x0..x0 + hi - lo]);
+                } else {
+                    for (d, s) in dst[lo..hi].iter_mut().zip(plane[x0..].iter().step_by(sw)) {
+                        *d = *s;
+                    }
+                }
+            }
+        },
+    );
+}
+
+/// Tap-major patches `[N, C*kh*kw, Ho*Wo]` summed back into an image `[N, C, H, W]` (dims
+/// `od`): the adjoint of [`im2col_k`], one (image, channel) plane per task.
+pub fn col2im_k(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
+    let (h, wd) = (od[2], od[3]);
+    let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
+    let [kh, kw] = w.kernel;
+    let ([sh, sw], [ph, pw]) = (w.stride, w.padding);
+    let p = oh * ow;
+    planes(
+        out,
+        h * wd,
+        #[inline(always)]
+        |nc, img| {
+            img.fill(0.0);
+            // The taps of this channel: rows nc*kh*kw .. (nc+1)*kh*kw of the patches.
+            let taps = &cols[nc * kh * kw * p..(nc + 1) * kh * kw * p];
+            for i in 0..kh {
+                for j in 0..kw {
+                    let row = &taps[(i * kw + j) * p..(i * kw + j + 1) * p];
+                    let (lo, hi) = tap_span(j, ow, sw, pw, wd);
+                    for (oy, src) in row.chunks_exact(ow).enumerate() {
+                        let iy = (oy * sh + i).wrapping_sub(ph);
+                        if iy >= h || lo == hi {
+                            continue;
+                        }
+                        let x0 = iy * wd + (lo * sw + j) - pw;
+                        if sw == 1 {
+                            img[x0..x0 + hi - lo]
+                                .iter_mut()
+                                .zip(&src[lo..hi])
+                                .for_each(|(t, v)| *t += v);
+                        } else {
+                            for (t, v) in img[x0..].iter_mut().step_by(sw).zip(&src[lo..hi]) {
+                                *t += v;
+                            }
+                        }
+                    }
+                }
+            }
+        },
+    );
+}
+
 /// The kernel offsets `[lo, hi)` of output position `o` that land inside `0..size`, and the
 /// input index of offset `lo`.
 #[inline(always)]
@@ -474,6 +569,22 @@ mod tests {
                 (lhs - rhs).abs() < 1e-3 * lhs.abs().max(1.0),
                 "k{k} s{s} p{p}"
             );
+            // Tap-major: each image's patch matrix transposed, and its adjoint gives the same
+            // image back from the transposed `r`.
+            let (kk, pp) = (c * k * k, oh * ow);
+            let t = |m: &[f32]| -> Vec<f32> {
+                (0..m.len())
+                    .map(|i| m[(i / (kk * pp) * pp + i % pp) * kk + i / pp % kk])
+                    .collect()
+            };
+            let mut cols_k = vec![f32::NAN; cols.len()];
+            im2col_k(&x, &[n, c, h, wd], &w, &mut cols_k);
+            assert_eq!(cols_k, t(&cols), "k-major k{k} s{s} p{p}");
+            let mut back_k = vec![f32::NAN; x.len()];
+            col2im_k(&t(&r), &w, &[n, c, h, wd], &mut back_k);
+            for (a, b) in back_k.iter().zip(&back) {
+                assert!((a - b).abs() < 1e-5, "k-major col2im k{k} s{s} p{p}");
+            }
         }
     }
 

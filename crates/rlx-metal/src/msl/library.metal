@@ -349,14 +349,18 @@ kernel void rlx_normalize_grad(constant P& p [[buffer(0)]], uint r [[thread_posi
 #define WINDOW                                                                           \
     long H = p.iv[0], W = p.iv[1], Ho = p.iv[2], Wo = p.iv[3], KH = p.iv[4], KW = p.iv[5]; \
     long SH = p.st[0][0], SW = p.st[0][1], PH = p.st[0][2], PW = p.st[0][3];
-// Patches [N, Ho*Wo, C*kh*kw] (iv[7] = C): row oy*Wo + ox, column (c*kh + i)*kw + j.
+// Patches [N, Ho*Wo, C*kh*kw] (iv[7] = C): row oy*Wo + ox, column (c*kh + i)*kw + j; with
+// iv[6] (k-major) [N, C*kh*kw, Ho*Wo].
 kernel void rlx_im2col(constant P& p [[buffer(0)]], uint i [[thread_position_in_grid]]) {
     if ((long)i >= p.n) return;
     WINDOW
     long C = p.iv[7];
     long K = C * KH * KW;
     long PP = Ho * Wo;
-    long kk = i % K, t = i / K, col = t % PP, n = t / PP;
+    bool KM = p.iv[6] != 0;
+    long kk = KM ? ((long)i / PP) % K : (long)i % K;
+    long col = KM ? (long)i % PP : ((long)i / K) % PP;
+    long n = (long)i / (K * PP);
     long kj = kk % KW, r = kk / KW, ki = r % KH, c = r / KH;
     long y = (col / Wo) * SH + ki - PH, x = (col % Wo) * SW + kj - PW;
     F(1)[i] = (y >= 0 && y < H && x >= 0 && x < W) ? F(0)[((n * C + c) * H + y) * W + x] : 0.0f;
@@ -367,6 +371,7 @@ kernel void rlx_col2im(constant P& p [[buffer(0)]], uint i [[thread_position_in_
     long C = p.iv[7];
     long K = C * KH * KW;
     long PP = Ho * Wo;
+    bool KM = p.iv[6] != 0;
     long x = i % W, t = i / W, y = t % H, nc = t / H, n = nc / C, c = nc % C;
     float acc = 0.0f;
     for (long ki = 0; ki < KH; ++ki) {
@@ -375,7 +380,8 @@ kernel void rlx_col2im(constant P& p [[buffer(0)]], uint i [[thread_position_in_
         for (long kj = 0; kj < KW; ++kj) {
             long b = x + PW - kj;
             if (b < 0 || b % SW != 0 || b / SW >= Wo) continue;
-            acc += F(0)[(n * PP + (a / SH) * Wo + b / SW) * K + (c * KH + ki) * KW + kj];
+            long col = (a / SH) * Wo + b / SW, kk = (c * KH + ki) * KW + kj;
+            acc += F(0)[KM ? (n * K + kk) * PP + col : (n * PP + col) * K + kk];
         }
     }
     F(1)[i] = acc;
