@@ -95,6 +95,42 @@ def test_tensors_larger_than_an_update_chunk_match_cpu(opt):
         np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=1e-5, err_msg=k)
 
 
+class _CNN(rlx.nn.Module):
+    """Both conv2d lowerings: tap-major patches and per-image GEMMs on the 16x16 input (256
+    positions), one tall GEMM over position-major patches on the pooled 8x8 one; batch norm,
+    max and average pooling."""
+
+    def __init__(self):
+        self.conv1 = rlx.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = rlx.nn.BatchNorm2d(8)
+        self.conv2 = rlx.nn.Conv2d(8, 12, 3, stride=2, padding=1)
+        self.fc = rlx.nn.Linear(12 * 2 * 2, 10)
+
+    def __call__(self, x):
+        h = rlx.max_pool2d(rlx.relu(self.bn(self.conv1(x))), 2)
+        h = rlx.avg_pool2d(rlx.relu(self.conv2(h)), 2)
+        return self.fc(h.reshape(h.shape[0], -1))
+
+
+@needs_cuda
+def test_cnn_training_matches_cpu():
+    cpu_m, gpu_m = _pair(_CNN)
+    rng = np.random.default_rng(0)
+    specs = {"x": rlx.InputSpec((16, 3, 16, 16)), "y": rlx.InputSpec((16,), "int32")}
+    # SGD, not Adam: conv1's bias feeds a batch norm, so its gradient is rounding noise (~1e-9)
+    # that Adam's normalisation would turn into full-size, device-dependent steps.
+    s_cpu = rlx.compile_train_step(ce_loss, cpu_m, rlx.optim.SGD(lr=0.05, momentum=0.9), specs, device="cpu")
+    s_gpu = rlx.compile_train_step(ce_loss, gpu_m, rlx.optim.SGD(lr=0.05, momentum=0.9), specs, device="cuda")
+    for i in range(4):
+        xb = rng.standard_normal((16, 3, 16, 16)).astype(np.float32)
+        yb = rng.integers(0, 10, 16).astype(np.int32)
+        np.testing.assert_allclose(s_gpu(x=xb, y=yb), s_cpu(x=xb, y=yb), rtol=1e-4, atol=1e-5, err_msg=f"step {i}")
+    for k, g in s_cpu.grads.items():
+        np.testing.assert_allclose(s_gpu.grads[k], g, rtol=1e-3, atol=1e-4, err_msg=k)
+    for k, p in cpu_m.parameters().items():
+        np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=1e-4, err_msg=k)
+
+
 @needs_cuda
 def test_clipping_accumulation_and_skipped_steps_match_cpu():
     cpu_m, gpu_m = _pair(lambda: MLP(32, 16, 10))
