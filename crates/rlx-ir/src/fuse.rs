@@ -258,6 +258,22 @@ fn build(
             }
             let node = self.graph.node(id);
             let root_shape = &self.graph.node(self.root).shape;
+            // A float32 broadcast is read as its smaller source, broadcast by the expression
+            // itself (so it is never materialised when every reader does this).
+            if let (Op::BroadcastTo { .. }, false) = (&node.op, top) {
+                let src = node.inputs[0];
+                let from = &self.graph.node(src).shape;
+                if node.dtype == DType::F32
+                    && from.rank() <= node.shape.rank().min(root_shape.rank())
+                    && reads_alike(from, &node.shape, root_shape)
+                {
+                    if let Some(r) = self.find(src) {
+                        return r;
+                    }
+                    self.inputs.push(src);
+                    return Reg::Input(self.inputs.len() - 1);
+                }
+            }
             let args_fit = node
                 .inputs
                 .iter()
@@ -369,6 +385,7 @@ fn emit(
         let new = match exprs.get(&id) {
             Some(e)
                 if e.fused.steps.len() > 1
+                    || e.inputs.iter().any(|i| !node.inputs.contains(i))
                     || e.epilogue_of.is_some()
                     || e.norm_grad_of.is_some()
                     || e.sum_to.is_some()
@@ -555,6 +572,64 @@ mod tests {
             .unwrap();
         g.set_outputs(vec![s]).unwrap();
         (g, s)
+    }
+
+    /// A per-channel value broadcast to NCHW (as the VJP of a mean makes it) is read by the
+    /// expressions as the small tensor: the broadcast is never materialised. One of rank
+    /// above the expression's stays a broadcast.
+    #[test]
+    fn broadcasts_are_read_as_their_source() {
+        let mut g = Graph::new();
+        let x = g.input("x", Shape::new([2, 3, 4, 4]), DType::F32).unwrap();
+        let c = g.input("c", Shape::new([1, 3, 1, 1]), DType::F32).unwrap();
+        let s = g
+            .input("s", Shape::new([1, 1, 1, 1, 1]), DType::F32)
+            .unwrap();
+        let wide = |g: &mut Graph, v, dims: &[usize]| {
+            g.add(
+                Op::BroadcastTo {
+                    shape: Shape::new(dims.to_vec()),
+                },
+                &[v],
+            )
+            .unwrap()
+        };
+        let cb = wide(&mut g, c, &[2, 3, 4, 4]);
+        let y = g.add(Op::Binary(BinaryOp::Mul), &[x, cb]).unwrap();
+        let z = g.add(Op::Binary(BinaryOp::Sub), &[y, cb]).unwrap();
+        // (1,1,1,1,1) -> (1,2,3,4,4) read by a rank-4 expression through a reshape.
+        let sb = wide(&mut g, s, &[1, 2, 3, 4, 4]);
+        let sr = g
+            .add(
+                Op::Reshape {
+                    shape: Shape::new([2, 3, 4, 4]),
+                },
+                &[sb],
+            )
+            .unwrap();
+        let out = g.add(Op::Binary(BinaryOp::Add), &[z, sr]).unwrap();
+        g.set_outputs(vec![out]).unwrap();
+        let f = fuse(&g);
+        f.verify().unwrap();
+        let live = f.live_mask();
+        let broadcasts: Vec<&Shape> = f
+            .nodes()
+            .iter()
+            .enumerate()
+            .filter(|(i, n)| live[*i] && matches!(n.op, Op::BroadcastTo { .. }))
+            .map(|(_, n)| &n.shape)
+            .collect();
+        assert_eq!(broadcasts, [&Shape::new([1, 2, 3, 4, 4])]);
+        let fused = f
+            .nodes()
+            .iter()
+            .find_map(|n| match &n.op {
+                Op::Fused(e) => Some((e.steps.len(), n.inputs.clone())),
+                _ => None,
+            })
+            .expect("one fused node");
+        assert_eq!(fused.0, 3);
+        assert!(fused.1.contains(&c), "reads c itself: {:?}", fused.1);
     }
 
     #[test]
