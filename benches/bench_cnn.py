@@ -1,7 +1,7 @@
 """Side-by-side CPU benchmark of a CNN training step, rlx vs PyTorch eager, each framework in a
 process of its own.
 
-    python benches/bench_cnn.py [--threads 2] [--steps 30] [--rounds 3]
+    python benches/bench_cnn.py [--threads 2] [--steps 30] [--rounds 3] [--device cuda]
 
 Workloads (float32, Adam(1e-3), mean softmax cross-entropy, step = forward + backward + update +
 the loss read back as a Python float):
@@ -13,7 +13,8 @@ Both frameworks get the same weights and batches. Each (framework, workload, rou
 fresh process (one framework's idle worker threads never spin beside the other's), the frameworks
 alternate by round (rlx, torch / torch, rlx), and a cell is the median step time over all timed
 steps of all rounds. PyTorch runs with torch.set_num_threads(threads); rlx uses its worker pool
-(RAYON_NUM_THREADS, default: the cores).
+(RAYON_NUM_THREADS, default: the cores). With ``--device cuda`` both run on the first GPU
+(PyTorch eager with its inputs on the GPU; the loss read back each step synchronises both).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def torch_models(torch):
     return {"digits": TDigits, "cifar": TCifar}
 
 
-def child(fw: str, name: str, steps: int, threads: int) -> list[float]:
+def child(fw: str, name: str, steps: int, threads: int, device: str = "cpu") -> list[float]:
     """Step times (seconds) of `steps` timed steps of framework `fw` on workload `name`."""
     shapes = {"digits": (1, 8, 8), "cifar": (3, 32, 32)}
     ours = {"digits": DigitsCNN, "cifar": CifarCNN}
@@ -88,7 +89,8 @@ def child(fw: str, name: str, steps: int, threads: int) -> list[float]:
     model = ours[name]()
     if fw == "rlx":
         spec = {"x": rlx.InputSpec((batch, *shapes[name])), "y": rlx.InputSpec((batch,), "int32")}
-        step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model, rlx.optim.Adam(lr=1e-3), spec)
+        step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model, rlx.optim.Adam(lr=1e-3), spec,
+                                      device=device)
 
         def run(i):
             return step(x=xs[i], y=ys[i])
@@ -98,8 +100,9 @@ def child(fw: str, name: str, steps: int, threads: int) -> list[float]:
         torch.set_num_threads(threads)
         tm = torch_models(torch)[name]()
         tm.load_state_dict({k: torch.tensor(np.array(v)) for k, v in model.state_dict().items()})
+        tm = tm.to(device)
         topt = torch.optim.Adam(tm.parameters(), lr=1e-3)
-        txs, tys = torch.tensor(xs), torch.tensor(ys, dtype=torch.long)
+        txs, tys = torch.tensor(xs, device=device), torch.tensor(ys, dtype=torch.long, device=device)
 
         def run(i):
             topt.zero_grad()
@@ -131,14 +134,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default="digits,cifar")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--child", nargs=2, metavar=("FRAMEWORK", "WORKLOAD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], args.steps, args.threads)))
+        print(json.dumps(child(args.child[0], args.child[1], args.steps, args.threads, args.device)))
         return
     import torch
 
-    print(f"rlx {rlx.__version__}, torch {torch.__version__}, {args.threads} threads, batch 64, "
+    print(f"rlx {rlx.__version__}, torch {torch.__version__}, device {args.device}, {args.threads} threads, batch 64, "
           f"each framework in its own process, 1-min load average {load()}")
     print("| workload | rlx ms/step | PyTorch ms/step | rlx / PyTorch | load after |")
     print("|---|---|---|---|---|")
@@ -148,7 +152,7 @@ def main() -> None:
             order = ["rlx", "torch"] if r % 2 == 0 else ["torch", "rlx"]
             for fw in order:
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", fw, name,
-                       "--steps", str(args.steps), "--threads", str(args.threads)]
+                       "--steps", str(args.steps), "--threads", str(args.threads), "--device", args.device]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:
                     sys.exit(f"{fw} {name} failed:\n{done.stderr}")
