@@ -59,7 +59,11 @@ CONV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("xs,ws,stride,padding", CONV_CASES, ids=str)
+# Large images one pixel wide: most kernel taps miss every column.
+NARROW_CASES = [((1, 2, 256, 1), (2, 5, 5), 1, 2), ((1, 1, 512, 1), (2, 5, 5), 2, 2)]
+
+
+@pytest.mark.parametrize("xs,ws,stride,padding", CONV_CASES + NARROW_CASES, ids=str)
 def test_conv2d_forward_and_gradients(xs, ws, stride, padding):
     rng = np.random.default_rng(sum(xs) + sum(ws))
     x = rng.standard_normal(xs).astype(np.float32)

@@ -365,13 +365,22 @@ fn vision_ops() {
         stride: [s, s],
         padding: [p, p],
     };
-    for (k, s, p) in [(3, 1, 1), (3, 2, 1), (2, 2, 0), (1, 1, 0), (5, 1, 2)] {
+    // The last two on a 4 x 1 image: kernel taps that miss every column.
+    for (k, s, p, [h, wd]) in [
+        (3, 1, 1, [5, 6]),
+        (3, 2, 1, [5, 6]),
+        (2, 2, 0, [5, 6]),
+        (1, 1, 0, [5, 6]),
+        (5, 1, 2, [5, 6]),
+        (5, 1, 2, [4, 1]),
+        (5, 2, 2, [4, 1]),
+    ] {
         let window = w(k, s, p);
-        let [oh, ow] = window.out_size([5, 6]).unwrap();
+        let [oh, ow] = window.out_size([h, wd]).unwrap();
         for k_major in [false, true] {
             check(
-                &format!("im2col k{k} s{s} p{p} k_major={k_major}"),
-                &[rand(&[2, 3, 5, 6], 40)],
+                &format!("im2col k{k} s{s} p{p} {h}x{wd} k_major={k_major}"),
+                &[rand(&[2, 3, h, wd], 40)],
                 op1(Op::Im2Col { window, k_major }),
             );
             let patches = if k_major {
@@ -380,11 +389,11 @@ fn vision_ops() {
                 [2, oh * ow, 3 * k * k]
             };
             check(
-                &format!("col2im k{k} s{s} p{p} k_major={k_major}"),
+                &format!("col2im k{k} s{s} p{p} {h}x{wd} k_major={k_major}"),
                 &[rand(&patches, 41)],
                 op1(Op::Col2Im {
                     window,
-                    size: [5, 6],
+                    size: [h, wd],
                     k_major,
                 }),
             );

@@ -575,8 +575,9 @@ mod tests {
     }
 
     /// A per-channel value broadcast to NCHW (as the VJP of a mean makes it) is read by the
-    /// expressions as the small tensor: the broadcast is never materialised. One of rank
-    /// above the expression's stays a broadcast.
+    /// expressions as the small tensor: the broadcast is never materialised. One whose source
+    /// has more dims than the expression (read by a rank-5 product reshaped into it) stays a
+    /// broadcast.
     #[test]
     fn broadcasts_are_read_as_their_source() {
         let mut g = Graph::new();
@@ -597,17 +598,21 @@ mod tests {
         let cb = wide(&mut g, c, &[2, 3, 4, 4]);
         let y = g.add(Op::Binary(BinaryOp::Mul), &[x, cb]).unwrap();
         let z = g.add(Op::Binary(BinaryOp::Sub), &[y, cb]).unwrap();
-        // (1,1,1,1,1) -> (1,2,3,4,4) read by a rank-4 expression through a reshape.
-        let sb = wide(&mut g, s, &[1, 2, 3, 4, 4]);
-        let sr = g
-            .add(
+        // x * (1,1,1,1,1) broadcast to rank 5, reshaped into the rank-4 expression.
+        let reshape = |g: &mut Graph, v, dims: &[usize]| {
+            g.add(
                 Op::Reshape {
-                    shape: Shape::new([2, 3, 4, 4]),
+                    shape: Shape::new(dims.to_vec()),
                 },
-                &[sb],
+                &[v],
             )
-            .unwrap();
-        let out = g.add(Op::Binary(BinaryOp::Add), &[z, sr]).unwrap();
+            .unwrap()
+        };
+        let x5 = reshape(&mut g, x, &[1, 2, 3, 4, 4]);
+        let sb = wide(&mut g, s, &[1, 2, 3, 4, 4]);
+        let e5 = g.add(Op::Binary(BinaryOp::Mul), &[x5, sb]).unwrap();
+        let er = reshape(&mut g, e5, &[2, 3, 4, 4]);
+        let out = g.add(Op::Binary(BinaryOp::Add), &[z, er]).unwrap();
         g.set_outputs(vec![out]).unwrap();
         let f = fuse(&g);
         f.verify().unwrap();
@@ -628,7 +633,7 @@ mod tests {
                 _ => None,
             })
             .expect("one fused node");
-        assert_eq!(fused.0, 3);
+        assert_eq!(fused.0, 4);
         assert!(fused.1.contains(&c), "reads c itself: {:?}", fused.1);
     }
 

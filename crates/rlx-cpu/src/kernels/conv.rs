@@ -166,7 +166,9 @@ pub fn im2col_k(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
             let (lo, hi) = tap_span(j, ow, sw, pw, wd);
             for (oy, dst) in o.chunks_exact_mut(ow).enumerate() {
                 let iy = (oy * sh + i).wrapping_sub(ph);
-                if iy >= h {
+                // A row in the padding, or a tap that misses every column (a kernel wider
+                // than the padded image's reach): zeros.
+                if iy >= h || lo == hi {
                     dst.fill(0.0);
                     continue;
                 }
@@ -528,16 +530,26 @@ mod tests {
     /// im2col against the definition, for stride 1 (the contiguous path) and 2.
     #[test]
     fn im2col_matches_the_definition_and_col2im_is_its_adjoint() {
-        for (k, s, p) in [
+        for (case, (k, s, p)) in [
             (3, 1, 1),
             (3, 2, 1),
             (2, 2, 0),
             (5, 1, 2),
             (1, 1, 0),
             (3, 1, 3),
-        ] {
+            (5, 1, 2),
+            (5, 2, 2),
+        ]
+        .into_iter()
+        .enumerate()
+        {
             let w = win(k, s, p);
-            let (n, c, h, wd) = (2, 3, 5, 6);
+            // The last two on a 4 x 1 image: taps that miss every column.
+            let (n, c, h, wd) = if case >= 6 {
+                (2, 3, 4, 1)
+            } else {
+                (2, 3, 5, 6)
+            };
             let x: Vec<f32> = (0..n * c * h * wd)
                 .map(|i| (i as f32 * 0.37).sin())
                 .collect();

@@ -38,7 +38,8 @@ thread_local! {
 /// `out = f(a @ b, xs..)` (see `rlx_ir::Op::MatMulEpilogue`). A small product (one thread) that
 /// is one tall GEMM (`a` not transposed, `b` shared by every batch) whose other operands are
 /// full-size, scalars or rows of its width runs block by block: each block of rows is
-/// multiplied into a scratch and the epilogue writes `out` from it while it is in cache. Other
+/// multiplied into a scratch and the epilogue writes `out` from it while it is in cache. A batch
+/// of small products (see [`per_product`]) runs product by product the same way. Other
 /// products are computed whole into a per-thread scratch (never the arena), then the epilogue
 /// runs over it in parallel tiles.
 #[allow(clippy::too_many_arguments)]
@@ -158,8 +159,11 @@ pub fn matmul_epilogue(
 /// per batch or shared), e.g. conv2d's per-image GEMMs: each product is computed into a
 /// per-thread scratch and its block of `out` written from it while it is in cache, the
 /// products shared between the threads whole, so the product is never stored whole. Returns
-/// false (doing nothing) when the shapes do not fit: some input of the epilogue differs
-/// between products other than as a full-size tensor.
+/// false (doing nothing) when this does not apply: fewer than two products, a tall product
+/// (one GEMM does it better), products of `PAR_FLOPS_BATCHED` multiply-adds or more (each is
+/// split over the threads instead), batch dims that broadcast other than one operand against
+/// a shared one, or an input of the epilogue that differs between products other than as a
+/// full-size tensor.
 #[allow(clippy::too_many_arguments)]
 fn per_product(
     f: &Fused,
