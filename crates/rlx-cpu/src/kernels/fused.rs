@@ -80,7 +80,7 @@ pub fn matmul_epilogue(
         && xs
             .iter()
             .all(|(x, d)| x.len() == 1 || x.len() == out.len() || row_like(d));
-    if !blocked && per_product(f, ad, bd, ta, tb, b, a, xs, out) {
+    if !blocked && per_product(f, a, ad, ta, b, bd, tb, xs, out) {
         return;
     }
     if !blocked {
@@ -167,12 +167,12 @@ pub fn matmul_epilogue(
 #[allow(clippy::too_many_arguments)]
 fn per_product(
     f: &Fused,
-    ad: &[usize],
-    bd: &[usize],
-    ta: bool,
-    tb: bool,
-    b: &[f32],
     a: &[f32],
+    ad: &[usize],
+    ta: bool,
+    b: &[f32],
+    bd: &[usize],
+    tb: bool,
     xs: &[(&[f32], &[usize])],
     out: &mut [f32],
 ) -> bool {
