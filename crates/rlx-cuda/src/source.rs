@@ -293,7 +293,8 @@ extern "C" __global__ void rlx_att_copy(const P p) {
 }
 /* In place: p = softmax(scale * s) over the keys a causal mask leaves (key j of query i when
    j <= i + iv[3], iv[2] set), 0 for the others; a row with no key is NaN, as the fused kernels give.
-   With iv[4] (rx_low) the probabilities are also written in that low precision to ptr1. */
+   With iv[4] (rx_low) the probabilities are also written in that low precision to ptr1, and
+   with iv[5] only there (a forward pass reads nothing else). */
 extern "C" __global__ void rlx_att_softmax(const P p) {
   long long L = p.iv[0], S = p.iv[1];
   float sc = p.fv[0];
@@ -313,7 +314,7 @@ extern "C" __global__ void rlx_att_softmax(const P p) {
     unsigned short* xl = (unsigned short*)p.ptr[1] + r * S;
     for (long long j = lane; j < S; j += 32) {
       float y = vis == 0 ? RX_NAN : (j < vis ? expf(x[j] * sc - m) * inv : 0.0f);
-      x[j] = y;
+      if (!p.iv[5]) x[j] = y;
       if (p.iv[4]) xl[j] = rx_low(p.iv[4], y);
     }
   }

@@ -1430,7 +1430,10 @@ impl Builder {
         if low {
             ops.push((1, probs_lo));
         }
-        self.launch(Kernel::Library("rlx_att_softmax"), rows, THREADS, p, ops);
+        // A forward pass with low-precision products reads only the low-precision copy.
+        let mut ps = p;
+        ps.iv[5] = (low && g.is_none()) as i64;
+        self.launch(Kernel::Library("rlx_att_softmax"), rows, THREADS, ps, ops);
         // A product into output tensor `x` (`rows` x `cols` per head): straight there when it
         // is head-major, else through the product buffer.
         let into = |b: &mut Self,
@@ -2531,7 +2534,8 @@ mod tests {
                         assert_eq!(p.iv[4], code, "{k}");
                         match *k {
                             "rlx_att_copy" => copies += 1,
-                            "rlx_att_softmax" => assert_eq!(operands.len(), 2),
+                            // The gradient reads the float32 probabilities too.
+                            "rlx_att_softmax" => assert_eq!((operands.len(), p.iv[5]), (2, 0)),
                             "rlx_att_dscore" => assert_eq!(operands.len(), 3),
                             other => panic!("{other}"),
                         }
@@ -2547,6 +2551,33 @@ mod tests {
             let min = 2 * scores + 2 * half(2 * 70 * 33) + 2 * half(2 * 70 * 40);
             assert!(pl.product_bytes >= min + 2 * half(2 * 33 * 40));
         }
+        // A forward pass writes only the low-precision probabilities.
+        let fwd = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Attention {
+                    scale: 0.25,
+                    causal: Some(1),
+                    heads: None,
+                    lowp: Some(DType::BF16),
+                },
+                ins: vec![
+                    t(0, &[2, 70, 40]),
+                    t(q, &[2, 33, 40]),
+                    t(q + kv, &[2, 33, 40]),
+                ],
+                out: t(q + 2 * kv, &[2, 70, 40]),
+            }],
+        };
+        let pl = plan(&fwd, &[2 * q + 2 * kv], gemm).unwrap();
+        let soft = pl.steps.iter().find_map(|s| match s {
+            Step::Launch {
+                kernel: Kernel::Library("rlx_att_softmax"),
+                p,
+                ..
+            } => Some(p.iv[5]),
+            _ => None,
+        });
+        assert_eq!(soft, Some(1));
         let metal_like = Target {
             low_precision: false,
             ..gemm
