@@ -29,18 +29,30 @@ struct P {
   float fv[8];
   int mode[MAXOP];
 };
-/* mode 0: a scalar (every index reads element 0); 1: contiguous (element i); 2: strided. */
+/* mode 0: a scalar (every index reads element 0); 1: contiguous (element i); 2: strided.
+   The index is split into coordinates with 32-bit divisions when the launch has fewer than 2^31
+   iterations (64-bit division is a long software routine on the GPU); the outermost
+   coordinate is what is left, with no division. */
 __device__ __forceinline__ long long off(const P& p, int k, long long i) {
   int m = p.mode[k];
   if (m == 0) return 0;
   if (m == 1) return i;
   long long o = 0;
-  for (int d = (int)p.rank - 1; d >= 0; --d) {
+  if (p.n <= 0x7fffffffLL) {
+    unsigned int u = (unsigned int)i;
+    for (int d = (int)p.rank - 1; d > 0; --d) {
+      unsigned int dim = (unsigned int)p.dims[d], q = u / dim;
+      o += (long long)(u - q * dim) * p.st[k][d];
+      u = q;
+    }
+    return o + (long long)u * p.st[k][0];
+  }
+  for (int d = (int)p.rank - 1; d > 0; --d) {
     long long q = i / p.dims[d];
     o += (i - q * p.dims[d]) * p.st[k][d];
     i = q;
   }
-  return o;
+  return o + i * p.st[k][0];
 }
 #define F(k) ((float*)p.ptr[k])
 #define I(k) ((int*)p.ptr[k])
@@ -320,7 +332,7 @@ extern "C" __global__ void rlx_att_softmax(const P p) {
   }
 }
 /* In place over dp (ptr1): ds = scale * p * (dp - sum_j p_j dp_j), p the probabilities (ptr0);
-   with iv[4] (rx_low) also written in that low precision to ptr2. */
+   with iv[4] (rx_low) also written in that low precision to ptr2, and with iv[5] only there. */
 extern "C" __global__ void rlx_att_dscore(const P p) {
   long long S = p.iv[1];
   float sc = p.fv[0];
@@ -335,7 +347,7 @@ extern "C" __global__ void rlx_att_dscore(const P p) {
     unsigned short* dl = (unsigned short*)p.ptr[2] + r * S;
     for (long long j = lane; j < S; j += 32) {
       float y = sc * pr[j] * (d[j] - t);
-      d[j] = y;
+      if (!p.iv[5]) d[j] = y;
       if (p.iv[4]) dl[j] = rx_low(p.iv[4], y);
     }
   }

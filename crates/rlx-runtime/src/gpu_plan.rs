@@ -1489,7 +1489,10 @@ impl Builder {
         if low {
             ops.push((2, ds_lo));
         }
-        self.launch(Kernel::Library("rlx_att_dscore"), rows, THREADS, p, ops);
+        // With low-precision products only the low-precision score gradients are read.
+        let mut pd = p;
+        pd.iv[5] = low as i64;
+        self.launch(Kernel::Library("rlx_att_dscore"), rows, THREADS, pd, ops);
         into(self, 4, l, e, &|b, dq| {
             b.matmul_at(
                 lo,
@@ -2536,7 +2539,7 @@ mod tests {
                             "rlx_att_copy" => copies += 1,
                             // The gradient reads the float32 probabilities too.
                             "rlx_att_softmax" => assert_eq!((operands.len(), p.iv[5]), (2, 0)),
-                            "rlx_att_dscore" => assert_eq!(operands.len(), 3),
+                            "rlx_att_dscore" => assert_eq!((operands.len(), p.iv[5]), (3, 1)),
                             other => panic!("{other}"),
                         }
                     }
