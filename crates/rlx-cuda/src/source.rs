@@ -284,9 +284,19 @@ __device__ __forceinline__ unsigned short rx_low(long long code, float x) {
 extern "C" __global__ void rlx_att_copy(const P p) {
   long long H = p.iv[0], R = p.iv[1], C = p.iv[2], v = p.iv[3] ? 4 : 1, n = p.n * (C / v);
   long long lo = p.iv[4];
+  /* 32-bit index arithmetic below 2^31 moves (64-bit division is slow on the GPU). */
+  bool small = n <= 0x7fffffffLL;
+  unsigned int cv = (unsigned int)(C / v), hr = (unsigned int)(H * R), ur = (unsigned int)R;
   GRID_LOOP(i, n) {
-    long long r = i / (C / v), c = (i - r * (C / v)) * v;
-    long long u = r / (H * R), rem = r - u * H * R, h = rem / R, w = rem - h * R;
+    long long c, u, h, w;
+    if (small) {
+      unsigned int ui = (unsigned int)i, r32 = ui / cv, u32 = r32 / hr, rem = r32 - u32 * hr;
+      unsigned int h32 = rem / ur;
+      c = (long long)(ui - r32 * cv) * v; u = u32; h = h32; w = rem - h32 * ur;
+    } else {
+      long long r = i / (C / v); c = (i - r * (C / v)) * v;
+      u = r / (H * R); long long rem = r - u * H * R; h = rem / R; w = rem - h * R;
+    }
     long long so = u * p.st[0][0] + h * p.st[0][1] + w * p.st[0][2] + c;
     long long d = u * p.st[1][0] + h * p.st[1][1] + w * p.st[1][2] + c;
     if (lo == 0) {
