@@ -100,10 +100,11 @@ pub trait Gpu: Send + Sync {
         library: &Arc<dyn GpuLibrary>,
     ) -> Result<Arc<dyn GpuMatmul>>;
     /// Encodes `work` in order on the compute queue, after the queue waited (on the device)
-    /// for `wait` if given, with `uses` made resident, commits, and returns the submission.
+    /// for every `(event, value)` of `waits`, with `uses` made resident, commits, and returns
+    /// the submission.
     fn compute(
         &self,
-        wait: Option<(&Arc<dyn GpuEvent>, u64)>,
+        waits: &[(Arc<dyn GpuEvent>, u64)],
         work: &[Work<'_>],
         uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>>;

@@ -2,9 +2,12 @@
 //! allocations, kernels are the MSL sources compiled by the system C++ compiler through
 //! `msl/compat.h` into a shared library loaded with `dlopen`, a dispatch calls the kernel once per
 //! thread index on the caller's thread, an engine matmul runs the GEMM kernel on a record rebuilt
-//! from its key alone (so the engine's decisions are checked by the numbers), and the blit queue is a worker thread that copies in
-//! issue order and then signals the event. Not a performance path: it runs the same kernels and
-//! the same queue/event ordering as the device does.
+//! from its key alone (so the engine's decisions are checked by the numbers), and the blit queue
+//! is a worker thread that copies in issue order and then signals the event. A compute
+//! submission's device-side waits block the compute "queue" (the caller's thread) until their
+//! event values are reached, before any of its work runs. Tests can hold the blit queue
+//! (`hold_blits`) and see the waits each submission encoded (`last_waits`). Not a performance
+//! path: it runs the same kernels and the same queue/event ordering as the device does.
 #![allow(unsafe_code)] // FFI module: raw allocations and dlopen'ed kernels
 use crate::gpu::{BlitCopy, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work};
 use crate::matmul::MatmulKey;
@@ -284,11 +287,41 @@ fn dispatch(library: &dyn GpuLibrary, kernel: &str, record: &[u8], threads: usiz
 
 type BlitJob = (BlitCopy, Arc<dyn GpuEvent>, u64, Arc<Done>);
 
+/// Whether the blit queue is held (tests: a copy that has not run yet, for as long as needed).
+#[derive(Default)]
+struct Gate {
+    held: Mutex<bool>,
+    changed: Condvar,
+}
+
+impl Gate {
+    fn set(&self, held: bool) {
+        *self.held.lock().unwrap_or_else(|p| p.into_inner()) = held;
+        self.changed.notify_all();
+    }
+    fn pass(&self) {
+        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        while *h {
+            h = self.changed.wait(h).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// One device-side wait of a compute submission: the value waited for, and whether the event
+/// had already reached it when the submission was made (false: the queue really waited).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordedWait {
+    pub value: u64,
+    pub reached_at_submit: bool,
+}
+
 /// The host GPU: a compute "queue" on the caller's thread and a blit queue on a worker thread.
 pub struct HostGpu {
     cxx: String,
     blits: Mutex<mpsc::Sender<BlitJob>>,
     worker: Mutex<Option<thread::JoinHandle<()>>>,
+    gate: Arc<Gate>,
+    last_waits: Mutex<Vec<RecordedWait>>,
 }
 
 static LIB_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -305,10 +338,13 @@ impl HostGpu {
             )
         })?;
         let (tx, rx) = mpsc::channel::<BlitJob>();
+        let gate = Arc::new(Gate::default());
+        let held = gate.clone();
         let worker = thread::Builder::new()
             .name("rlx-metal-host-blit".into())
             .spawn(move || {
                 for (copy, event, value, done) in rx {
+                    held.pass();
                     // SAFETY: the engine checked both ranges at issue and keeps both buffers
                     // alive (they are in `copy`) until this job is done; `copy` handles overlap.
                     unsafe {
@@ -330,12 +366,28 @@ impl HostGpu {
             cxx,
             blits: Mutex::new(tx),
             worker: Mutex::new(Some(worker)),
+            gate,
+            last_waits: Mutex::default(),
         })
+    }
+
+    /// Holds the blit queue (`true`: copies issued stay queued, not run) or lets it go on.
+    pub fn hold_blits(&self, hold: bool) {
+        self.gate.set(hold);
+    }
+
+    /// The device-side waits of the last compute submission, in the order it encoded them.
+    pub fn last_waits(&self) -> Vec<RecordedWait> {
+        self.last_waits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 
 impl Drop for HostGpu {
     fn drop(&mut self) {
+        self.gate.set(false);
         // Closing the channel ends the worker after the queued copies.
         let (tx, _) = mpsc::channel();
         *self.blits.lock().unwrap_or_else(|p| p.into_inner()) = tx;
@@ -408,13 +460,24 @@ impl Gpu for HostGpu {
     }
     fn compute(
         &self,
-        wait: Option<(&Arc<dyn GpuEvent>, u64)>,
+        waits: &[(Arc<dyn GpuEvent>, u64)],
         work: &[Work<'_>],
         _uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>> {
-        if let Some((event, value)) = wait {
+        let recorded = waits
+            .iter()
+            .map(|(event, value)| RecordedWait {
+                value: *value,
+                reached_at_submit: event.signaled_value() >= *value,
+            })
+            .collect();
+        *self.last_waits.lock().unwrap_or_else(|p| p.into_inner()) = recorded;
+        for (event, value) in waits {
+            if event.as_any().downcast_ref::<HostEvent>().is_none() {
+                return Err(Error::Internal("a foreign event on the host GPU".into()));
+            }
             // the device-side wait: this queue does not start the work before the value
-            while !event.wait_until(value, 1000) {}
+            while !event.wait_until(*value, 1000) {}
         }
         for w in work {
             match w {

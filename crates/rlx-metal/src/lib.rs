@@ -51,6 +51,8 @@ pub struct MetalDevice {
     library: Arc<dyn GpuLibrary>,
     fused: Arc<FusedCache>,
     matmuls: Arc<MatmulCache>,
+    /// Device-side waits of this device's copy engines, taken by the next compute submission.
+    waits: Arc<copy::DeviceWaits>,
 }
 
 impl MetalDevice {
@@ -63,6 +65,7 @@ impl MetalDevice {
             library,
             fused: Arc::default(),
             matmuls: Arc::default(),
+            waits: Arc::default(),
         })
     }
 
@@ -125,13 +128,24 @@ impl MetalDevice {
         Ok(Arc::new(MetalBuffer::new(self.gpu.new_buffer(bytes)?)))
     }
 
-    /// A copy engine on this device's blit queue.
+    /// A copy engine on this device's blit queue (its device-side waits order this device's
+    /// next compute submission).
     pub fn copy_engine(&self) -> Result<Arc<MetalCopyEngine>> {
-        Ok(Arc::new(MetalCopyEngine::new(self.gpu.clone())?))
+        Ok(Arc::new(MetalCopyEngine::new(
+            self.gpu.clone(),
+            self.waits.clone(),
+        )?))
+    }
+
+    /// How many device-side waits (`AsyncCopy::wait_on_device`) the next compute submission
+    /// will encode.
+    pub fn pending_device_waits(&self) -> usize {
+        self.waits.len()
     }
 
     /// Runs `dispatches` in order on the compute queue (after the device-side wait `wait`, if
-    /// given) with `uses` resident, and blocks until they completed.
+    /// given, and those the copy engines recorded) with `uses` resident, and blocks until they
+    /// completed.
     pub fn run(
         &self,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
@@ -152,15 +166,25 @@ impl MetalDevice {
         self.run_work(wait, &work, uses)
     }
 
-    /// Runs `work` (kernels and engine matmuls) in order on the compute queue, as `run`.
+    /// Runs `work` (kernels and engine matmuls) in order on the compute queue, as `run`: the
+    /// submission first waits on the device for `wait` and for every wait the copy engines
+    /// recorded since the last submission; a failure of such a copy is reported here.
     pub fn run_work(
         &self,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
         work: &[Work<'_>],
         uses: &[&MetalBuffer],
     ) -> Result<()> {
+        let copies = self.waits.take();
+        let mut waits = copy::wait_events(&copies);
+        waits.extend(wait.map(|(e, v)| (e.clone(), v)));
         let uses: Vec<_> = uses.iter().map(|b| b.gpu().clone()).collect();
-        self.gpu.compute(wait, work, &uses)?.finish()
+        let ran = self
+            .gpu
+            .compute(&waits, work, &uses)
+            .and_then(|s| s.finish());
+        let copied = copy::settle(&copies);
+        ran.and(copied)
     }
 }
 

@@ -6,7 +6,7 @@
 //! their byte offsets, one compute queue
 //! (each submission one `MPSCommandBuffer`: runs of dispatches in a compute encoder with
 //! `setBytes` for the record and `useResource:usage:` for residency, engine matmuls encoded
-//! between them with no encoder open, after an optional `encodeWaitForEvent`), and a separate
+//! between them with no encoder open, after one `encodeWaitForEvent` per device-side wait), and a separate
 //! blit queue whose copies signal an `MTLSharedEvent`. An engine encode may commit and continue
 //! the command buffer: encoders are always made after it from the current one, and every
 //! command buffer the submission went through is waited on and checked
@@ -443,7 +443,7 @@ impl Gpu for MetalGpu {
     }
     fn compute(
         &self,
-        wait: Option<(&Arc<dyn GpuEvent>, u64)>,
+        waits: &[(Arc<dyn GpuEvent>, u64)],
         work: &[Work<'_>],
         uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>> {
@@ -452,9 +452,9 @@ impl Gpu for MetalGpu {
         let mps = unsafe { MPSCommandBuffer::commandBufferFromCommandQueue(&self.compute) };
         // SAFETY: reading the wrapper's current underlying command buffer.
         let mut cbs = CommandBuffers::new(CbRef(unsafe { mps.rootCommandBuffer() }));
-        if let Some((event, value)) = wait {
+        for (event, value) in waits {
             let ev = sys_event(event)?;
-            mps.encodeWaitForEvent_value(ProtocolObject::from_ref(&*ev.ev), value);
+            mps.encodeWaitForEvent_value(ProtocolObject::from_ref(&*ev.ev), *value);
         }
         let is_matmul: Vec<bool> = work.iter().map(|w| matches!(w, Work::Matmul(_))).collect();
         for seg in segments(&is_matmul) {

@@ -171,6 +171,162 @@ fn buffers_are_zero_copy_host_views() {
     assert!(matches!(buf.write(60, &[0; 8]), Err(Error::Bounds(_))));
 }
 
+/// A host GPU the test can hold the blit queue of, and the device over it.
+fn held_device() -> Option<(Arc<host::HostGpu>, MetalDevice)> {
+    device()?;
+    let gpu = Arc::new(host::HostGpu::new().unwrap());
+    let dev = MetalDevice::new(gpu.clone(), crate::Dialect::HostCxx).unwrap();
+    Some((gpu, dev))
+}
+
+/// Lets the blit queue go after a moment, from another thread.
+fn release_later(gpu: &Arc<host::HostGpu>) -> std::thread::JoinHandle<()> {
+    let gpu = gpu.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        gpu.hold_blits(false);
+    })
+}
+
+#[test]
+fn wait_on_device_orders_the_next_submission_without_blocking_the_host() {
+    let Some((gpu, dev)) = held_device() else {
+        return;
+    };
+    let eng = dev.copy_engine().unwrap();
+    let n = 4096;
+    let src = dev.alloc(n * 4).unwrap();
+    let dst = dev.alloc(n * 4).unwrap();
+    put(&src, &data(n, 9));
+    gpu.hold_blits(true);
+    let host_bytes: Arc<Vec<u8>> =
+        Arc::new(data(n, 7).iter().flat_map(|x| x.to_ne_bytes()).collect());
+    let dst_dyn: Arc<dyn DeviceBuffer> = dst.clone();
+    let t = eng
+        .issue(
+            CopySrc::Host(host_bytes),
+            CopyDst {
+                buffer: dst_dyn,
+                offset: 0,
+            },
+            n * 4,
+        )
+        .unwrap();
+    // The copy cannot run (the queue is held): a blocking wait would never return here.
+    eng.wait_on_device(t).unwrap();
+    let (event, value) = eng.device_wait(t).unwrap();
+    assert!(event.signaled_value() < value, "the copy ran while held");
+    assert_eq!(dev.pending_device_waits(), 1);
+    // out = dst + src, submitted with no explicit wait: the recorded one orders it.
+    let out = dev.alloc(n * 4).unwrap();
+    let add = rlx_ir::Fused {
+        shape: rlx_ir::Shape::new([n]),
+        n_inputs: 2,
+        steps: vec![rlx_ir::FusedStep::Binary(rlx_ir::BinaryOp::Add, 0, 1)],
+    };
+    let lib = dev
+        .compile_cached(&kernels::fused_kernel("add", &add))
+        .unwrap();
+    let mut p = P::sized(n);
+    p.ptr[..3].copy_from_slice(&[
+        dst.address(0).unwrap(),
+        src.address(0).unwrap(),
+        out.address(0).unwrap(),
+    ]);
+    p.mode[..3].copy_from_slice(&[1, 1, 1]);
+    let rec = kernels::record(&p);
+    let release = release_later(&gpu);
+    dev.run(
+        None,
+        &[Dispatch {
+            library: lib.as_ref(),
+            kernel: "add",
+            record: &rec,
+            threads: n,
+        }],
+        &[&src, &dst, &out],
+    )
+    .unwrap();
+    release.join().unwrap();
+    assert_eq!(
+        gpu.last_waits(),
+        vec![host::RecordedWait {
+            value,
+            reached_at_submit: false
+        }],
+        "the submission did not wait on the device for the copy"
+    );
+    assert_eq!(dev.pending_device_waits(), 0, "the wait was not taken");
+    let want: Vec<f32> = data(n, 7)
+        .iter()
+        .zip(data(n, 9))
+        .map(|(x, y)| x + y)
+        .collect();
+    close(&get(&out, n), &want, 1e-6);
+    // The next submission has nothing left to wait for.
+    dev.run(None, &[], &[&out]).unwrap();
+    assert!(gpu.last_waits().is_empty());
+    // A token whose copy completed needs no device wait at all.
+    eng.wait_on_device(t).unwrap();
+    assert_eq!(dev.pending_device_waits(), 0);
+}
+
+#[test]
+fn host_access_waits_for_a_copy_in_flight_over_its_bytes() {
+    let Some((gpu, dev)) = held_device() else {
+        return;
+    };
+    let eng = dev.copy_engine().unwrap();
+    let dst = dev.alloc(1024).unwrap();
+    gpu.hold_blits(true);
+    let dst_dyn: Arc<dyn DeviceBuffer> = dst.clone();
+    let t = eng
+        .issue(
+            CopySrc::Host(Arc::new(vec![5u8; 256])),
+            CopyDst {
+                buffer: dst_dyn,
+                offset: 256,
+            },
+            256,
+        )
+        .unwrap();
+    eng.wait_on_device(t).unwrap();
+    // Bytes the copy does not touch are read at once (the queue is still held).
+    let mut out = vec![1u8; 256];
+    dst.read(0, &mut out).unwrap();
+    assert!(out.iter().all(|&b| b == 0));
+    // A read of the copied bytes waits for the copy on the host.
+    let release = release_later(&gpu);
+    dst.read(256, &mut out).unwrap();
+    release.join().unwrap();
+    assert!(
+        out.iter().all(|&b| b == 5),
+        "a host read raced with the copy"
+    );
+    // Writes too: a write after the copy is not overwritten by it.
+    gpu.hold_blits(true);
+    let dst_dyn: Arc<dyn DeviceBuffer> = dst.clone();
+    eng.issue(
+        CopySrc::Host(Arc::new(vec![6u8; 256])),
+        CopyDst {
+            buffer: dst_dyn,
+            offset: 0,
+        },
+        256,
+    )
+    .unwrap();
+    let release = release_later(&gpu);
+    dst.write(128, &[9u8; 64]).unwrap();
+    release.join().unwrap();
+    eng.wait_all().unwrap();
+    dst.read(0, &mut out).unwrap();
+    assert!(out[..128].iter().all(|&b| b == 6));
+    assert!(
+        out[128..192].iter().all(|&b| b == 9),
+        "the copy overwrote a later write"
+    );
+}
+
 #[test]
 fn copy_engine_orders_copies_and_reports_errors() {
     let Some(dev) = device() else { return };
