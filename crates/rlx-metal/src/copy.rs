@@ -4,8 +4,11 @@
 //! records the (event, value) in the device's [`DeviceWaits`], and the device's next compute
 //! submission encodes a wait for it (`encodeWaitForEvent`) before its work. Every copy also
 //! fences the byte ranges it reads and writes on its buffers, so a host `read`/`write`/
-//! `copy_from` of those bytes waits (on the host) for the copy first. Host sources are staged
-//! into a fresh shared buffer at issue (the host bytes themselves are not GPU memory).
+//! `copy_from` of those bytes waits (on the host) for the copy first. A copy whose command
+//! buffer fails never signals: every wait polls the copies' own status between timeouts, records
+//! the failure (a `Device` error at the waits on its token) and raises the event from the host so
+//! no host or device wait on it hangs. Host sources are staged into a fresh shared buffer at
+//! issue (the host bytes themselves are not GPU memory).
 use crate::buffer::MetalBuffer;
 use crate::gpu::{BlitCopy, Gpu, GpuBuffer, GpuEvent, Submitted};
 use rlx_ir::{AsyncCopy, BarrierToken, Error, Result};
@@ -16,6 +19,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 static ENGINES: AtomicU64 = AtomicU64::new(1);
+
+/// How long a host wait blocks on the event before it looks at the copies' own status.
+const WAIT_SLICE_MS: u64 = 50;
 
 #[derive(Default)]
 struct State {
@@ -68,9 +74,41 @@ impl Engine {
         self.event.signaled_value() >= seq
     }
 
+    /// Never blocks: true once every copy up to `seq` completed or failed. Where one failed its
+    /// signal never comes, so the event is raised to `seq` from the host here, which releases
+    /// the host and device waits on it (the failure is reported at the waits on its token).
+    pub(crate) fn progress(&self, seq: u64) -> bool {
+        if self.reached(seq) {
+            return true;
+        }
+        let (mut over, mut failed) = (true, false);
+        for (s, sub) in self.lock().pending.iter() {
+            if *s > seq {
+                break;
+            }
+            match sub.poll() {
+                None => {
+                    over = false;
+                    break;
+                }
+                Some(r) => failed |= r.is_err(),
+            }
+        }
+        if over && failed {
+            self.event.signal(seq);
+        }
+        over
+    }
+
     /// Waits (on the host) for the event to reach `seq`, then collects the finished copies.
+    /// Between timeouts it looks at the copies' submissions themselves: a failed copy ends the
+    /// wait (and is recorded as failed) instead of leaving it for a signal that never comes.
     pub(crate) fn wait_seq(&self, seq: u64) {
-        while !self.event.wait_until(seq, 1000) {}
+        while !self.event.wait_until(seq, WAIT_SLICE_MS) {
+            if self.progress(seq) {
+                break;
+            }
+        }
         let done: Vec<(u64, Box<dyn Submitted>)> = {
             let mut st = self.lock();
             let mut done = Vec::new();
@@ -81,7 +119,15 @@ impl Engine {
         };
         let errors: Vec<(u64, Error)> = done
             .into_iter()
-            .filter_map(|(s, sub)| sub.finish().err().map(|e| (s, e)))
+            .filter_map(|(s, sub)| {
+                sub.finish().err().map(|e| {
+                    let e = Error::Device(format!(
+                        "Metal: copy {s} of copy engine {} failed on the blit queue: {e}",
+                        self.id
+                    ));
+                    (s, e)
+                })
+            })
             .collect();
         if !errors.is_empty() {
             self.lock().failed.extend(errors);
@@ -129,17 +175,26 @@ impl DeviceWaits {
     }
 }
 
-/// The (event, value) pairs a submission taking `waits` waits for on the device: one per engine,
-/// its highest value (an engine's copies complete in issue order).
-pub(crate) fn wait_events(waits: &[DeviceWait]) -> Vec<(Arc<dyn GpuEvent>, u64)> {
-    let mut by_engine: BTreeMap<u64, (Arc<dyn GpuEvent>, u64)> = BTreeMap::new();
+/// What a submission taking `waits` waits for on the device: one wait per engine, its highest
+/// value (an engine's copies complete in issue order).
+pub(crate) fn wait_events(waits: &[DeviceWait]) -> Vec<DeviceWait> {
+    let mut by_engine: BTreeMap<u64, DeviceWait> = BTreeMap::new();
     for w in waits {
-        let e = by_engine
-            .entry(w.engine.id)
-            .or_insert_with(|| (w.engine.event.clone(), w.seq));
-        e.1 = e.1.max(w.seq);
+        let e = by_engine.entry(w.engine.id).or_insert_with(|| w.clone());
+        e.seq = e.seq.max(w.seq);
     }
     by_engine.into_values().collect()
+}
+
+impl DeviceWait {
+    /// The event and value the device waits for.
+    pub(crate) fn event(&self) -> (Arc<dyn GpuEvent>, u64) {
+        (self.engine.event.clone(), self.seq)
+    }
+    /// See [`Engine::progress`]: called while a submission waits on the device for this.
+    pub(crate) fn progress(&self) -> bool {
+        self.engine.progress(self.seq)
+    }
 }
 
 /// After the submission that waited for `waits` completed (or failed to be made): collects the

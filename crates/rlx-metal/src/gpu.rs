@@ -28,6 +28,9 @@ pub trait GpuEvent: Send + Sync + Any {
     fn signaled_value(&self) -> u64;
     /// Blocks until the value is at least `value`; false if `timeout_ms` passed first.
     fn wait_until(&self, value: u64, timeout_ms: u64) -> bool;
+    /// Raises the value to `value` from the host (never lowers it): releases the waiters of a
+    /// copy whose own signal will never come because its command buffer failed.
+    fn signal(&self, value: u64);
     fn as_any(&self) -> &dyn Any;
 }
 
@@ -82,6 +85,18 @@ pub struct BlitCopy {
 /// Work handed to a queue; `finish` blocks until it completed and reports its error.
 pub trait Submitted: Send + Sync {
     fn finish(&self) -> Result<()>;
+    /// Never blocks: `None` while it runs (or waits to), else what `finish` would return.
+    fn poll(&self) -> Option<Result<()>>;
+}
+
+/// A device-side wait of a compute submission: its work does not start before `event` reached
+/// `value`. `progress`, where given, is called on the host while the wait lasts (between
+/// timeouts, where the implementation blocks on it): it raises the event itself once the copy
+/// the value stands for failed, whose own signal then never comes.
+pub struct EventWait<'a> {
+    pub event: Arc<dyn GpuEvent>,
+    pub value: u64,
+    pub progress: Option<&'a (dyn Fn() + Sync)>,
 }
 
 /// A GPU as the backend sees it.
@@ -100,11 +115,11 @@ pub trait Gpu: Send + Sync {
         library: &Arc<dyn GpuLibrary>,
     ) -> Result<Arc<dyn GpuMatmul>>;
     /// Encodes `work` in order on the compute queue, after the queue waited (on the device)
-    /// for every `(event, value)` of `waits`, with `uses` made resident, commits, and returns
-    /// the submission.
+    /// for every wait of `waits`, with `uses` made resident, commits, and returns the
+    /// submission.
     fn compute(
         &self,
-        waits: &[(Arc<dyn GpuEvent>, u64)],
+        waits: &[EventWait<'_>],
         work: &[Work<'_>],
         uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>>;

@@ -9,7 +9,9 @@
 //! (`hold_blits`) and see the waits each submission encoded (`last_waits`). Not a performance
 //! path: it runs the same kernels and the same queue/event ordering as the device does.
 #![allow(unsafe_code)] // FFI module: raw allocations and dlopen'ed kernels
-use crate::gpu::{BlitCopy, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work};
+use crate::gpu::{
+    BlitCopy, EventWait, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work,
+};
 use crate::matmul::MatmulKey;
 use rlx_ir::{Error, Result};
 use std::alloc::Layout;
@@ -106,7 +108,7 @@ pub struct HostEvent {
     changed: Condvar,
 }
 
-impl HostEvent {
+impl GpuEvent for HostEvent {
     fn signal(&self, value: u64) {
         let mut v = self.value.lock().unwrap_or_else(|p| p.into_inner());
         if value > *v {
@@ -114,9 +116,6 @@ impl HostEvent {
         }
         self.changed.notify_all();
     }
-}
-
-impl GpuEvent for HostEvent {
     fn signaled_value(&self) -> u64 {
         *self.value.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -240,6 +239,9 @@ impl Submitted for HostSubmitted {
         }
         g.clone().unwrap_or(Ok(()))
     }
+    fn poll(&self) -> Option<Result<()>> {
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// A compiled engine matmul of the host GPU: its key and the library whose GEMM kernel runs it.
@@ -285,7 +287,9 @@ fn dispatch(library: &dyn GpuLibrary, kernel: &str, record: &[u8], threads: usiz
     Ok(())
 }
 
-type BlitJob = (BlitCopy, Arc<dyn GpuEvent>, u64, Arc<Done>);
+/// A queued copy: the copy, the event and value it signals, its completion, and whether it is
+/// to fail (an injected failure: nothing copied, no signal, as a command buffer that errors).
+type BlitJob = (BlitCopy, Arc<dyn GpuEvent>, u64, Arc<Done>, bool);
 
 /// Whether the blit queue is held (tests: a copy that has not run yet, for as long as needed).
 #[derive(Default)]
@@ -322,6 +326,8 @@ pub struct HostGpu {
     worker: Mutex<Option<thread::JoinHandle<()>>>,
     gate: Arc<Gate>,
     last_waits: Mutex<Vec<RecordedWait>>,
+    /// How many of the next blits fail.
+    failing: AtomicU64,
 }
 
 static LIB_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -343,8 +349,14 @@ impl HostGpu {
         let worker = thread::Builder::new()
             .name("rlx-metal-host-blit".into())
             .spawn(move || {
-                for (copy, event, value, done) in rx {
+                for (copy, event, value, done, fail) in rx {
                     held.pass();
+                    if fail {
+                        done.set(Err(Error::Device(
+                            "host blit queue: injected command buffer failure".into(),
+                        )));
+                        continue;
+                    }
                     // SAFETY: the engine checked both ranges at issue and keeps both buffers
                     // alive (they are in `copy`) until this job is done; `copy` handles overlap.
                     unsafe {
@@ -356,9 +368,7 @@ impl HostGpu {
                     }
                     drop(copy);
                     done.set(Ok(()));
-                    if let Some(e) = event.as_any().downcast_ref::<HostEvent>() {
-                        e.signal(value);
-                    }
+                    event.signal(value);
                 }
             })
             .map_err(|e| Error::Device(format!("cannot start the host blit queue: {e}")))?;
@@ -368,12 +378,19 @@ impl HostGpu {
             worker: Mutex::new(Some(worker)),
             gate,
             last_waits: Mutex::default(),
+            failing: AtomicU64::new(0),
         })
     }
 
     /// Holds the blit queue (`true`: copies issued stay queued, not run) or lets it go on.
     pub fn hold_blits(&self, hold: bool) {
         self.gate.set(hold);
+    }
+
+    /// Makes the next `n` blits fail as a command buffer that errors does: nothing is copied,
+    /// the event is not signalled, the submission reports an error.
+    pub fn fail_next_blits(&self, n: u64) {
+        self.failing.store(n, Ordering::SeqCst);
     }
 
     /// The device-side waits of the last compute submission, in the order it encoded them.
@@ -460,24 +477,29 @@ impl Gpu for HostGpu {
     }
     fn compute(
         &self,
-        waits: &[(Arc<dyn GpuEvent>, u64)],
+        waits: &[EventWait<'_>],
         work: &[Work<'_>],
         _uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>> {
         let recorded = waits
             .iter()
-            .map(|(event, value)| RecordedWait {
-                value: *value,
-                reached_at_submit: event.signaled_value() >= *value,
+            .map(|w| RecordedWait {
+                value: w.value,
+                reached_at_submit: w.event.signaled_value() >= w.value,
             })
             .collect();
         *self.last_waits.lock().unwrap_or_else(|p| p.into_inner()) = recorded;
-        for (event, value) in waits {
-            if event.as_any().downcast_ref::<HostEvent>().is_none() {
+        for w in waits {
+            if w.event.as_any().downcast_ref::<HostEvent>().is_none() {
                 return Err(Error::Internal("a foreign event on the host GPU".into()));
             }
-            // the device-side wait: this queue does not start the work before the value
-            while !event.wait_until(*value, 1000) {}
+            // The device-side wait: this queue does not start the work before the value (the
+            // caller's thread is the queue here, so it also runs the host's `progress`).
+            while !w.event.wait_until(w.value, 20) {
+                if let Some(p) = w.progress {
+                    p();
+                }
+            }
         }
         for w in work {
             match w {
@@ -550,11 +572,15 @@ impl Gpu for HostGpu {
         if event.as_any().downcast_ref::<HostEvent>().is_none() {
             return Err(Error::Internal("a foreign event on the host GPU".into()));
         }
+        let fail = self
+            .failing
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
         let done = Done::new();
         self.blits
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .send((copy, event.clone(), value, done.clone()))
+            .send((copy, event.clone(), value, done.clone(), fail))
             .map_err(|_| Error::Device("the host blit queue has stopped".into()))?;
         Ok(Box::new(HostSubmitted(done)))
     }

@@ -21,7 +21,7 @@ pub use backend::{HostUpdate, MetalBackend, MetalOptions, UpdateMode};
 pub use buffer::MetalBuffer;
 pub use copy::MetalCopyEngine;
 
-use gpu::{Dispatch, Gpu, GpuEvent, GpuLibrary, GpuMatmul, Work};
+use gpu::{Dispatch, EventWait, Gpu, GpuEvent, GpuLibrary, GpuMatmul, Work};
 use matmul::MatmulKey;
 use rlx_ir::Result;
 use std::collections::HashMap;
@@ -176,13 +176,49 @@ impl MetalDevice {
         uses: &[&MetalBuffer],
     ) -> Result<()> {
         let copies = self.waits.take();
-        let mut waits = copy::wait_events(&copies);
-        waits.extend(wait.map(|(e, v)| (e.clone(), v)));
+        let waited = copy::wait_events(&copies);
+        let progress: Vec<_> = waited
+            .iter()
+            .map(|w| {
+                move || {
+                    w.progress();
+                }
+            })
+            .collect();
+        let mut waits: Vec<EventWait<'_>> = waited
+            .iter()
+            .zip(&progress)
+            .map(|(w, p)| {
+                let (event, value) = w.event();
+                EventWait {
+                    event,
+                    value,
+                    progress: Some(p as &(dyn Fn() + Sync)),
+                }
+            })
+            .collect();
+        waits.extend(wait.map(|(e, v)| EventWait {
+            event: e.clone(),
+            value: v,
+            progress: None,
+        }));
         let uses: Vec<_> = uses.iter().map(|b| b.gpu().clone()).collect();
-        let ran = self
-            .gpu
-            .compute(&waits, work, &uses)
-            .and_then(|s| s.finish());
+        let ran = self.gpu.compute(&waits, work, &uses).and_then(|s| {
+            if waited.is_empty() {
+                return s.finish();
+            }
+            // While the device waits for the copies, look after them on the host: a failed
+            // copy's signal never comes, and `progress` raises its event instead.
+            loop {
+                if waited.iter().all(|w| w.progress()) {
+                    return s.finish();
+                }
+                if let Some(r) = s.poll() {
+                    return r;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        });
         let copied = copy::settle(&copies);
         ran.and(copied)
     }

@@ -15,7 +15,7 @@
 //! Type-checked for aarch64-apple-darwin in CI; it has not run on Apple hardware.
 #![allow(unsafe_code)] // FFI module: Objective-C objects and raw record bytes
 use crate::gpu::{
-    BlitCopy, Dispatch, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work,
+    BlitCopy, Dispatch, EventWait, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work,
 };
 use crate::host::kernel_names;
 use crate::matmul::{segments, Activation, CommandBuffers, MatmulKey, Segment};
@@ -95,6 +95,14 @@ impl GpuEvent for SysEvent {
     fn wait_until(&self, value: u64, timeout_ms: u64) -> bool {
         self.ev.waitUntilSignaledValue_timeoutMS(value, timeout_ms)
     }
+    fn signal(&self, value: u64) {
+        // Only ever called for the value of a copy whose command buffer failed (its own signal
+        // never comes); a later copy's signal racing with this one is a higher value the GPU
+        // sets, which this check leaves alone unless it lands between the read and the write.
+        if self.ev.signaledValue() < value {
+            self.ev.setSignaledValue(value);
+        }
+    }
     fn as_any(&self) -> &dyn Any {
         self
     }
@@ -132,19 +140,33 @@ unsafe impl Send for SysSubmitted {}
 // SAFETY: as above.
 unsafe impl Sync for SysSubmitted {}
 
+fn cb_error(cb: &ProtocolObject<dyn MTLCommandBuffer>) -> Error {
+    match cb.error() {
+        Some(e) => ns_error("command buffer failed", &e),
+        None => Error::Device("Metal: command buffer failed".into()),
+    }
+}
+
 impl Submitted for SysSubmitted {
     fn finish(&self) -> Result<()> {
         // They complete in commit order on one queue; each is checked for its own error.
         for cb in &self.cbs {
             cb.waitUntilCompleted();
             if cb.status() == MTLCommandBufferStatus::Error {
-                return Err(match cb.error() {
-                    Some(e) => ns_error("command buffer failed", &e),
-                    None => Error::Device("Metal: command buffer failed".into()),
-                });
+                return Err(cb_error(cb));
             }
         }
         Ok(())
+    }
+    fn poll(&self) -> Option<Result<()>> {
+        for cb in &self.cbs {
+            match cb.status() {
+                MTLCommandBufferStatus::Completed => {}
+                MTLCommandBufferStatus::Error => return Some(Err(cb_error(cb))),
+                _ => return None,
+            }
+        }
+        Some(Ok(()))
     }
 }
 
@@ -443,7 +465,7 @@ impl Gpu for MetalGpu {
     }
     fn compute(
         &self,
-        waits: &[(Arc<dyn GpuEvent>, u64)],
+        waits: &[EventWait<'_>],
         work: &[Work<'_>],
         uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>> {
@@ -452,9 +474,10 @@ impl Gpu for MetalGpu {
         let mps = unsafe { MPSCommandBuffer::commandBufferFromCommandQueue(&self.compute) };
         // SAFETY: reading the wrapper's current underlying command buffer.
         let mut cbs = CommandBuffers::new(CbRef(unsafe { mps.rootCommandBuffer() }));
-        for (event, value) in waits {
-            let ev = sys_event(event)?;
-            mps.encodeWaitForEvent_value(ProtocolObject::from_ref(&*ev.ev), *value);
+        // (the device waits by itself: `progress` is the caller's to call while it does)
+        for w in waits {
+            let ev = sys_event(&w.event)?;
+            mps.encodeWaitForEvent_value(ProtocolObject::from_ref(&*ev.ev), w.value);
         }
         let is_matmul: Vec<bool> = work.iter().map(|w| matches!(w, Work::Matmul(_))).collect();
         for seg in segments(&is_matmul) {

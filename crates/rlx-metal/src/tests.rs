@@ -327,6 +327,76 @@ fn host_access_waits_for_a_copy_in_flight_over_its_bytes() {
     );
 }
 
+/// Runs `f` on a thread of its own; panics if it takes longer than `secs` (a hang fails).
+fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(()) => t.join().unwrap(),
+        // the thread panicked: report its panic
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => t.join().unwrap(),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("hung for {secs} s"),
+    }
+}
+
+#[test]
+fn a_failed_blit_is_an_error_not_a_hang() {
+    within(60, failed_blits);
+}
+
+fn failed_blits() {
+    let Some((gpu, dev)) = held_device() else {
+        return;
+    };
+    let eng = dev.copy_engine().unwrap();
+    let dst = dev.alloc(1024).unwrap();
+    let copy = |v: u8, offset: usize| {
+        let to: Arc<dyn DeviceBuffer> = dst.clone();
+        eng.issue(
+            CopySrc::Host(Arc::new(vec![v; 256])),
+            CopyDst { buffer: to, offset },
+            256,
+        )
+        .unwrap()
+    };
+    let start = std::time::Instant::now();
+    gpu.fail_next_blits(1);
+    let bad = copy(1, 0);
+    let good = copy(2, 256);
+    let e = eng.wait(bad).unwrap_err().to_string();
+    assert!(
+        e.contains("failed on the blit queue") && e.contains("injected"),
+        "{e}"
+    );
+    // reported at every wait on its token and at wait_all; the copy after it still ran
+    assert!(eng.wait(bad).is_err());
+    eng.wait(good).unwrap();
+    assert!(eng.wait_all().is_err());
+    let mut out = vec![0u8; 512];
+    dst.read(0, &mut out).unwrap();
+    assert!(out[..256].iter().all(|&b| b == 0), "a failed copy wrote");
+    assert!(out[256..].iter().all(|&b| b == 2));
+    // A failed copy waited for on the device: the submission is released and reports it.
+    gpu.hold_blits(true);
+    gpu.fail_next_blits(1);
+    let bad = copy(3, 512);
+    eng.wait_on_device(bad).unwrap();
+    assert_eq!(dev.pending_device_waits(), 1);
+    let release = release_later(&gpu);
+    let e = dev.run(None, &[], &[&dst]).unwrap_err().to_string();
+    release.join().unwrap();
+    assert!(e.contains("failed on the blit queue"), "{e}");
+    // A failed copy the host never waited for does not hang the host access or the drop.
+    gpu.fail_next_blits(1);
+    copy(4, 768);
+    dst.read(768, &mut out[..256]).unwrap();
+    drop(eng);
+    assert!(start.elapsed() < std::time::Duration::from_secs(20));
+}
+
 #[test]
 fn copy_engine_orders_copies_and_reports_errors() {
     let Some(dev) = device() else { return };
