@@ -8,6 +8,7 @@
 //! compiler implements elsewhere (`host`, for tests).
 pub mod backend;
 pub mod buffer;
+pub mod caps;
 pub mod copy;
 pub mod gpu;
 pub mod host;

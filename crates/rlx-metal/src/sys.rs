@@ -14,20 +14,21 @@
 //!
 //! Type-checked for aarch64-apple-darwin in CI; it has not run on Apple hardware.
 #![allow(unsafe_code)] // FFI module: Objective-C objects and raw record bytes
+use crate::caps::Capabilities;
 use crate::gpu::{
     BlitCopy, Dispatch, EventWait, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work,
 };
 use crate::host::kernel_names;
 use crate::matmul::{segments, Activation, CommandBuffers, MatmulKey, Segment};
 use objc2::rc::Retained;
-use objc2::runtime::ProtocolObject;
-use objc2::AnyThread;
+use objc2::runtime::{AnyClass, ProtocolObject};
+use objc2::{sel, AnyThread};
 use objc2_foundation::{NSArray, NSDictionary, NSError, NSNumber, NSString};
 use objc2_metal::{
     MTLBlitCommandEncoder, MTLBuffer, MTLCommandBuffer, MTLCommandBufferStatus, MTLCommandEncoder,
     MTLCommandQueue, MTLCompileOptions, MTLComputeCommandEncoder, MTLComputePipelineState,
-    MTLCreateSystemDefaultDevice, MTLDevice, MTLLibrary, MTLResourceOptions, MTLResourceUsage,
-    MTLSharedEvent, MTLSize,
+    MTLCreateSystemDefaultDevice, MTLDevice, MTLGPUFamily, MTLLibrary, MTLResourceOptions,
+    MTLResourceUsage, MTLSharedEvent, MTLSize,
 };
 use objc2_metal_performance_shaders::{
     MPSCommandBuffer, MPSDataType, MPSNDArray, MPSNDArrayDescriptor,
@@ -252,10 +253,19 @@ pub struct MetalGpu {
 }
 
 impl MetalGpu {
-    /// The system's default Metal device; a `Device` error where there is none.
+    /// The system's default Metal device; a `Device` error where there is none, or where it
+    /// lacks what the backend needs (`crate::caps`: Metal 3, macOS 13).
     pub fn system_default() -> Result<Self> {
         let device = MTLCreateSystemDefaultDevice()
             .ok_or_else(|| Error::Device("this Mac has no Metal device".into()))?;
+        // Asked before anything that needs them: `supportsFamily:` exists since macOS 10.15 and
+        // answers no for a family the system does not know; the class check is the runtime's.
+        let caps = Capabilities {
+            metal3: device.supportsFamily(MTLGPUFamily::Metal3),
+            ndarray_at_offset: AnyClass::get(c"MPSNDArray")
+                .is_some_and(|c| c.responds_to(sel!(initWithBuffer:offset:descriptor:))),
+        };
+        crate::caps::check(&device.name().to_string(), caps)?;
         let compute = device
             .newCommandQueue()
             .ok_or_else(|| missing("newCommandQueue"))?;
