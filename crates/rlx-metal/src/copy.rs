@@ -7,7 +7,8 @@
 //! `copy_from` of those bytes waits (on the host) for the copy first. A copy whose command
 //! buffer fails never signals: every wait polls the copies' own status between timeouts, records
 //! the failure (a `Device` error at the waits on its token) and raises the event from the host so
-//! no host or device wait on it hangs. Host sources are staged into a fresh shared buffer at
+//! no host or device wait on it hangs. A copy between overlapping bytes of one buffer is refused
+//! at issue (undefined for a Metal blit). Host sources are staged into a fresh shared buffer at
 //! issue (the host bytes themselves are not GPU memory).
 use crate::buffer::MetalBuffer;
 use crate::gpu::{BlitCopy, Gpu, GpuBuffer, GpuEvent, Submitted};
@@ -268,8 +269,6 @@ impl AsyncCopy for MetalCopyEngine {
                     (staging.gpu, 0, None)
                 }
             };
-        let mut st = self.inner.lock();
-        let seq = st.issued + 1;
         let copy = BlitCopy {
             src: src_gpu,
             src_offset,
@@ -277,6 +276,21 @@ impl AsyncCopy for MetalCopyEngine {
             dst_offset: dst.offset,
             bytes,
         };
+        if copy.overlaps() {
+            return Err(Error::Unsupported {
+                op: "copy".into(),
+                msg: format!(
+                    "the Metal copy engine cannot copy bytes {src_offset}..{} of a buffer onto \
+                     its bytes {}..{} (a blit between overlapping ranges of one buffer is \
+                     undefined); copy through a second buffer",
+                    src_offset + bytes,
+                    dst.offset,
+                    dst.offset + bytes
+                ),
+            });
+        }
+        let mut st = self.inner.lock();
+        let seq = st.issued + 1;
         let sub = self.inner.gpu.blit(copy, &self.inner.event, seq)?;
         st.issued = seq;
         st.pending.push_back((seq, sub));

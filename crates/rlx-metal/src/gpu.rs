@@ -82,6 +82,17 @@ pub struct BlitCopy {
     pub bytes: usize,
 }
 
+impl BlitCopy {
+    /// Whether source and destination are overlapping bytes of one buffer: a Metal blit's
+    /// result is undefined there, so neither the engine nor a `Gpu` accepts such a copy.
+    pub fn overlaps(&self) -> bool {
+        let same = self.src.contents() == self.dst.contents();
+        same && self.bytes > 0
+            && self.src_offset < self.dst_offset + self.bytes
+            && self.dst_offset < self.src_offset + self.bytes
+    }
+}
+
 /// Work handed to a queue; `finish` blocks until it completed and reports its error.
 pub trait Submitted: Send + Sync {
     fn finish(&self) -> Result<()>;

@@ -398,6 +398,68 @@ fn failed_blits() {
 }
 
 #[test]
+fn overlapping_copies_within_one_buffer_are_refused() {
+    let Some(dev) = device() else { return };
+    let eng = dev.copy_engine().unwrap();
+    let a: Arc<dyn DeviceBuffer> = dev.alloc(1024).unwrap();
+    let b: Arc<dyn DeviceBuffer> = dev.alloc(1024).unwrap();
+    let ramp: Vec<u8> = (0..=255).collect();
+    a.write(0, &ramp).unwrap();
+    let within = |src: usize, dst: usize, bytes: usize| {
+        eng.issue(
+            CopySrc::Device {
+                buffer: a.clone(),
+                offset: src,
+            },
+            CopyDst {
+                buffer: a.clone(),
+                offset: dst,
+            },
+            bytes,
+        )
+    };
+    for (src, dst) in [(0, 64), (64, 0), (0, 0), (0, 127)] {
+        let e = within(src, dst, 128).unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+        assert!(e.to_string().contains("overlapping"), "{e}");
+    }
+    // Adjacent ranges of one buffer, and the same offsets of two buffers, are fine.
+    let t = within(0, 128, 128).unwrap();
+    let u = eng
+        .issue(
+            CopySrc::Device {
+                buffer: a.clone(),
+                offset: 0,
+            },
+            CopyDst {
+                buffer: b.clone(),
+                offset: 0,
+            },
+            256,
+        )
+        .unwrap();
+    eng.wait(t).unwrap();
+    eng.wait(u).unwrap();
+    let mut out = vec![0u8; 256];
+    a.read(0, &mut out).unwrap();
+    assert_eq!(&out[..128], &ramp[..128]);
+    assert_eq!(&out[128..], &ramp[..128]);
+    // The host stand-in refuses one too, rather than hiding it with a memmove.
+    let gpu = host::HostGpu::new().unwrap();
+    let buf = dev.alloc(256).unwrap();
+    let event = crate::gpu::Gpu::new_event(&gpu).unwrap();
+    let copy = crate::gpu::BlitCopy {
+        src: buf.gpu().clone(),
+        src_offset: 0,
+        dst: buf.gpu().clone(),
+        dst_offset: 8,
+        bytes: 16,
+    };
+    assert!(copy.overlaps());
+    assert!(crate::gpu::Gpu::blit(&gpu, copy, &event, 1).is_err());
+}
+
+#[test]
 fn copy_engine_orders_copies_and_reports_errors() {
     let Some(dev) = device() else { return };
     let eng = dev.copy_engine().unwrap();
