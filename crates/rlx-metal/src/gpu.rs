@@ -67,10 +67,35 @@ pub struct MatmulCall<'a> {
     pub bias: Option<(&'a Arc<dyn GpuBuffer>, usize)>,
 }
 
+/// An attention compiled for one [`crate::attention::AttentionKey`] (Metal: an
+/// `MPSGraphExecutable`).
+pub trait GpuAttention: Send + Sync + Any {
+    fn key(&self) -> crate::attention::AttentionKey;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// One engine attention: `exe` over packed arrays at byte offsets of shared buffers (q, k, v
+/// read; out written), each spanning its `exe.key().bytes()` from its offset.
+pub struct AttentionCall<'a> {
+    pub exe: &'a dyn GpuAttention,
+    pub q: (&'a Arc<dyn GpuBuffer>, usize),
+    pub k: (&'a Arc<dyn GpuBuffer>, usize),
+    pub v: (&'a Arc<dyn GpuBuffer>, usize),
+    pub out: (&'a Arc<dyn GpuBuffer>, usize),
+}
+
 /// One item of a compute submission, run in order after the items before it.
 pub enum Work<'a> {
     Kernel(Dispatch<'a>),
     Matmul(MatmulCall<'a>),
+    Attention(AttentionCall<'a>),
+}
+
+impl Work<'_> {
+    /// Whether the item is an engine encode (no compute encoder may be open around it).
+    pub fn is_engine(&self) -> bool {
+        !matches!(self, Work::Kernel(_))
+    }
 }
 
 /// One blit copy between shared buffers.
@@ -125,6 +150,9 @@ pub trait Gpu: Send + Sync {
         key: crate::matmul::MatmulKey,
         library: &Arc<dyn GpuLibrary>,
     ) -> Result<Arc<dyn GpuMatmul>>;
+    /// Compiles the attention of `key` (Metal: an MPSGraph executable; the host GPU computes
+    /// it with `crate::attention::reference`).
+    fn attention(&self, key: crate::attention::AttentionKey) -> Result<Arc<dyn GpuAttention>>;
     /// Encodes `work` in order on the compute queue, after the queue waited (on the device)
     /// for every wait of `waits`, with `uses` made resident, commits, and returns the
     /// submission.

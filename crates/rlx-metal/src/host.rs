@@ -9,8 +9,10 @@
 //! (`hold_blits`) and see the waits each submission encoded (`last_waits`). Not a performance
 //! path: it runs the same kernels and the same queue/event ordering as the device does.
 #![allow(unsafe_code)] // FFI module: raw allocations and dlopen'ed kernels
+use crate::attention::AttentionKey;
 use crate::gpu::{
-    BlitCopy, EventWait, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work,
+    BlitCopy, EventWait, Gpu, GpuAttention, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted,
+    Work,
 };
 use crate::matmul::MatmulKey;
 use rlx_ir::{Error, Result};
@@ -259,6 +261,33 @@ impl GpuMatmul for HostMatmul {
     }
 }
 
+/// A compiled engine attention of the host GPU: its key (computed by
+/// `crate::attention::reference` from the key alone).
+pub struct HostAttention {
+    key: AttentionKey,
+}
+
+impl GpuAttention for HostAttention {
+    fn key(&self) -> AttentionKey {
+        self.key
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The floats of `bytes` bytes of `buf` from `off`, checked to lie inside it.
+fn floats_at((buf, off): (&Arc<dyn GpuBuffer>, usize), bytes: usize) -> Result<*mut f32> {
+    if off.checked_add(bytes).is_none_or(|end| end > buf.len()) || off / 4 * 4 != off {
+        return Err(Error::Internal(format!(
+            "engine array of {bytes} bytes at {off} past a buffer of {} (or misaligned)",
+            buf.len()
+        )));
+    }
+    // SAFETY: in bounds (checked above).
+    Ok(unsafe { buf.contents().as_ptr().add(off) }.cast::<f32>())
+}
+
 /// Runs `threads` threads of `kernel` of `library` on the calling thread, one after another.
 fn dispatch(library: &dyn GpuLibrary, kernel: &str, record: &[u8], threads: usize) -> Result<()> {
     let lib = library
@@ -476,6 +505,9 @@ impl Gpu for HostGpu {
             library: library.clone(),
         }))
     }
+    fn attention(&self, key: AttentionKey) -> Result<Arc<dyn GpuAttention>> {
+        Ok(Arc::new(HostAttention { key }))
+    }
     fn compute(
         &self,
         waits: &[EventWait<'_>],
@@ -505,6 +537,32 @@ impl Gpu for HostGpu {
         for w in work {
             match w {
                 Work::Kernel(d) => dispatch(d.library, d.kernel, d.record, d.threads)?,
+                Work::Attention(call) => {
+                    let att = call
+                        .exe
+                        .as_any()
+                        .downcast_ref::<HostAttention>()
+                        .ok_or_else(|| {
+                            Error::Internal("a foreign attention on the host GPU".into())
+                        })?;
+                    let key = att.key;
+                    let bytes = key.bytes();
+                    let read = |at, bytes: usize| -> Result<Vec<f32>> {
+                        let p = floats_at(at, bytes)?;
+                        // SAFETY: `bytes` bytes from `p` lie inside a live buffer (checked).
+                        Ok(unsafe { std::slice::from_raw_parts(p, bytes / 4) }.to_vec())
+                    };
+                    let (q, k, v) = (
+                        read(call.q, bytes[0])?,
+                        read(call.k, bytes[1])?,
+                        read(call.v, bytes[2])?,
+                    );
+                    let mut out = vec![0f32; bytes[3] / 4];
+                    crate::attention::reference(&key, &q, &k, &v, &mut out);
+                    let o = floats_at(call.out, bytes[3])?;
+                    // SAFETY: as `read`; no other reference to these bytes is live.
+                    unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), o, out.len()) };
+                }
                 Work::Matmul(call) => {
                     let mm = call
                         .exe

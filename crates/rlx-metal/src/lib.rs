@@ -6,6 +6,7 @@
 //! a thin GPU interface
 //! (`gpu`) that Metal implements on Apple targets (`sys`) and host memory plus the system C++
 //! compiler implements elsewhere (`host`, for tests).
+pub mod attention;
 pub mod backend;
 pub mod buffer;
 pub mod caps;
@@ -22,7 +23,8 @@ pub use backend::{HostUpdate, MetalBackend, MetalOptions, UpdateMode};
 pub use buffer::MetalBuffer;
 pub use copy::MetalCopyEngine;
 
-use gpu::{Dispatch, EventWait, Gpu, GpuEvent, GpuLibrary, GpuMatmul, Work};
+use attention::AttentionKey;
+use gpu::{Dispatch, EventWait, Gpu, GpuAttention, GpuEvent, GpuLibrary, GpuMatmul, Work};
 use matmul::MatmulKey;
 use rlx_ir::Result;
 use std::collections::HashMap;
@@ -41,6 +43,8 @@ pub enum Dialect {
 type FusedCache = Mutex<HashMap<u64, Arc<dyn GpuLibrary>>>;
 /// Compiled engine matmuls of a device, by key.
 type MatmulCache = Mutex<HashMap<MatmulKey, Arc<dyn GpuMatmul>>>;
+/// Compiled engine attentions of a device, by key.
+type AttentionCache = Mutex<HashMap<AttentionKey, Arc<dyn GpuAttention>>>;
 
 /// One GPU with the kernel library compiled for it (once, at creation) and the fused kernels
 /// compiled so far (once per distinct source), and the engine matmuls compiled so far (once per
@@ -52,6 +56,7 @@ pub struct MetalDevice {
     library: Arc<dyn GpuLibrary>,
     fused: Arc<FusedCache>,
     matmuls: Arc<MatmulCache>,
+    attentions: Arc<AttentionCache>,
     /// Device-side waits of this device's copy engines, taken by the next compute submission.
     waits: Arc<copy::DeviceWaits>,
 }
@@ -66,6 +71,7 @@ impl MetalDevice {
             library,
             fused: Arc::default(),
             matmuls: Arc::default(),
+            attentions: Arc::default(),
             waits: Arc::default(),
         })
     }
@@ -96,6 +102,25 @@ impl MetalDevice {
         let m = self.gpu.matmul(key, &self.library)?;
         cache.insert(key, m.clone());
         Ok(m)
+    }
+
+    /// The engine attention of `key`, compiled once per key.
+    pub fn attention(&self, key: AttentionKey) -> Result<Arc<dyn GpuAttention>> {
+        let mut cache = self.attentions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = cache.get(&key) {
+            return Ok(a.clone());
+        }
+        let a = self.gpu.attention(key)?;
+        cache.insert(key, a.clone());
+        Ok(a)
+    }
+
+    /// How many distinct engine attentions this device compiled.
+    pub fn attentions_compiled(&self) -> usize {
+        self.attentions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
     }
 
     /// How many distinct engine matmuls this device compiled.

@@ -14,9 +14,11 @@
 //!
 //! Type-checked for aarch64-apple-darwin in CI; it has not run on Apple hardware.
 #![allow(unsafe_code)] // FFI module: Objective-C objects and raw record bytes
+use crate::attention::AttentionKey;
 use crate::caps::Capabilities;
 use crate::gpu::{
-    BlitCopy, Dispatch, EventWait, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work,
+    BlitCopy, Dispatch, EventWait, Gpu, GpuAttention, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul,
+    Submitted, Work,
 };
 use crate::host::kernel_names;
 use crate::matmul::{segments, Activation, CommandBuffers, MatmulKey, Segment};
@@ -245,6 +247,57 @@ fn tensor_data(
     }
 }
 
+/// An engine attention: an `MPSGraphExecutable` computing `softmax(scale q k^T + mask) v`
+/// for one key, and the order of its feeds (0 q, 1 k, 2 v).
+pub struct SysAttention {
+    key: AttentionKey,
+    exe: Retained<MPSGraphExecutable>,
+    order: Vec<usize>,
+    /// One encode at a time per executable (as `SysMatmul`).
+    encoding: Mutex<()>,
+}
+
+// SAFETY: the executable is only used under `encoding`'s lock.
+unsafe impl Send for SysAttention {}
+// SAFETY: as above.
+unsafe impl Sync for SysAttention {}
+
+impl GpuAttention for SysAttention {
+    fn key(&self) -> AttentionKey {
+        self.key
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Encodes `exe` (feeds in `order`, by index into `arrays`) writing `result`, on `mps`, and
+/// follows the command buffer the encode may have committed and continued to.
+fn encode_exe(
+    mps: &MPSCommandBuffer,
+    cbs: &mut CommandBuffers<CbRef>,
+    (exe, order, encoding): (&MPSGraphExecutable, &[usize], &Mutex<()>),
+    arrays: &[Retained<MPSGraphTensorData>],
+    result: Retained<MPSGraphTensorData>,
+) {
+    let inputs: Vec<Retained<MPSGraphTensorData>> =
+        order.iter().map(|&w| arrays[w].clone()).collect();
+    let _one = encoding.lock().unwrap_or_else(|p| p.into_inner());
+    // SAFETY: the arrays alias live shared buffers (kept alive by the submission) with the
+    // shapes the executable was compiled for; no compute encoder is open on the command buffer.
+    unsafe {
+        exe.encodeToCommandBuffer_inputsArray_resultsArray_executionDescriptor(
+            mps,
+            &NSArray::from_retained_slice(&inputs),
+            Some(&NSArray::from_retained_slice(&[result])),
+            None,
+        );
+    }
+    // The encode may have committed and continued: follow the current buffer.
+    // SAFETY: reading the wrapper's current underlying command buffer.
+    cbs.observe(CbRef(unsafe { mps.rootCommandBuffer() }));
+}
+
 /// A Metal device with its compute queue and its blit (copy) queue.
 pub struct MetalGpu {
     device: Retained<ProtocolObject<dyn MTLDevice>>,
@@ -277,6 +330,71 @@ impl MetalGpu {
             compute,
             blit,
         })
+    }
+}
+
+impl MetalGpu {
+    /// Compiles `graph` for this device with `placeholders` (tensor, shape) as float32 feeds and
+    /// `result` as its target; returns the executable and, for each of its feeds in order, the
+    /// index of the placeholder it is.
+    ///
+    /// # Safety
+    /// The tensors are of `graph`.
+    unsafe fn compile_graph(
+        &self,
+        graph: &MPSGraph,
+        placeholders: &[(Retained<MPSGraphTensor>, Vec<usize>)],
+        result: &MPSGraphTensor,
+        what: &str,
+    ) -> Result<(Retained<MPSGraphExecutable>, Vec<usize>)> {
+        let types: Vec<Retained<MPSGraphShapedType>> = placeholders
+            .iter()
+            .map(|(_, s)| {
+                MPSGraphShapedType::initWithShape_dataType(
+                    MPSGraphShapedType::alloc(),
+                    Some(&ns_shape(s)),
+                    MPSDataType::Float32,
+                )
+            })
+            .collect();
+        let keys: Vec<&MPSGraphTensor> = placeholders.iter().map(|(t, _)| &**t).collect();
+        let values: Vec<&MPSGraphShapedType> = types.iter().map(|t| &**t).collect();
+        let feeds = NSDictionary::from_slices(&keys, &values);
+        let gdev = MPSGraphDevice::deviceWithMTLDevice(&self.device);
+        // SAFETY: the caller's tensors are of `graph`; compile blocks until it is built.
+        let exe = unsafe {
+            graph.compileWithDevice_feeds_targetTensors_targetOperations_compilationDescriptor(
+                Some(&gdev),
+                &feeds,
+                &NSArray::from_slice(&[result]),
+                None,
+                None,
+            )
+        };
+        // SAFETY: reading the built executable's feeds.
+        let fed = unsafe { exe.feedTensors() }
+            .ok_or_else(|| missing("MPSGraphExecutable feedTensors"))?;
+        let mut order = Vec::with_capacity(placeholders.len());
+        for i in 0..fed.count() {
+            let t = fed.objectAtIndex(i);
+            let which = placeholders
+                .iter()
+                .position(|(p, _)| std::ptr::eq(Retained::as_ptr(p), Retained::as_ptr(&t)))
+                .ok_or_else(|| {
+                    Error::Device(format!(
+                        "Metal: a {what} executable feeds an unknown tensor"
+                    ))
+                })?;
+            order.push(which);
+        }
+        if order.len() != placeholders.len() {
+            return Err(Error::Device(format!(
+                "Metal: a {what} executable with {} feeds, not {}",
+                order.len(),
+                placeholders.len()
+            )));
+        }
+        Ok((exe, order))
     }
 }
 
@@ -421,52 +539,65 @@ impl Gpu for MetalGpu {
                 Some(Activation::Tanh) => graph.tanhWithTensor_name(&c, None),
                 Some(Activation::Sigmoid) => graph.sigmoidWithTensor_name(&c, None),
             };
-            let types: Vec<Retained<MPSGraphShapedType>> = placeholders
-                .iter()
-                .map(|(_, s)| {
-                    MPSGraphShapedType::initWithShape_dataType(
-                        MPSGraphShapedType::alloc(),
-                        Some(&ns_shape(s)),
-                        MPSDataType::Float32,
-                    )
-                })
-                .collect();
-            let keys: Vec<&MPSGraphTensor> = placeholders.iter().map(|(t, _)| &**t).collect();
-            let values: Vec<&MPSGraphShapedType> = types.iter().map(|t| &**t).collect();
-            let feeds = NSDictionary::from_slices(&keys, &values);
-            let gdev = MPSGraphDevice::deviceWithMTLDevice(&self.device);
-            let exe = graph
-                .compileWithDevice_feeds_targetTensors_targetOperations_compilationDescriptor(
-                    Some(&gdev),
-                    &feeds,
-                    &NSArray::from_slice(&[&*c]),
-                    None,
-                    None,
-                );
-            let fed = exe
-                .feedTensors()
-                .ok_or_else(|| missing("MPSGraphExecutable feedTensors"))?;
-            let mut order = Vec::with_capacity(placeholders.len());
-            for i in 0..fed.count() {
-                let t = fed.objectAtIndex(i);
-                let which = placeholders
-                    .iter()
-                    .position(|(p, _)| std::ptr::eq(Retained::as_ptr(p), Retained::as_ptr(&t)))
-                    .ok_or_else(|| {
-                        Error::Device("Metal: a matmul executable feeds an unknown tensor".into())
-                    })?;
-                order.push(which);
-            }
-            if order.len() != placeholders.len() {
-                return Err(Error::Device(format!(
-                    "Metal: a matmul executable with {} feeds, not {}",
-                    order.len(),
-                    placeholders.len()
-                )));
-            }
-            (exe, order)
+            self.compile_graph(&graph, &placeholders, &c, "matmul")?
         };
         Ok(Arc::new(SysMatmul {
+            key,
+            exe,
+            order,
+            encoding: Mutex::new(()),
+        }))
+    }
+    fn attention(&self, key: AttentionKey) -> Result<Arc<dyn GpuAttention>> {
+        let [sq, sk, sv, _] = key.shapes();
+        // SAFETY: graph construction from valid shapes and tensors of this graph; compile
+        // blocks until the executable is built.
+        let (exe, order) = unsafe {
+            let graph = MPSGraph::new();
+            let place = |s: &[usize]| {
+                graph.placeholderWithShape_dataType_name(
+                    Some(&ns_shape(s)),
+                    MPSDataType::Float32,
+                    None,
+                )
+            };
+            let (q, k, v) = (place(&sq), place(&sk), place(&sv));
+            // scores [bh, l, s] = scale * q k^T
+            let kt = graph.transposeTensor_dimension_withDimension_name(&k, 1, 2, None);
+            let mut scores =
+                graph.matrixMultiplicationWithPrimaryTensor_secondaryTensor_name(&q, &kt, None);
+            let scale = graph.constantWithScalar_dataType(key.scale() as f64, MPSDataType::Float32);
+            scores =
+                graph.multiplicationWithPrimaryTensor_secondaryTensor_name(&scores, &scale, None);
+            if let Some(off) = key.causal {
+                // Key j is seen by query i where j <= i + off: the band of an [l, s] matrix of
+                // ones with every lower diagonal and `off` upper ones; the rest -inf.
+                let ones = graph.constantWithScalar_shape_dataType(
+                    1.0,
+                    &ns_shape(&[key.l, key.s]),
+                    MPSDataType::Float32,
+                );
+                let off = isize::try_from(off).map_err(|_| {
+                    Error::Internal(format!("causal offset {off} past an NSInteger"))
+                })?;
+                let band = graph.bandPartWithTensor_numLower_numUpper_name(&ones, -1, off, None);
+                let zero = graph.constantWithScalar_dataType(0.0, MPSDataType::Float32);
+                let seen =
+                    graph.greaterThanWithPrimaryTensor_secondaryTensor_name(&band, &zero, None);
+                let hidden =
+                    graph.constantWithScalar_dataType(f64::NEG_INFINITY, MPSDataType::Float32);
+                scores = graph
+                    .selectWithPredicateTensor_truePredicateTensor_falsePredicateTensor_name(
+                        &seen, &scores, &hidden, None,
+                    );
+            }
+            let probs = graph.softMaxWithTensor_axis_name(&scores, 2, None);
+            let out =
+                graph.matrixMultiplicationWithPrimaryTensor_secondaryTensor_name(&probs, &v, None);
+            let placeholders = vec![(q, sq.to_vec()), (k, sk.to_vec()), (v, sv.to_vec())];
+            self.compile_graph(&graph, &placeholders, &out, "attention")?
+        };
+        Ok(Arc::new(SysAttention {
             key,
             exe,
             order,
@@ -489,8 +620,8 @@ impl Gpu for MetalGpu {
             let ev = sys_event(&w.event)?;
             mps.encodeWaitForEvent_value(ProtocolObject::from_ref(&*ev.ev), w.value);
         }
-        let is_matmul: Vec<bool> = work.iter().map(|w| matches!(w, Work::Matmul(_))).collect();
-        for seg in segments(&is_matmul) {
+        let is_engine: Vec<bool> = work.iter().map(Work::is_engine).collect();
+        for seg in segments(&is_engine) {
             match seg {
                 Segment::Kernels(range) => {
                     // Made now, from the current command buffer (an engine encode before this
@@ -506,58 +637,74 @@ impl Gpu for MetalGpu {
                     }
                     let r = work[range].iter().try_for_each(|w| match w {
                         Work::Kernel(d) => encode_dispatch(&enc, d),
-                        Work::Matmul(_) => Err(Error::Internal("a matmul in a kernel run".into())),
+                        _ => Err(Error::Internal("an engine item in a kernel run".into())),
                     });
                     enc.endEncoding();
                     r?;
                 }
-                Segment::Matmul(i) => {
-                    let Work::Matmul(call) = &work[i] else {
-                        return Err(Error::Internal("a kernel in a matmul segment".into()));
-                    };
-                    let mm = call
-                        .exe
-                        .as_any()
-                        .downcast_ref::<SysMatmul>()
-                        .ok_or_else(|| {
-                            Error::Internal("a foreign matmul on a Metal device".into())
-                        })?;
-                    let [sa, sb, sc] = mm.key.shapes();
-                    let mut arrays = vec![
-                        tensor_data(sys_buffer(call.a.0)?, call.a.1, &sa)?,
-                        tensor_data(sys_buffer(call.b.0)?, call.b.1, &sb)?,
-                    ];
-                    match (mm.key.epilogue.bias, call.bias) {
-                        (true, Some((buf, off))) => {
-                            arrays.push(tensor_data(sys_buffer(buf)?, off, &mm.key.bias_shape())?)
-                        }
-                        (false, None) => {}
-                        _ => {
-                            return Err(Error::Internal(
-                                "an engine matmul's bias does not match its key".into(),
-                            ))
-                        }
+                Segment::Matmul(i) => match &work[i] {
+                    Work::Kernel(_) => {
+                        return Err(Error::Internal("a kernel in an engine segment".into()));
                     }
-                    let c = tensor_data(sys_buffer(call.c.0)?, call.c.1, &sc)?;
-                    let inputs: Vec<Retained<MPSGraphTensorData>> =
-                        mm.order.iter().map(|&w| arrays[w].clone()).collect();
-                    let _one = mm.encoding.lock().unwrap_or_else(|p| p.into_inner());
-                    // SAFETY: the arrays alias live shared buffers (kept alive by the
-                    // submission) with the shapes the executable was compiled for; no compute
-                    // encoder is open on the command buffer.
-                    unsafe {
-                        mm.exe
-                            .encodeToCommandBuffer_inputsArray_resultsArray_executionDescriptor(
-                                &mps,
-                                &NSArray::from_retained_slice(&inputs),
-                                Some(&NSArray::from_retained_slice(&[c])),
-                                None,
-                            );
+                    Work::Matmul(call) => {
+                        let mm =
+                            call.exe
+                                .as_any()
+                                .downcast_ref::<SysMatmul>()
+                                .ok_or_else(|| {
+                                    Error::Internal("a foreign matmul on a Metal device".into())
+                                })?;
+                        let [sa, sb, sc] = mm.key.shapes();
+                        let mut arrays = vec![
+                            tensor_data(sys_buffer(call.a.0)?, call.a.1, &sa)?,
+                            tensor_data(sys_buffer(call.b.0)?, call.b.1, &sb)?,
+                        ];
+                        match (mm.key.epilogue.bias, call.bias) {
+                            (true, Some((buf, off))) => arrays.push(tensor_data(
+                                sys_buffer(buf)?,
+                                off,
+                                &mm.key.bias_shape(),
+                            )?),
+                            (false, None) => {}
+                            _ => {
+                                return Err(Error::Internal(
+                                    "an engine matmul's bias does not match its key".into(),
+                                ))
+                            }
+                        }
+                        let c = tensor_data(sys_buffer(call.c.0)?, call.c.1, &sc)?;
+                        encode_exe(
+                            &mps,
+                            &mut cbs,
+                            (&mm.exe, &mm.order, &mm.encoding),
+                            &arrays,
+                            c,
+                        );
                     }
-                    // The encode may have committed and continued: follow the current buffer.
-                    // SAFETY: as above.
-                    cbs.observe(CbRef(unsafe { mps.rootCommandBuffer() }));
-                }
+                    Work::Attention(call) => {
+                        let at = call
+                            .exe
+                            .as_any()
+                            .downcast_ref::<SysAttention>()
+                            .ok_or_else(|| {
+                                Error::Internal("a foreign attention on a Metal device".into())
+                            })?;
+                        let [sq, sk, sv, so] = at.key.shapes();
+                        let arrays = [
+                            tensor_data(sys_buffer(call.q.0)?, call.q.1, &sq)?,
+                            tensor_data(sys_buffer(call.k.0)?, call.k.1, &sk)?,
+                            tensor_data(sys_buffer(call.v.0)?, call.v.1, &sv)?,
+                        ];
+                        let o = tensor_data(sys_buffer(call.out.0)?, call.out.1, &so)?;
+                        encode_exe(
+                            &mps,
+                            &mut cbs,
+                            (&at.exe, &at.order, &at.encoding),
+                            &arrays,
+                            o,
+                        );
+                    }
+                },
             }
         }
         mps.commit();

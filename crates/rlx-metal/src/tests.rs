@@ -743,6 +743,7 @@ fn matmul_programs_match_the_cpu_backend() {
             rlx_cpu::host_update,
             crate::MetalOptions {
                 matmul: policy,
+                attention: policy,
                 update: crate::UpdateMode::Kernel,
             },
         );
@@ -804,6 +805,7 @@ fn planned_gemms_are_routed_with_reasons_and_compiled_once_per_key() {
     let Some(dev) = device() else { return };
     let opts = |matmul| crate::MetalOptions {
         matmul,
+        attention: matmul,
         update: crate::UpdateMode::Kernel,
     };
     let compile = |m, k, n, policy| {
@@ -1059,6 +1061,7 @@ fn matmul_epilogues_run_on_the_engine_where_they_are_bias_and_activation() {
         let total = na + nb + ne + m * n;
         let opts = crate::MetalOptions {
             matmul: MatmulPolicy::ALL,
+            attention: MatmulPolicy::ALL,
             update: crate::UpdateMode::Kernel,
         };
         let prog = MetalProgram::new(
@@ -1094,4 +1097,127 @@ fn matmul_epilogues_run_on_the_engine_where_they_are_bias_and_activation() {
         assert!(want[na + nb + ne..].iter().any(|&x| x != 0.0), "{what}");
         close(&got, &want, 1e-5);
     }
+}
+
+/// An attention forward over head-major `[b, h, l, e]` / `[b, h, s, e]` tensors in the arena
+/// (q, k, v, then out), and the arena's size in floats.
+fn attention_program(
+    [b, h, l, s, e]: [usize; 5],
+    causal: Option<i64>,
+    heads: Option<usize>,
+) -> (Program, usize) {
+    use rlx_ir::{DType, Op, Shape};
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    let (nq, nk) = (b * h * l * e, b * h * s * e);
+    let op = Op::Attention {
+        scale: 1.0 / (e as f32).sqrt(),
+        causal,
+        heads,
+    };
+    let instr = match heads {
+        None => Instr::Op {
+            op,
+            ins: vec![
+                r(0, &[b, h, l, e]),
+                r(nq, &[b, h, s, e]),
+                r(nq + nk, &[b, h, s, e]),
+            ],
+            out: r(nq + 2 * nk, &[b, h, l, e]),
+        },
+        // packed qkv (b, l, 3 h e); out (b, l, h e)
+        Some(hh) => Instr::Op {
+            op,
+            ins: vec![r(0, &[b, l, 3 * hh * e])],
+            out: r(3 * b * l * hh * e, &[b, l, hh * e]),
+        },
+    };
+    (
+        Program {
+            instrs: vec![instr],
+        },
+        nq + 2 * nk + nq,
+    )
+}
+
+#[test]
+fn attention_runs_on_the_engine_where_routed_and_matches_the_cpu_backend() {
+    use crate::attention::AttentionKey;
+    use crate::program::{AttentionRoute, MetalProgram};
+    let Some(dev) = device() else { return };
+    let dims = [2, 3, 16, 24, 8];
+    let before = dev.attentions_compiled();
+    for causal in [None, Some(0), Some(3)] {
+        let (program, floats) = attention_program(dims, causal, None);
+        let init = data(floats, 31);
+        let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+        for policy in [MatmulPolicy::ALL, MatmulPolicy::OFF] {
+            let opts = crate::MetalOptions {
+                matmul: MatmulPolicy::OFF,
+                attention: policy,
+                update: crate::UpdateMode::Kernel,
+            };
+            let prog = MetalProgram::new(
+                dev.clone(),
+                &program,
+                &[floats * 4],
+                rlx_cpu::host_update,
+                opts,
+            )
+            .unwrap();
+            let key = AttentionKey {
+                bh: 6,
+                l: 16,
+                s: 24,
+                e: 8,
+                ev: 8,
+                scale_bits: (1.0 / 8f32.sqrt()).to_bits(),
+                causal,
+            };
+            match (policy.enabled, prog.attention_routes()) {
+                (true, [(0, AttentionRoute::Engine(k))]) => assert_eq!(*k, key),
+                (false, [(0, AttentionRoute::Kernel(why))]) => {
+                    assert!(why.contains("off"), "{why}")
+                }
+                (_, r) => panic!("{policy:?}: {r:?}"),
+            }
+            let metal = crate::MetalBackend::with_options(dev.clone(), rlx_cpu::host_update, opts);
+            let got = run_on(&metal, &program, &init);
+            let out = floats - 6 * 16 * 8;
+            assert!(want[out..].iter().any(|&x| x != 0.0));
+            close(&got, &want, 1e-4);
+        }
+    }
+    // one executable per key, whatever the program
+    assert_eq!(dev.attentions_compiled(), before + 3);
+    // below the threshold, packed qkv and a negative causal offset stay on the kernel, with why
+    let kernel_why = |program: &Program, floats: usize, policy| {
+        let opts = crate::MetalOptions {
+            matmul: MatmulPolicy::OFF,
+            attention: policy,
+            update: crate::UpdateMode::Kernel,
+        };
+        let prog = MetalProgram::new(
+            dev.clone(),
+            program,
+            &[floats * 4],
+            rlx_cpu::host_update,
+            opts,
+        )
+        .unwrap();
+        match prog.attention_routes() {
+            [(0, AttentionRoute::Kernel(why))] => why.clone(),
+            r => panic!("{r:?}"),
+        }
+    };
+    let (small, n) = attention_program([1, 1, 4, 4, 4], None, None);
+    assert!(kernel_why(&small, n, MatmulPolicy::default()).contains("threshold"));
+    let (packed, n) = attention_program([2, 3, 8, 8, 4], Some(0), Some(3));
+    assert!(kernel_why(&packed, n, MatmulPolicy::ALL).contains("head-major"));
+    let (blind, n) = attention_program([1, 2, 8, 8, 4], Some(-1), None);
+    assert!(kernel_why(&blind, n, MatmulPolicy::ALL).contains("causal offset"));
 }
