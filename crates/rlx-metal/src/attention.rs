@@ -3,20 +3,22 @@
 //! executable is compiled and cached under, and a reference of what that graph computes (the
 //! host GPU runs it, so routing and results are tested on Linux against the CPU backend).
 //!
-//! The engine takes the forward pass only (`rlx_attention`): `out = softmax(scale * q k^T +
-//! mask) v` per head, the causal mask hiding key `j` from query `i` where `j > i + off`. Its
+//! The engine takes the forward pass (`rlx_attention`): `out = softmax(scale * q k^T + mask)
+//! v` per head, the causal mask hiding key `j` from query `i` where `j > i + off`; and the
+//! gradient (`rlx_attention_grad`), which recomputes the probabilities `p` and gives
+//! `dv = p^T g`, `ds = scale p (g v^T - rowsum(p g v^T))`, `dq = ds k`, `dk = ds^T q`. The
 //! operands must be head-major (`[blocks, heads, rows, cols]` packed, so each is one array of
 //! `[blocks * heads, rows, cols]` at a byte offset), every query must see a key (`off >= 0`, as
 //! a query that sees none is NaN by definition), and the scores (materialised by the graph)
-//! must stay under the plan's bound for materialised scores. The gradient stays on the MSL
-//! kernel. The size threshold is the matmul engine's; the switch is
-//! `RLX_METAL_MPSGRAPH_ATTENTION`, which follows `RLX_METAL_MPSGRAPH` unless set.
+//! must stay under the plan's bound for materialised scores. The size threshold is the matmul
+//! engine's; the switch is `RLX_METAL_MPSGRAPH_ATTENTION`, which follows `RLX_METAL_MPSGRAPH`
+//! unless set.
 use crate::matmul::{offset_ok, MatmulPolicy, MAX_ARRAY_ELEMENTS};
 use rlx_runtime::gpu_plan::{Loc, GEMM_ATTENTION_MAX_SCORES, P};
 
 /// One attention as the engine compiles it: `bh` heads (blocks x heads) of `l` queries and `s`
-/// keys, head sizes `e` (q, k) and `ev` (v, out), the scale (as its bits, so the key hashes)
-/// and the causal offset. Offsets are not part of the key.
+/// keys, head sizes `e` (q, k) and `ev` (v, out), the scale (as its bits, so the key hashes),
+/// the causal offset, and whether it is the gradient. Offsets are not part of the key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AttentionKey {
     pub bh: usize,
@@ -26,24 +28,42 @@ pub struct AttentionKey {
     pub ev: usize,
     pub scale_bits: u32,
     pub causal: Option<i64>,
+    pub grad: bool,
 }
 
 impl AttentionKey {
     pub fn scale(&self) -> f32 {
         f32::from_bits(self.scale_bits)
     }
-    /// The shapes of q, k, v and out, as arrays.
-    pub fn shapes(&self) -> [[usize; 3]; 4] {
-        [
+    /// The shapes of the arrays of a call, feeds first: q, k, v, out for the forward pass;
+    /// q, k, v, g (the output's gradient), dq, dk, dv for the gradient.
+    pub fn shapes(&self) -> Vec<[usize; 3]> {
+        let (q, k, v, o) = (
             [self.bh, self.l, self.e],
             [self.bh, self.s, self.e],
             [self.bh, self.s, self.ev],
             [self.bh, self.l, self.ev],
-        ]
+        );
+        if self.grad {
+            vec![q, k, v, o, q, k, v]
+        } else {
+            vec![q, k, v, o]
+        }
     }
-    /// The byte sizes of q, k, v and out.
-    pub fn bytes(&self) -> [usize; 4] {
-        self.shapes().map(|s| s.iter().product::<usize>() * 4)
+    /// How many of [`AttentionKey::shapes`] are feeds (the rest are results).
+    pub fn feeds(&self) -> usize {
+        if self.grad {
+            4
+        } else {
+            3
+        }
+    }
+    /// The byte sizes of the arrays of a call, as `shapes`.
+    pub fn bytes(&self) -> Vec<usize> {
+        self.shapes()
+            .iter()
+            .map(|s| s.iter().product::<usize>() * 4)
+            .collect()
     }
     /// Multiply-adds, as the GEMM path's threshold counts them.
     pub fn work(&self) -> usize {
@@ -55,13 +75,16 @@ impl AttentionKey {
     }
 }
 
-/// A planned attention forward launch (`rlx_attention`, record `p`, `operands` by slot: 0 q,
-/// 1 k, 2 v, 3 out) as an engine key and the places of q, k, v and out, or why it stays on the
-/// MSL kernel.
+/// A planned attention launch as an engine key and the places of its arrays (as
+/// [`AttentionKey::shapes`]), or why it stays on the MSL kernel: the forward pass
+/// (`rlx_attention`, `operands` by slot: 0 q, 1 k, 2 v, 3 out) or, with `grad`, the gradient
+/// (`rlx_attention_grad`: 0 q, 1 k, 2 v, 3 the forward output, 4 g, 5 the gradient output
+/// holding dq, dk and dv at their record bases).
 pub fn attention_of(
     p: &P,
     operands: &[(usize, Loc)],
-) -> std::result::Result<(AttentionKey, [Loc; 4]), String> {
+    grad: bool,
+) -> std::result::Result<(AttentionKey, Vec<Loc>), String> {
     let dim = |i: usize| usize::try_from(p.iv[i]).map_err(|_| "a negative dimension".to_string());
     let (units, h, l, s, e, ev) = (dim(0)?, dim(1)?, dim(2)?, dim(3)?, dim(4)?, dim(5)?);
     let causal = (p.iv[6] != 0).then_some(p.iv[7]);
@@ -76,6 +99,7 @@ pub fn attention_of(
         ev,
         scale_bits: p.fv[0].to_bits(),
         causal,
+        grad,
     };
     let scores = key.bh * l * s;
     if scores > MAX_ARRAY_ELEMENTS || scores * 4 > GEMM_ATTENTION_MAX_SCORES {
@@ -83,12 +107,30 @@ pub fn attention_of(
             "{scores} scores, more than the engine materialises"
         ));
     }
-    let mut places = [Loc { buf: 0, offset: 0 }; 4];
-    for (x, (rows, cols)) in [(l, e), (s, e), (s, ev), (l, ev)].into_iter().enumerate() {
-        let name = ["q", "k", "v", "out"][x];
+    // (name, operand slot, record strides, rows, columns) of each array, in call order
+    let arrays: &[(&str, usize, usize, usize, usize)] = if grad {
+        &[
+            ("q", 0, 0, l, e),
+            ("k", 1, 1, s, e),
+            ("v", 2, 2, s, ev),
+            ("g", 4, 3, l, ev),
+            ("dq", 5, 4, l, e),
+            ("dk", 5, 5, s, e),
+            ("dv", 5, 6, s, ev),
+        ]
+    } else {
+        &[
+            ("q", 0, 0, l, e),
+            ("k", 1, 1, s, e),
+            ("v", 2, 2, s, ev),
+            ("out", 3, 3, l, ev),
+        ]
+    };
+    let mut places = Vec::with_capacity(arrays.len());
+    for &(name, slot, x, rows, cols) in arrays {
         let loc = operands
             .iter()
-            .find(|(slot, _)| *slot == x)
+            .find(|(o, _)| *o == slot)
             .map(|(_, l)| *l)
             .ok_or_else(|| format!("the launch has no {name}"))?;
         let [su, sh, sr, base] = [p.st[x][0], p.st[x][1], p.st[x][2], p.st[x][3]];
@@ -110,10 +152,10 @@ pub fn attention_of(
         let base = usize::try_from(base).map_err(|_| format!("{name} at a negative offset"))?;
         let offset = loc.offset + base * 4;
         offset_ok(offset)?;
-        places[x] = Loc {
+        places.push(Loc {
             buf: loc.buf,
             offset,
-        };
+        });
     }
     Ok((key, places))
 }
@@ -153,36 +195,83 @@ pub fn route(
     Ok(key)
 }
 
-/// What the engine's graph computes, in float32 as the graph does: `out` from `q`, `k`, `v`
-/// (packed arrays of the key's shapes). The host GPU's engine attention.
-pub fn reference(key: &AttentionKey, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
-    let AttentionKey { l, s, e, ev, .. } = *key;
+/// The probabilities of query `i` of head `z` (the masked softmax of its scaled scores).
+fn probabilities(key: &AttentionKey, q: &[f32], k: &[f32], z: usize, i: usize, p: &mut [f32]) {
+    let AttentionKey { l, s, e, .. } = *key;
     let scale = key.scale();
-    let mut scores = vec![0f32; s];
+    let qi = &q[(z * l + i) * e..][..e];
+    let mut max = f32::NEG_INFINITY;
+    for (j, sc) in p.iter_mut().enumerate() {
+        *sc = if key.masked(i, j) {
+            f32::NEG_INFINITY
+        } else {
+            let kj = &k[(z * s + j) * e..][..e];
+            scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>()
+        };
+        max = max.max(*sc);
+    }
+    let mut sum = 0f32;
+    for sc in p.iter_mut() {
+        *sc = (*sc - max).exp();
+        sum += *sc;
+    }
+    for sc in p.iter_mut() {
+        *sc /= sum;
+    }
+}
+
+/// What the engine's graph computes, in float32 as the graph does: from the feeds (packed
+/// arrays of the key's shapes, in order) the results, each zeroed first (the host GPU's engine
+/// attention).
+pub fn reference(key: &AttentionKey, feeds: &[&[f32]], results: &mut [Vec<f32>]) {
+    let AttentionKey { l, s, e, ev, .. } = *key;
+    let (q, k, v) = (feeds[0], feeds[1], feeds[2]);
+    let mut p = vec![0f32; s];
+    for r in results.iter_mut() {
+        r.fill(0.0);
+    }
+    if !key.grad {
+        let out = &mut results[0];
+        for z in 0..key.bh {
+            for i in 0..l {
+                probabilities(key, q, k, z, i, &mut p);
+                let o = &mut out[(z * l + i) * ev..][..ev];
+                for (j, &w) in p.iter().enumerate() {
+                    for (od, vd) in o.iter_mut().zip(&v[(z * s + j) * ev..][..ev]) {
+                        *od += w * vd;
+                    }
+                }
+            }
+        }
+        return;
+    }
+    let g = feeds[3];
+    let scale = key.scale();
+    let [dq, dk, dv] = results else {
+        panic!("the gradient has three results");
+    };
+    let mut dp = vec![0f32; s];
     for z in 0..key.bh {
         for i in 0..l {
-            let qi = &q[(z * l + i) * e..][..e];
-            let mut max = f32::NEG_INFINITY;
-            for (j, sc) in scores.iter_mut().enumerate() {
-                *sc = if key.masked(i, j) {
-                    f32::NEG_INFINITY
-                } else {
-                    let kj = &k[(z * s + j) * e..][..e];
-                    scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>()
-                };
-                max = max.max(*sc);
-            }
-            let mut sum = 0f32;
-            for sc in scores.iter_mut() {
-                *sc = (*sc - max).exp();
-                sum += *sc;
-            }
-            let o = &mut out[(z * l + i) * ev..][..ev];
-            o.fill(0.0);
-            for (j, &w) in scores.iter().enumerate() {
+            probabilities(key, q, k, z, i, &mut p);
+            let gi = &g[(z * l + i) * ev..][..ev];
+            for (j, d) in dp.iter_mut().enumerate() {
                 let vj = &v[(z * s + j) * ev..][..ev];
-                for (od, vd) in o.iter_mut().zip(vj) {
-                    *od += w / sum * vd;
+                *d = gi.iter().zip(vj).map(|(a, b)| a * b).sum::<f32>();
+            }
+            let rs: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+            let qi = &q[(z * l + i) * e..][..e];
+            for j in 0..s {
+                for (dvd, gd) in dv[(z * s + j) * ev..][..ev].iter_mut().zip(gi) {
+                    *dvd += p[j] * gd;
+                }
+                let ds = scale * p[j] * (dp[j] - rs);
+                let kj = &k[(z * s + j) * e..][..e];
+                for (dqd, kd) in dq[(z * l + i) * e..][..e].iter_mut().zip(kj) {
+                    *dqd += ds * kd;
+                }
+                for (dkd, qd) in dk[(z * s + j) * e..][..e].iter_mut().zip(qi) {
+                    *dkd += ds * qd;
                 }
             }
         }
@@ -193,7 +282,8 @@ pub fn reference(key: &AttentionKey, q: &[f32], k: &[f32], v: &[f32], out: &mut 
 mod tests {
     use super::*;
 
-    /// A forward record as the plan makes it for `heads: None` tensors of `units` blocks.
+    /// A forward record as the plan makes it for `heads: None` tensors of `units` blocks (the
+    /// gradient's extra strides too: dq | dk | dv in one output).
     fn record(units: usize, l: usize, s: usize, e: usize, causal: Option<i64>) -> P {
         let mut p = P::sized(units * l);
         p.iv[..6].copy_from_slice(&[units as i64, 1, l as i64, s as i64, e as i64, e as i64]);
@@ -203,15 +293,19 @@ mod tests {
         }
         p.fv[0] = 0.125;
         let (l_, s_, e_) = (l as i64, s as i64, e as i64);
+        let (qn, kn) = (units as i64 * l_ * e_, units as i64 * s_ * e_);
         p.st[0][..4].copy_from_slice(&[l_ * e_, 0, e_, 0]);
         p.st[1][..4].copy_from_slice(&[s_ * e_, 0, e_, 0]);
         p.st[2][..4].copy_from_slice(&[s_ * e_, 0, e_, 0]);
         p.st[3][..4].copy_from_slice(&[l_ * e_, 0, e_, 0]);
+        p.st[4][..4].copy_from_slice(&[l_ * e_, 0, e_, 0]);
+        p.st[5][..4].copy_from_slice(&[s_ * e_, 0, e_, qn]);
+        p.st[6][..4].copy_from_slice(&[s_ * e_, 0, e_, qn + kn]);
         p
     }
 
     fn ops() -> Vec<(usize, Loc)> {
-        (0..4)
+        (0..6)
             .map(|x| {
                 (
                     x,
@@ -226,7 +320,7 @@ mod tests {
 
     #[test]
     fn head_major_launches_become_keys_with_their_places() {
-        let (key, places) = attention_of(&record(6, 16, 24, 8, Some(0)), &ops()).unwrap();
+        let (key, places) = attention_of(&record(6, 16, 24, 8, Some(0)), &ops(), false).unwrap();
         assert_eq!(
             key,
             AttentionKey {
@@ -237,14 +331,23 @@ mod tests {
                 ev: 8,
                 scale_bits: 0.125f32.to_bits(),
                 causal: Some(0),
+                grad: false,
             }
         );
-        assert_eq!(places.map(|p| p.offset), [0, 4096, 8192, 12288]);
+        let at: Vec<usize> = places.iter().map(|p| p.offset).collect();
+        assert_eq!(at, [0, 4096, 8192, 12288]);
         assert_eq!(
             key.bytes(),
             [6 * 16 * 32, 6 * 24 * 32, 6 * 24 * 32, 6 * 16 * 32]
         );
         assert!(key.masked(0, 1) && !key.masked(1, 1));
+        // the gradient: g in slot 4 with the output's strides; dq | dk | dv in slot 5
+        let (key, places) = attention_of(&record(6, 16, 24, 8, None), &ops(), true).unwrap();
+        assert!(key.grad && key.feeds() == 4 && key.shapes().len() == 7);
+        let at: Vec<usize> = places.iter().map(|p| p.offset).collect();
+        let (qb, kb) = (6 * 16 * 8 * 4, 6 * 24 * 8 * 4);
+        let out = 5 * 4096;
+        assert_eq!(at, [0, 4096, 8192, 4 * 4096, out, out + qb, out + qb + kb]);
     }
 
     #[test]
@@ -252,15 +355,15 @@ mod tests {
         // a packed qkv row (stride 3 * e) is not head-major
         let mut p = record(2, 8, 8, 4, None);
         p.st[1][2] = 12;
-        let e = attention_of(&p, &ops()).unwrap_err();
+        let e = attention_of(&p, &ops(), false).unwrap_err();
         assert!(e.contains("k is not head-major"), "{e}");
-        let e = attention_of(&record(2, 8, 8, 4, Some(-1)), &ops()).unwrap_err();
+        let e = attention_of(&record(2, 8, 8, 4, Some(-1)), &ops(), true).unwrap_err();
         assert!(e.contains("causal offset"), "{e}");
         let mut odd = ops();
         odd[2].1.offset = 2;
-        let e = attention_of(&record(2, 8, 8, 4, None), &odd).unwrap_err();
+        let e = attention_of(&record(2, 8, 8, 4, None), &odd, false).unwrap_err();
         assert!(e.contains("float32 boundary"), "{e}");
-        let small = attention_of(&record(1, 4, 4, 4, None), &ops()).map(|k| k.0);
+        let small = attention_of(&record(1, 4, 4, 4, None), &ops(), false).map(|k| k.0);
         let e = route(&MatmulPolicy::default(), small.clone()).unwrap_err();
         assert!(e.contains("threshold"), "{e}");
         assert!(route(&MatmulPolicy::ALL, small.clone()).is_ok());
@@ -287,9 +390,9 @@ mod tests {
     }
 
     #[test]
-    fn the_reference_is_a_masked_softmax_average() {
+    fn the_reference_is_a_masked_softmax_average_and_its_gradient() {
         // one head, 2 queries, 2 keys of size 1; causal: query 0 sees only key 0
-        let key = AttentionKey {
+        let mut key = AttentionKey {
             bh: 1,
             l: 2,
             s: 2,
@@ -297,14 +400,41 @@ mod tests {
             ev: 1,
             scale_bits: 1.0f32.to_bits(),
             causal: Some(0),
+            grad: false,
         };
-        let mut out = [0f32; 2];
-        reference(&key, &[1.0, 1.0], &[0.0, 1.0], &[10.0, 20.0], &mut out);
+        let (q, k, v) = ([1.0f32, 1.0], [0.0f32, 1.0], [10.0f32, 20.0]);
+        let mut out = vec![vec![0f32; 2]];
+        reference(&key, &[&q, &k, &v], &mut out);
         let w = 1.0f32.exp() / (1.0 + 1.0f32.exp());
-        assert_eq!(out[0], 10.0);
-        assert!(
-            (out[1] - (10.0 * (1.0 - w) + 20.0 * w)).abs() < 1e-4,
-            "{out:?}"
-        );
+        assert_eq!(out[0][0], 10.0);
+        assert!((out[0][1] - (10.0 * (1.0 - w) + 20.0 * w)).abs() < 1e-4);
+        // the gradient of sum(out * g) against central differences in q, k, v
+        key.grad = true;
+        let g = [0.5f32, -2.0];
+        let mut grads = vec![vec![0f32; 2]; 3];
+        reference(&key, &[&q, &k, &v, &g], &mut grads);
+        let loss = |q: &[f32], k: &[f32], v: &[f32]| {
+            let fwd = AttentionKey { grad: false, ..key };
+            let mut o = vec![vec![0f32; 2]];
+            reference(&fwd, &[q, k, v], &mut o);
+            o[0].iter().zip(&g).map(|(a, b)| a * b).sum::<f32>()
+        };
+        let h = 1e-2f32;
+        for (which, grad) in grads.iter().enumerate() {
+            for i in 0..2 {
+                let mut x = [q, k, v];
+                x[which][i] += h;
+                let up = loss(&x[0], &x[1], &x[2]);
+                x[which][i] -= 2.0 * h;
+                let down = loss(&x[0], &x[1], &x[2]);
+                let fd = (up - down) / (2.0 * h);
+                assert!(
+                    (grad[i] - fd).abs() < 1e-2,
+                    "d{}[{i}]: {} vs {fd}",
+                    ["q", "k", "v"][which],
+                    grad[i]
+                );
+            }
+        }
     }
 }

@@ -74,14 +74,12 @@ pub trait GpuAttention: Send + Sync + Any {
     fn as_any(&self) -> &dyn Any;
 }
 
-/// One engine attention: `exe` over packed arrays at byte offsets of shared buffers (q, k, v
-/// read; out written), each spanning its `exe.key().bytes()` from its offset.
+/// One engine attention: `exe` over packed arrays at byte offsets of shared buffers, in the
+/// order of `exe.key().shapes()` (its feeds read, then its results written), each spanning its
+/// `exe.key().bytes()` from its offset.
 pub struct AttentionCall<'a> {
     pub exe: &'a dyn GpuAttention,
-    pub q: (&'a Arc<dyn GpuBuffer>, usize),
-    pub k: (&'a Arc<dyn GpuBuffer>, usize),
-    pub v: (&'a Arc<dyn GpuBuffer>, usize),
-    pub out: (&'a Arc<dyn GpuBuffer>, usize),
+    pub arrays: Vec<(&'a Arc<dyn GpuBuffer>, usize)>,
 }
 
 /// One item of a compute submission, run in order after the items before it.

@@ -547,21 +547,30 @@ impl Gpu for HostGpu {
                         })?;
                     let key = att.key;
                     let bytes = key.bytes();
-                    let read = |at, bytes: usize| -> Result<Vec<f32>> {
-                        let p = floats_at(at, bytes)?;
-                        // SAFETY: `bytes` bytes from `p` lie inside a live buffer (checked).
-                        Ok(unsafe { std::slice::from_raw_parts(p, bytes / 4) }.to_vec())
-                    };
-                    let (q, k, v) = (
-                        read(call.q, bytes[0])?,
-                        read(call.k, bytes[1])?,
-                        read(call.v, bytes[2])?,
-                    );
-                    let mut out = vec![0f32; bytes[3] / 4];
-                    crate::attention::reference(&key, &q, &k, &v, &mut out);
-                    let o = floats_at(call.out, bytes[3])?;
-                    // SAFETY: as `read`; no other reference to these bytes is live.
-                    unsafe { std::ptr::copy_nonoverlapping(out.as_ptr(), o, out.len()) };
+                    if call.arrays.len() != bytes.len() {
+                        return Err(Error::Internal(format!(
+                            "an engine attention of {} arrays, not {}",
+                            call.arrays.len(),
+                            bytes.len()
+                        )));
+                    }
+                    let mut feeds = Vec::with_capacity(key.feeds());
+                    for (&at, &n) in call.arrays.iter().zip(&bytes).take(key.feeds()) {
+                        let p = floats_at(at, n)?;
+                        // SAFETY: `n` bytes from `p` lie inside a live buffer (checked).
+                        feeds.push(unsafe { std::slice::from_raw_parts(p, n / 4) }.to_vec());
+                    }
+                    let feeds: Vec<&[f32]> = feeds.iter().map(Vec::as_slice).collect();
+                    let mut results: Vec<Vec<f32>> = bytes[key.feeds()..]
+                        .iter()
+                        .map(|n| vec![0f32; n / 4])
+                        .collect();
+                    crate::attention::reference(&key, &feeds, &mut results);
+                    for (&at, r) in call.arrays[key.feeds()..].iter().zip(&results) {
+                        let o = floats_at(at, r.len() * 4)?;
+                        // SAFETY: as above; no other reference to these bytes is live.
+                        unsafe { std::ptr::copy_nonoverlapping(r.as_ptr(), o, r.len()) };
+                    }
                 }
                 Work::Matmul(call) => {
                     let mm = call

@@ -45,7 +45,7 @@ pub enum MatmulRoute {
     EpilogueKernel(String),
 }
 
-/// Where a planned attention forward launch runs, and why.
+/// Where a planned attention launch (forward or gradient) runs, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum AttentionRoute {
     /// The matrix engine, with the executable of this key.
@@ -54,10 +54,10 @@ pub enum AttentionRoute {
     Kernel(String),
 }
 
-/// An engine-bound attention: its executable and where q, k, v and out are.
+/// An engine-bound attention: its executable and where its arrays are (as its key's shapes).
 struct EngineAttention {
     exe: Arc<dyn GpuAttention>,
-    places: [Loc; 4],
+    places: Vec<Loc>,
 }
 
 /// An engine-bound GEMM: its executable and where its row-major A, B and C (and its
@@ -91,7 +91,7 @@ pub struct MetalProgram {
     skip: Vec<bool>,
     /// For each step, its engine attention when the step is an attention bound to the engine.
     attention: Vec<Option<EngineAttention>>,
-    /// Each planned attention forward launch's step index and route.
+    /// Each planned attention launch's step index and route.
     attention_routes: Vec<(usize, AttentionRoute)>,
 }
 
@@ -242,23 +242,36 @@ impl MetalProgram {
         let mut engine_attention = Vec::with_capacity(plan.steps.len());
         let mut attention_routes = Vec::new();
         for (i, s) in plan.steps.iter().enumerate() {
-            let Step::Launch {
-                kernel: Kernel::Library("rlx_attention"),
-                p,
-                operands,
-                ..
-            } = s
-            else {
-                engine_attention.push(None);
-                continue;
+            let (grad, p, operands) = match s {
+                Step::Launch {
+                    kernel: Kernel::Library(k @ ("rlx_attention" | "rlx_attention_grad")),
+                    p,
+                    operands,
+                    ..
+                } => (*k == "rlx_attention_grad", p, operands),
+                _ => {
+                    engine_attention.push(None);
+                    continue;
+                }
             };
-            let found = attention::attention_of(p, operands);
-            let places = found.as_ref().map(|f| f.1).ok();
+            let found = attention::attention_of(p, operands, grad);
+            let places = found.as_ref().map(|f| f.1.clone()).ok();
             match attention::route(&options.attention, found.map(|f| f.0)) {
                 Ok(key) => {
                     let places = places.ok_or_else(|| {
                         Error::Internal("[metal] an engine attention without places".into())
                     })?;
+                    // The gradient's output is zeroed first for the kernel's sums; the engine
+                    // writes every byte of it (dq | dk | dv), so that fill is not run.
+                    if let (true, Some(Step::Fill { at, bytes })) =
+                        (grad, i.checked_sub(1).and_then(|j| plan.steps.get(j)))
+                    {
+                        let out = operands.iter().find(|(slot, _)| *slot == 5).map(|o| o.1);
+                        let written: usize = key.bytes()[key.feeds()..].iter().sum();
+                        if out == Some(*at) && *bytes == written && places[4] == *at {
+                            skip[i - 1] = true;
+                        }
+                    }
                     engine_attention.push(Some(EngineAttention {
                         exe: device.attention(key)?,
                         places,
@@ -297,7 +310,7 @@ impl MetalProgram {
         })
     }
 
-    /// Each planned attention forward launch's step index and where it runs (the engine's key,
+    /// Each planned attention launch's step index and where it runs (the engine's key,
     /// or the reason it stays on the MSL kernel).
     pub fn attention_routes(&self) -> &[(usize, AttentionRoute)] {
         &self.attention_routes
@@ -339,8 +352,8 @@ enum Item {
         [(usize, usize); 3],
         Option<(usize, usize)>,
     ),
-    /// An engine attention: its executable, (buffer, byte offset) of q, k, v and out.
-    Attention(Arc<dyn GpuAttention>, [(usize, usize); 4]),
+    /// An engine attention: its executable, (buffer, byte offset) of each of its arrays.
+    Attention(Arc<dyn GpuAttention>, Vec<(usize, usize)>),
 }
 
 impl Compiled for MetalProgram {
@@ -448,12 +461,12 @@ impl Compiled for MetalProgram {
                         record: &l.record,
                         threads: l.threads,
                     }),
-                    Item::Attention(exe, [q, k, v, o]) => Work::Attention(AttentionCall {
+                    Item::Attention(exe, arrays) => Work::Attention(AttentionCall {
                         exe: exe.as_ref(),
-                        q: (gpu(q.0)?, q.1),
-                        k: (gpu(k.0)?, k.1),
-                        v: (gpu(v.0)?, v.1),
-                        out: (gpu(o.0)?, o.1),
+                        arrays: arrays
+                            .iter()
+                            .map(|&(b, off)| Ok((gpu(b)?, off)))
+                            .collect::<Result<_>>()?,
                     }),
                     Item::Matmul(exe, [a, b, c], bias) => Work::Matmul(MatmulCall {
                         exe: exe.as_ref(),
@@ -490,7 +503,7 @@ impl Compiled for MetalProgram {
                 }
                 pending.push(Item::Attention(
                     a.exe.clone(),
-                    a.places.map(|l| (l.buf, l.offset)),
+                    a.places.iter().map(|l| (l.buf, l.offset)).collect(),
                 ));
                 continue;
             }

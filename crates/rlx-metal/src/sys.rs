@@ -248,11 +248,14 @@ fn tensor_data(
 }
 
 /// An engine attention: an `MPSGraphExecutable` computing `softmax(scale q k^T + mask) v`
-/// for one key, and the order of its feeds (0 q, 1 k, 2 v).
+/// (or its gradient) for one key, and the order of its feeds and results.
 pub struct SysAttention {
     key: AttentionKey,
     exe: Retained<MPSGraphExecutable>,
+    /// For each feed of the executable, in its order, which array of the call.
     order: Vec<usize>,
+    /// For each result of the executable, in its order, which result of the call.
+    result_order: Vec<usize>,
     /// One encode at a time per executable (as `SysMatmul`).
     encoding: Mutex<()>,
 }
@@ -271,17 +274,20 @@ impl GpuAttention for SysAttention {
     }
 }
 
-/// Encodes `exe` (feeds in `order`, by index into `arrays`) writing `result`, on `mps`, and
-/// follows the command buffer the encode may have committed and continued to.
+/// Encodes `exe` (feeds in `order`, by index into `arrays`; results in `result_order`, by
+/// index into `results`) on `mps`, and follows the command buffer the encode may have committed
+/// and continued to.
 fn encode_exe(
     mps: &MPSCommandBuffer,
     cbs: &mut CommandBuffers<CbRef>,
     (exe, order, encoding): (&MPSGraphExecutable, &[usize], &Mutex<()>),
     arrays: &[Retained<MPSGraphTensorData>],
-    result: Retained<MPSGraphTensorData>,
+    (results, result_order): (&[Retained<MPSGraphTensorData>], &[usize]),
 ) {
     let inputs: Vec<Retained<MPSGraphTensorData>> =
         order.iter().map(|&w| arrays[w].clone()).collect();
+    let outputs: Vec<Retained<MPSGraphTensorData>> =
+        result_order.iter().map(|&w| results[w].clone()).collect();
     let _one = encoding.lock().unwrap_or_else(|p| p.into_inner());
     // SAFETY: the arrays alias live shared buffers (kept alive by the submission) with the
     // shapes the executable was compiled for; no compute encoder is open on the command buffer.
@@ -289,7 +295,7 @@ fn encode_exe(
         exe.encodeToCommandBuffer_inputsArray_resultsArray_executionDescriptor(
             mps,
             &NSArray::from_retained_slice(&inputs),
-            Some(&NSArray::from_retained_slice(&[result])),
+            Some(&NSArray::from_retained_slice(&outputs)),
             None,
         );
     }
@@ -335,8 +341,9 @@ impl MetalGpu {
 
 impl MetalGpu {
     /// Compiles `graph` for this device with `placeholders` (tensor, shape) as float32 feeds and
-    /// `result` as its target; returns the executable and, for each of its feeds in order, the
-    /// index of the placeholder it is.
+    /// `results` as its targets; returns the executable and, for each of its feeds in order,
+    /// the index of the placeholder it is, and for each of its results in order, the index of
+    /// the target it is.
     ///
     /// # Safety
     /// The tensors are of `graph`.
@@ -344,9 +351,9 @@ impl MetalGpu {
         &self,
         graph: &MPSGraph,
         placeholders: &[(Retained<MPSGraphTensor>, Vec<usize>)],
-        result: &MPSGraphTensor,
+        results: &[&MPSGraphTensor],
         what: &str,
-    ) -> Result<(Retained<MPSGraphExecutable>, Vec<usize>)> {
+    ) -> Result<(Retained<MPSGraphExecutable>, Vec<usize>, Vec<usize>)> {
         let types: Vec<Retained<MPSGraphShapedType>> = placeholders
             .iter()
             .map(|(_, s)| {
@@ -366,7 +373,7 @@ impl MetalGpu {
             graph.compileWithDevice_feeds_targetTensors_targetOperations_compilationDescriptor(
                 Some(&gdev),
                 &feeds,
-                &NSArray::from_slice(&[result]),
+                &NSArray::from_slice(results),
                 None,
                 None,
             )
@@ -394,7 +401,28 @@ impl MetalGpu {
                 placeholders.len()
             )));
         }
-        Ok((exe, order))
+        // SAFETY: reading the built executable's targets.
+        let targets = unsafe { exe.targetTensors() }
+            .ok_or_else(|| missing("MPSGraphExecutable targetTensors"))?;
+        let mut result_order = Vec::with_capacity(results.len());
+        for i in 0..targets.count() {
+            let t = targets.objectAtIndex(i);
+            let which = results
+                .iter()
+                .position(|r| std::ptr::eq(*r, Retained::as_ptr(&t)))
+                .ok_or_else(|| {
+                    Error::Device(format!("Metal: a {what} executable has an unknown target"))
+                })?;
+            result_order.push(which);
+        }
+        if result_order.len() != results.len() {
+            return Err(Error::Device(format!(
+                "Metal: a {what} executable with {} results, not {}",
+                result_order.len(),
+                results.len()
+            )));
+        }
+        Ok((exe, order, result_order))
     }
 }
 
@@ -539,7 +567,8 @@ impl Gpu for MetalGpu {
                 Some(Activation::Tanh) => graph.tanhWithTensor_name(&c, None),
                 Some(Activation::Sigmoid) => graph.sigmoidWithTensor_name(&c, None),
             };
-            self.compile_graph(&graph, &placeholders, &c, "matmul")?
+            let (exe, order, _) = self.compile_graph(&graph, &placeholders, &[&c], "matmul")?;
+            (exe, order)
         };
         Ok(Arc::new(SysMatmul {
             key,
@@ -549,10 +578,17 @@ impl Gpu for MetalGpu {
         }))
     }
     fn attention(&self, key: AttentionKey) -> Result<Arc<dyn GpuAttention>> {
-        let [sq, sk, sv, _] = key.shapes();
+        let shapes = key.shapes();
+        let off =
+            match key.causal {
+                Some(off) => Some(isize::try_from(off).map_err(|_| {
+                    Error::Internal(format!("causal offset {off} past an NSInteger"))
+                })?),
+                None => None,
+            };
         // SAFETY: graph construction from valid shapes and tensors of this graph; compile
         // blocks until the executable is built.
-        let (exe, order) = unsafe {
+        let (exe, order, result_order) = unsafe {
             let graph = MPSGraph::new();
             let place = |s: &[usize]| {
                 graph.placeholderWithShape_dataType_name(
@@ -561,15 +597,23 @@ impl Gpu for MetalGpu {
                     None,
                 )
             };
-            let (q, k, v) = (place(&sq), place(&sk), place(&sv));
+            let f32c = |v: f64| graph.constantWithScalar_dataType(v, MPSDataType::Float32);
+            let t = |x: &MPSGraphTensor| {
+                graph.transposeTensor_dimension_withDimension_name(x, 1, 2, None)
+            };
+            let mm = |a: &MPSGraphTensor, b: &MPSGraphTensor| {
+                graph.matrixMultiplicationWithPrimaryTensor_secondaryTensor_name(a, b, None)
+            };
+            let mul = |a: &MPSGraphTensor, b: &MPSGraphTensor| {
+                graph.multiplicationWithPrimaryTensor_secondaryTensor_name(a, b, None)
+            };
+            let feeds: Vec<Retained<MPSGraphTensor>> =
+                shapes[..key.feeds()].iter().map(|s| place(s)).collect();
+            let (q, k, v) = (&feeds[0], &feeds[1], &feeds[2]);
             // scores [bh, l, s] = scale * q k^T
-            let kt = graph.transposeTensor_dimension_withDimension_name(&k, 1, 2, None);
-            let mut scores =
-                graph.matrixMultiplicationWithPrimaryTensor_secondaryTensor_name(&q, &kt, None);
-            let scale = graph.constantWithScalar_dataType(key.scale() as f64, MPSDataType::Float32);
-            scores =
-                graph.multiplicationWithPrimaryTensor_secondaryTensor_name(&scores, &scale, None);
-            if let Some(off) = key.causal {
+            let scale = f32c(key.scale() as f64);
+            let mut scores = mul(&mm(q, &t(k)), &scale);
+            if let Some(off) = off {
                 // Key j is seen by query i where j <= i + off: the band of an [l, s] matrix of
                 // ones with every lower diagonal and `off` upper ones; the rest -inf.
                 let ones = graph.constantWithScalar_shape_dataType(
@@ -577,30 +621,50 @@ impl Gpu for MetalGpu {
                     &ns_shape(&[key.l, key.s]),
                     MPSDataType::Float32,
                 );
-                let off = isize::try_from(off).map_err(|_| {
-                    Error::Internal(format!("causal offset {off} past an NSInteger"))
-                })?;
                 let band = graph.bandPartWithTensor_numLower_numUpper_name(&ones, -1, off, None);
-                let zero = graph.constantWithScalar_dataType(0.0, MPSDataType::Float32);
-                let seen =
-                    graph.greaterThanWithPrimaryTensor_secondaryTensor_name(&band, &zero, None);
-                let hidden =
-                    graph.constantWithScalar_dataType(f64::NEG_INFINITY, MPSDataType::Float32);
+                let seen = graph.greaterThanWithPrimaryTensor_secondaryTensor_name(
+                    &band,
+                    &f32c(0.0),
+                    None,
+                );
                 scores = graph
                     .selectWithPredicateTensor_truePredicateTensor_falsePredicateTensor_name(
-                        &seen, &scores, &hidden, None,
+                        &seen,
+                        &scores,
+                        &f32c(f64::NEG_INFINITY),
+                        None,
                     );
             }
             let probs = graph.softMaxWithTensor_axis_name(&scores, 2, None);
-            let out =
-                graph.matrixMultiplicationWithPrimaryTensor_secondaryTensor_name(&probs, &v, None);
-            let placeholders = vec![(q, sq.to_vec()), (k, sk.to_vec()), (v, sv.to_vec())];
-            self.compile_graph(&graph, &placeholders, &out, "attention")?
+            let results: Vec<Retained<MPSGraphTensor>> = if key.grad {
+                // dv = p^T g; dp = g v^T; ds = scale p (dp - rowsum(p dp)); dq = ds k;
+                // dk = ds^T q (a hidden key has p = 0, so ds = 0 there)
+                let g = &feeds[3];
+                let dv = mm(&t(&probs), g);
+                let dp = mm(g, &t(v));
+                let rows = graph.reductionSumWithTensor_axis_name(&mul(&probs, &dp), 2, None);
+                let centred =
+                    graph.subtractionWithPrimaryTensor_secondaryTensor_name(&dp, &rows, None);
+                let ds = mul(&mul(&probs, &centred), &scale);
+                let dq = mm(&ds, k);
+                let dk = mm(&t(&ds), q);
+                vec![dq, dk, dv]
+            } else {
+                vec![mm(&probs, v)]
+            };
+            let placeholders: Vec<(Retained<MPSGraphTensor>, Vec<usize>)> = feeds
+                .iter()
+                .zip(&shapes)
+                .map(|(f, s)| (f.clone(), s.to_vec()))
+                .collect();
+            let targets: Vec<&MPSGraphTensor> = results.iter().map(|r| &**r).collect();
+            self.compile_graph(&graph, &placeholders, &targets, "attention")?
         };
         Ok(Arc::new(SysAttention {
             key,
             exe,
             order,
+            result_order,
             encoding: Mutex::new(()),
         }))
     }
@@ -678,7 +742,7 @@ impl Gpu for MetalGpu {
                             &mut cbs,
                             (&mm.exe, &mm.order, &mm.encoding),
                             &arrays,
-                            c,
+                            (&[c], &[0]),
                         );
                     }
                     Work::Attention(call) => {
@@ -689,19 +753,27 @@ impl Gpu for MetalGpu {
                             .ok_or_else(|| {
                                 Error::Internal("a foreign attention on a Metal device".into())
                             })?;
-                        let [sq, sk, sv, so] = at.key.shapes();
-                        let arrays = [
-                            tensor_data(sys_buffer(call.q.0)?, call.q.1, &sq)?,
-                            tensor_data(sys_buffer(call.k.0)?, call.k.1, &sk)?,
-                            tensor_data(sys_buffer(call.v.0)?, call.v.1, &sv)?,
-                        ];
-                        let o = tensor_data(sys_buffer(call.out.0)?, call.out.1, &so)?;
+                        let shapes = at.key.shapes();
+                        if call.arrays.len() != shapes.len() {
+                            return Err(Error::Internal(format!(
+                                "an engine attention of {} arrays, not {}",
+                                call.arrays.len(),
+                                shapes.len()
+                            )));
+                        }
+                        let arrays: Vec<Retained<MPSGraphTensorData>> = call
+                            .arrays
+                            .iter()
+                            .zip(&shapes)
+                            .map(|(&(buf, off), shape)| tensor_data(sys_buffer(buf)?, off, shape))
+                            .collect::<Result<_>>()?;
+                        let (feeds, results) = arrays.split_at(at.key.feeds());
                         encode_exe(
                             &mps,
                             &mut cbs,
                             (&at.exe, &at.order, &at.encoding),
-                            &arrays,
-                            o,
+                            feeds,
+                            (results, &at.result_order),
                         );
                     }
                 },

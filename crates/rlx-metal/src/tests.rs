@@ -1177,6 +1177,7 @@ fn attention_runs_on_the_engine_where_routed_and_matches_the_cpu_backend() {
                 ev: 8,
                 scale_bits: (1.0 / 8f32.sqrt()).to_bits(),
                 causal,
+                grad: false,
             };
             match (policy.enabled, prog.attention_routes()) {
                 (true, [(0, AttentionRoute::Engine(k))]) => assert_eq!(*k, key),
@@ -1220,4 +1221,92 @@ fn attention_runs_on_the_engine_where_routed_and_matches_the_cpu_backend() {
     assert!(kernel_why(&packed, n, MatmulPolicy::ALL).contains("head-major"));
     let (blind, n) = attention_program([1, 2, 8, 8, 4], Some(-1), None);
     assert!(kernel_why(&blind, n, MatmulPolicy::ALL).contains("causal offset"));
+}
+
+#[test]
+fn attention_gradient_runs_on_the_engine_where_routed_and_matches_the_cpu_backend() {
+    use crate::program::{AttentionRoute, MetalProgram};
+    use rlx_ir::{DType, Op, Shape};
+    let Some(dev) = device() else { return };
+    let (b, h, l, s, e) = (2, 3, 16, 24, 8);
+    let (nq, nk) = (b * h * l * e, b * h * s * e);
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    for causal in [None, Some(0), Some(5)] {
+        // inputs q, k, v, out (the forward result), g; the gradient [dq | dk | dv] after them
+        let fwd = r(nq + 2 * nk, &[b, h, l, e]);
+        let grad_at = 2 * nq + 2 * nk + nq;
+        let program = Program {
+            instrs: vec![
+                Instr::Op {
+                    op: Op::Attention {
+                        scale: 0.3,
+                        causal,
+                        heads: None,
+                    },
+                    ins: vec![
+                        r(0, &[b, h, l, e]),
+                        r(nq, &[b, h, s, e]),
+                        r(nq + nk, &[b, h, s, e]),
+                    ],
+                    out: fwd.clone(),
+                },
+                Instr::Op {
+                    op: Op::AttentionGrad {
+                        scale: 0.3,
+                        causal,
+                        heads: None,
+                    },
+                    ins: vec![
+                        r(0, &[b, h, l, e]),
+                        r(nq, &[b, h, s, e]),
+                        r(nq + nk, &[b, h, s, e]),
+                        fwd.clone(),
+                        r(2 * nq + 2 * nk, &[b, h, l, e]),
+                    ],
+                    out: r(grad_at, &[nq + 2 * nk]),
+                },
+            ],
+        };
+        let floats = grad_at + nq + 2 * nk;
+        let mut init = data(floats, 41);
+        // the gradient's output starts dirty: every byte of it must be written
+        let fwd_at = nq + 2 * nk;
+        init[fwd_at..fwd_at + nq].fill(0.0);
+        let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+        for policy in [MatmulPolicy::ALL, MatmulPolicy::OFF] {
+            let opts = crate::MetalOptions {
+                matmul: MatmulPolicy::OFF,
+                attention: policy,
+                update: crate::UpdateMode::Kernel,
+            };
+            let prog = MetalProgram::new(
+                dev.clone(),
+                &program,
+                &[floats * 4],
+                rlx_cpu::host_update,
+                opts,
+            )
+            .unwrap();
+            let routes = prog.attention_routes();
+            assert_eq!(routes.len(), 2, "{routes:?}");
+            for (_, route) in routes {
+                match (policy.enabled, route) {
+                    (true, AttentionRoute::Engine(_)) | (false, AttentionRoute::Kernel(_)) => {}
+                    _ => panic!("{policy:?}: {routes:?}"),
+                }
+            }
+            if let (_, AttentionRoute::Engine(k)) = &routes[1] {
+                assert!(k.grad && k.causal == causal);
+            }
+            let metal = crate::MetalBackend::with_options(dev.clone(), rlx_cpu::host_update, opts);
+            let got = run_on(&metal, &program, &init);
+            assert!(want[grad_at..].iter().any(|&x| x != 0.0));
+            close(&got, &want, 1e-4);
+        }
+    }
 }
