@@ -5,7 +5,7 @@
 //!     cargo run --release -p rlx-cpu --example sgemm_bench [-- 1|2]   # 1: one thread only,
 //!                                                                      # 2: every shape split
 //!
-//! Each cell is the best single call, the paths called in turn (on a shared machine each sees
+//! Each cell is the best single call (and the median call), the paths called in turn (on a shared machine each sees
 //! the same load). With one thread on Linux the time is the thread's CPU time (time the thread
 //! was descheduled does not count); with two it is wall time. `ONLY=fwd` keeps the shapes whose
 //! label contains `fwd`.
@@ -92,10 +92,10 @@ fn main() {
             .into_iter()
             .filter(|p| p.available())
             .collect();
-        let mut best = vec![f64::INFINITY; paths.len()];
+        let mut times = vec![Vec::new(); paths.len()];
         let calls = (4e9 / (m * n * k) as f64).clamp(100.0, 3000.0) as usize;
         for _ in 0..calls {
-            for (p, t) in paths.iter().zip(&mut best) {
+            for (p, t) in paths.iter().zip(&mut times) {
                 let (w0, c0) = (Instant::now(), thread_seconds());
                 sgemm_on(
                     *p,
@@ -116,15 +116,28 @@ fn main() {
                 } else {
                     thread_seconds() - c0
                 };
-                *t = t.min(s);
+                t.push(s);
             }
         }
+        // The best call and the median one (on a shared machine the median moves with the load).
+        let stats: Vec<(f64, f64)> = times
+            .iter_mut()
+            .map(|t| {
+                t.sort_by(f64::total_cmp);
+                (t[0], t[t.len() / 2])
+            })
+            .collect();
         let cells: Vec<String> = [Path::Avx512, Path::Avx2Fma, Path::Crate]
             .iter()
             .map(|p| match paths.iter().position(|q| q == p) {
                 Some(i) => {
-                    let gf = 2.0 * (m * n * k) as f64 / best[i] * 1e-9;
-                    format!("{:.0} ({gf:.0} GF/s)", best[i] * 1e6)
+                    let (best, median) = stats[i];
+                    let gf = 2.0 * (m * n * k) as f64 / best * 1e-9;
+                    format!(
+                        "{:.0} ({gf:.0} GF/s), median {:.0}",
+                        best * 1e6,
+                        median * 1e6
+                    )
                 }
                 None => "-".to_string(),
             })

@@ -194,15 +194,19 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                 unsafe { b.get_mut(out) },
             )
         }
+        // `lowp` is not used: this backend computes attention in float32 throughout (at least
+        // as accurate as the low-precision products it allows).
         Op::Attention {
             scale,
             causal,
             heads,
+            ..
         }
         | Op::AttentionGrad {
             scale,
             causal,
             heads,
+            ..
         } => {
             let n = if heads.is_some() { 1 } else { 3 };
             let shapes: Vec<&[usize]> = (0..n).map(sh).collect();

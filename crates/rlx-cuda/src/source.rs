@@ -264,20 +264,37 @@ extern "C" __global__ void rlx_softmax(const P p) {
 }
 /* ---- attention as GEMMs: head-major copies, and the score rows between the products ---- */
 /* Rows of iv[2] contiguous floats: row r = (block, head, row) of [*, iv[0], iv[1]] at
-   st[0] (source) / st[1] (destination) strides [block, head, row]; float4 moves when iv[3]. */
+   st[0] (source) / st[1] (destination) strides [block, head, row]; float4 moves when iv[3].
+   iv[4] (rx_low): the destination is float32 (0), bfloat16 (1) or float16 (2). */
+__device__ __forceinline__ unsigned short rx_low(long long code, float x) {
+  return code == 1 ? rx_f2bf(x) : rx_f2h(x);
+}
 extern "C" __global__ void rlx_att_copy(const P p) {
   long long H = p.iv[0], R = p.iv[1], C = p.iv[2], v = p.iv[3] ? 4 : 1, n = p.n * (C / v);
+  long long lo = p.iv[4];
   GRID_LOOP(i, n) {
     long long r = i / (C / v), c = (i - r * (C / v)) * v;
     long long u = r / (H * R), rem = r - u * H * R, h = rem / R, w = rem - h * R;
     long long so = u * p.st[0][0] + h * p.st[0][1] + w * p.st[0][2] + c;
     long long d = u * p.st[1][0] + h * p.st[1][1] + w * p.st[1][2] + c;
-    if (v == 4) *(float4*)(F(1) + d) = *(const float4*)(F(0) + so);
-    else F(1)[d] = F(0)[so];
+    if (lo == 0) {
+      if (v == 4) *(float4*)(F(1) + d) = *(const float4*)(F(0) + so);
+      else F(1)[d] = F(0)[so];
+    } else if (v == 4) {
+      float4 x = *(const float4*)(F(0) + so);
+      uint2 o;
+      o.x = rx_low(lo, x.x) | ((unsigned int)rx_low(lo, x.y) << 16);
+      o.y = rx_low(lo, x.z) | ((unsigned int)rx_low(lo, x.w) << 16);
+      *(uint2*)((unsigned short*)p.ptr[1] + d) = o;
+    } else {
+      ((unsigned short*)p.ptr[1])[d] = rx_low(lo, F(0)[so]);
+    }
   }
 }
 /* In place: p = softmax(scale * s) over the keys a causal mask leaves (key j of query i when
-   j <= i + iv[3], iv[2] set), 0 for the others; a row with no key is NaN, as the fused kernels give. */
+   j <= i + iv[3], iv[2] set), 0 for the others; a row with no key is NaN, as the fused kernels give.
+   With iv[4] (rx_low) the probabilities are also written in that low precision to ptr1, and
+   with iv[5] only there (a forward pass reads nothing else). */
 extern "C" __global__ void rlx_att_softmax(const P p) {
   long long L = p.iv[0], S = p.iv[1];
   float sc = p.fv[0];
@@ -294,10 +311,16 @@ extern "C" __global__ void rlx_att_softmax(const P p) {
     for (long long j = lane; j < vis; j += 32) t += expf(x[j] * sc - m);
     t = warp_sum(t);
     float inv = 1.0f / t;
-    for (long long j = lane; j < S; j += 32) x[j] = vis == 0 ? RX_NAN : (j < vis ? expf(x[j] * sc - m) * inv : 0.0f);
+    unsigned short* xl = (unsigned short*)p.ptr[1] + r * S;
+    for (long long j = lane; j < S; j += 32) {
+      float y = vis == 0 ? RX_NAN : (j < vis ? expf(x[j] * sc - m) * inv : 0.0f);
+      if (!p.iv[5]) x[j] = y;
+      if (p.iv[4]) xl[j] = rx_low(p.iv[4], y);
+    }
   }
 }
-/* In place over dp (ptr1): ds = scale * p * (dp - sum_j p_j dp_j), p the probabilities (ptr0). */
+/* In place over dp (ptr1): ds = scale * p * (dp - sum_j p_j dp_j), p the probabilities (ptr0);
+   with iv[4] (rx_low) also written in that low precision to ptr2. */
 extern "C" __global__ void rlx_att_dscore(const P p) {
   long long S = p.iv[1];
   float sc = p.fv[0];
@@ -309,7 +332,12 @@ extern "C" __global__ void rlx_att_dscore(const P p) {
     float t = 0.0f;
     for (long long j = lane; j < S; j += 32) t += pr[j] * d[j];
     t = warp_sum(t);
-    for (long long j = lane; j < S; j += 32) d[j] = sc * pr[j] * (d[j] - t);
+    unsigned short* dl = (unsigned short*)p.ptr[2] + r * S;
+    for (long long j = lane; j < S; j += 32) {
+      float y = sc * pr[j] * (d[j] - t);
+      d[j] = y;
+      if (p.iv[4]) dl[j] = rx_low(p.iv[4], y);
+    }
   }
 }
 /* ---- cross-entropy: per-row losses into scratch (ptr2: n losses, then n 0/1 counted flags),

@@ -1,8 +1,11 @@
 //! The autocast rewrite of a forward graph (mixed precision, before autodiff): every float32
 //! matmul reads its operands through casts to a low-precision dtype (bfloat16 or float16), so it
 //! multiplies in that precision and sums in float32 (its result stays float32, see
-//! `DType::is_low_precision`). Everything else (reductions, softmax, norms, losses, elementwise
-//! ops, attention) stays float32, as PyTorch's autocast keeps its "float32 list" in float32.
+//! `DType::is_low_precision`). Fused attention is marked to run its products in that dtype too
+//! (`Op::Attention`'s `lowp`: PyTorch's autocast lists scaled-dot-product attention with the
+//! matmuls), its softmax and its inputs and results staying float32. Everything else
+//! (reductions, softmax, norms, losses, elementwise ops) stays float32, as PyTorch's autocast
+//! keeps its "float32 list" in float32.
 //! Autodiff of the rewritten graph then gives low-precision matmuls in the backward pass too
 //! (the matmul VJP casts the incoming gradient), and the casts' VJPs hand float32 gradients to
 //! the float32 parameters.
@@ -59,6 +62,20 @@ pub fn autocast(graph: &Graph, to: DType) -> Result<(Graph, Vec<NodeId>)> {
                 }
                 out.add(node.op.clone(), &low)?
             }
+            Op::Attention {
+                scale,
+                causal,
+                heads,
+                lowp: None,
+            } => out.add(
+                Op::Attention {
+                    scale: *scale,
+                    causal: *causal,
+                    heads: *heads,
+                    lowp: Some(to),
+                },
+                &ins,
+            )?,
             op => out.add(op.clone(), &ins)?,
         };
         map.push(new);
@@ -144,5 +161,50 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("bfloat16 or float16, got float32"));
+    }
+
+    /// Attention keeps float32 inputs and result but is marked for low-precision products, and
+    /// its gradient inherits the mark.
+    #[test]
+    fn attention_is_marked_for_low_precision_products() {
+        let mut g = Graph::new();
+        let qkv = g
+            .input("qkv", Shape::new([2, 8, 3 * 4]), DType::F32)
+            .unwrap();
+        let w = g.param("w", Shape::new([2, 8, 3 * 4]), DType::F32).unwrap();
+        let x = g.add(Op::Binary(crate::BinaryOp::Mul), &[qkv, w]).unwrap();
+        let att = Op::Attention {
+            scale: 0.5,
+            causal: Some(0),
+            heads: Some(2),
+            lowp: None,
+        };
+        let o = g.add(att, &[x]).unwrap();
+        let loss = g
+            .add(
+                Op::Reduce {
+                    op: ReduceOp::Sum,
+                    axes: vec![0, 1, 2],
+                    keepdims: false,
+                },
+                &[o],
+            )
+            .unwrap();
+        g.set_outputs(vec![loss]).unwrap();
+        for dt in [DType::BF16, DType::F16] {
+            let (a, map) = autocast(&g, dt).unwrap();
+            let n = a.node(map[o]);
+            assert!(matches!(n.op, Op::Attention { lowp: Some(d), .. } if d == dt));
+            assert_eq!(n.dtype, DType::F32);
+            assert!(n.inputs.iter().all(|&i| a.node(i).dtype == DType::F32));
+            let b = grad(&a, a.outputs()[0], &[a.params()[0].0]).unwrap();
+            let grads: Vec<_> = b
+                .nodes()
+                .iter()
+                .filter(|n| matches!(n.op, Op::AttentionGrad { .. }))
+                .collect();
+            assert_eq!(grads.len(), 1);
+            assert!(matches!(grads[0].op, Op::AttentionGrad { lowp: Some(d), .. } if d == dt));
+        }
     }
 }

@@ -499,11 +499,13 @@ fn vjp(
             scale,
             causal,
             heads,
+            lowp,
         } => {
             let attrs = Op::AttentionGrad {
                 scale: *scale,
                 causal: *causal,
                 heads: *heads,
+                lowp: *lowp,
             };
             let mut args = ins.to_vec();
             args.extend([y, gy]);

@@ -182,10 +182,16 @@ pub enum Op {
     ///
     /// `causal: Some(off)`: query `i` sees key `j` only when `j <= i + off` (PyTorch's
     /// `is_causal` is `off = 0`); a query that sees no key gives NaN (a softmax over nothing).
+    ///
+    /// `lowp: Some(bf16 | f16)` (set by the autocast rewrite, as PyTorch's autocast runs
+    /// attention in its low precision): a backend may read the products' operands (q, k, v, the
+    /// probabilities, and in the gradient `g` and the score gradients) rounded to that dtype,
+    /// summing in float32; softmax, inputs and results stay float32. `None`: float32 throughout.
     Attention {
         scale: f32,
         causal: Option<i64>,
         heads: Option<usize>,
+        lowp: Option<DType>,
     },
     /// The VJP of `Attention` (same attributes). Inputs `(q, k, v, out, g)` for `heads: None`,
     /// giving one flat float32 vector `[dq | dk | dv]` (each in its input's row-major order);
@@ -195,6 +201,7 @@ pub enum Op {
         scale: f32,
         causal: Option<i64>,
         heads: Option<usize>,
+        lowp: Option<DType>,
     },
     /// A matmul followed by an elementwise epilogue, `epilogue(a @ b, x1, .., xn)` (made by
     /// `fuse`, after autodiff; no VJP). Inputs `(a, b, x1, .., xn)`; `a @ b` is `MatMul` with

@@ -695,6 +695,7 @@ fn attention_beyond_the_kernels_head_size_is_refused_by_name() {
                 scale: 1.0,
                 causal: None,
                 heads: None,
+                lowp: None,
             },
             ins: vec![t(0), t(2400), t(4800)],
             out: t(7200),

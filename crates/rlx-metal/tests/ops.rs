@@ -449,12 +449,14 @@ fn matmuls_attention_and_convolution_windows() {
                 scale: 0.35,
                 causal,
                 heads: None,
+                lowp: None,
             };
             let o = op(g, at, &[x[0], x[1], x[2]]);
             let gr = Op::AttentionGrad {
                 scale: 0.35,
                 causal,
                 heads: None,
+                lowp: None,
             };
             vec![o, op(g, gr, &[x[0], x[1], x[2], o, x[3]])]
         });
@@ -465,12 +467,14 @@ fn matmuls_attention_and_convolution_windows() {
             scale: 0.5,
             causal: Some(0),
             heads: Some(2),
+            lowp: None,
         };
         let o = op(g, at, &[x[0]]);
         let gr = Op::AttentionGrad {
             scale: 0.5,
             causal: Some(0),
             heads: Some(2),
+            lowp: None,
         };
         vec![o, op(g, gr, &[x[0], o, x[1]])]
     });

@@ -345,6 +345,7 @@ impl PyGraph {
                 scale,
                 causal,
                 heads,
+                lowp: None,
             },
             &ins,
         )

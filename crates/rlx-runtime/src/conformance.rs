@@ -29,6 +29,15 @@ pub(crate) fn close(got: &[f32], want: &[f64], what: &str) {
     }
 }
 
+/// [`close`] within `tol` (absolute and relative), for results computed in a lower precision.
+fn close_within(got: &[f32], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let ok = (g.is_nan() && w.is_nan()) || (*g as f64 - w).abs() <= tol * (1.0 + w.abs());
+        assert!(ok, "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
 /// Defines one `#[test]` per conformance check, each on a backend made by `$make` (an expression
 /// of type `Arc<dyn Backend>`, evaluated once per test). Use it once per backend, in a module of
 /// its own when one test file covers several:
@@ -757,24 +766,35 @@ pub fn fused_instructions_match_reference(backend: &Arc<dyn Backend>) {
         let ki = g.input("k", Shape::new([u, s, e]), f).unwrap();
         let vi = g.input("v", Shape::new([u, s, ev]), f).unwrap();
         let gi = g.input("g", Shape::new([u, l, ev]), f).unwrap();
-        let attrs = |grad: bool, heads: Option<usize>| {
+        let attrs = |grad: bool, lowp: Option<DType>| {
+            let heads = None;
             if grad {
                 Op::AttentionGrad {
                     scale,
                     causal,
                     heads,
+                    lowp,
                 }
             } else {
                 Op::Attention {
                     scale,
                     causal,
                     heads,
+                    lowp,
                 }
             }
         };
         let o = g.add(attrs(false, None), &[qi, ki, vi]).unwrap();
         let d = g.add(attrs(true, None), &[qi, ki, vi, o, gi]).unwrap();
-        g.set_outputs(vec![o, d]).unwrap();
+        // The same attention with low-precision products (mixed precision): bfloat16 and
+        // float16 operands, float32 sums, within those dtypes' rounding of the float32 results.
+        let mut low = vec![o, d];
+        for dt in [DType::BF16, DType::F16] {
+            let o = g.add(attrs(false, Some(dt)), &[qi, ki, vi]).unwrap();
+            low.push(o);
+            low.push(g.add(attrs(true, Some(dt)), &[qi, ki, vi, o, gi]).unwrap());
+        }
+        g.set_outputs(low).unwrap();
         let got = run(&g, &[("q", &q), ("k", &k), ("v", &v), ("g", &gy)]);
         let mut want = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
         for b in 0..u {
@@ -802,6 +822,11 @@ pub fn fused_instructions_match_reference(backend: &Arc<dyn Backend>) {
             &flat,
             &format!("attention_grad [dq | dk | dv] {:?}", (u, l, s, e, ev)),
         );
+        for (i, dt) in ["bfloat16", "float16"].iter().enumerate() {
+            let what = format!("attention, {dt} products {:?}", (u, l, s, e, ev));
+            close_within(&got[2 + 2 * i], &want[0], 4e-2, &what);
+            close_within(&got[3 + 2 * i], &flat, 4e-2, &format!("{what}, gradient"));
+        }
     }
 
     // Packed layout: qkv (B, T, 3 * H * E), causal offset 0.
@@ -813,18 +838,20 @@ pub fn fused_instructions_match_reference(backend: &Arc<dyn Backend>) {
         let gi = g.input("g", Shape::new([b, t, h * e]), f).unwrap();
         let causal = Some(0);
         let packed = |grad: bool| {
-            let heads = Some(h);
+            let (heads, lowp) = (Some(h), None);
             if grad {
                 Op::AttentionGrad {
                     scale,
                     causal,
                     heads,
+                    lowp,
                 }
             } else {
                 Op::Attention {
                     scale,
                     causal,
                     heads,
+                    lowp,
                 }
             }
         };

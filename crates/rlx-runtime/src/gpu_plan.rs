@@ -467,14 +467,35 @@ fn low_precision_only_in_products(program: &Program, backend: &str) -> Result<()
     Ok(())
 }
 
+/// How the attention row kernels and copies are told the dtype of their low-precision writes
+/// (`iv[4]`): 0 none (float32 only), 1 bfloat16, 2 float16.
+fn low_code(dtype: DType) -> i64 {
+    match dtype {
+        DType::BF16 => 1,
+        DType::F16 => 2,
+        _ => 0,
+    }
+}
+
+/// The attributes of an `Attention` / `AttentionGrad` instruction (see `rlx_ir::Op`).
+#[derive(Clone, Copy)]
+struct Attn {
+    scale: f32,
+    causal: Option<i64>,
+    heads: Option<usize>,
+    lowp: Option<DType>,
+}
+
 /// One attention instruction for [`Builder::attention_gemm`]: `(blocks, heads, L, S, E, Ev)`,
 /// per tensor (q, k, v, o/g, dq, dk, dv) `[block stride, head offset, row stride, base]` in
-/// elements, the scale and the causal offset.
+/// elements, the scale, the causal offset and the products' operand dtype (float32, or the
+/// low precision of `Op::Attention`'s `lowp`).
 struct AttentionGemm {
     dims: (usize, usize, usize, usize, usize, usize),
     st: [[i64; 4]; 7],
     scale: f32,
     causal: Option<i64>,
+    operands: DType,
 }
 
 struct Builder {
@@ -1036,16 +1057,21 @@ impl Builder {
                 scale,
                 causal,
                 heads,
+                lowp,
             }
             | Op::AttentionGrad {
                 scale,
                 causal,
                 heads,
+                lowp,
             } => self.attention(
                 matches!(op, Op::AttentionGrad { .. }),
-                *scale,
-                *causal,
-                *heads,
+                Attn {
+                    scale: *scale,
+                    causal: *causal,
+                    heads: *heads,
+                    lowp: *lowp,
+                },
                 ins,
                 out,
             ),
@@ -1152,15 +1178,13 @@ impl Builder {
     }
 
     /// Attention forward or backward (see `rlx_attention` in the kernel source for the record).
-    fn attention(
-        &mut self,
-        grad: bool,
-        scale: f32,
-        causal: Option<i64>,
-        heads: Option<usize>,
-        ins: &[TRef],
-        out: &TRef,
-    ) -> Result<()> {
+    fn attention(&mut self, grad: bool, attn: Attn, ins: &[TRef], out: &TRef) -> Result<()> {
+        let Attn {
+            scale,
+            causal,
+            heads,
+            lowp,
+        } = attn;
         let d0 = ins[0].shape.dims();
         let mut p = P::default();
         let (units, h, l, s, e, ev);
@@ -1252,6 +1276,11 @@ impl Builder {
                     st,
                     scale,
                     causal,
+                    // Backends without mixed precision compute in float32 throughout.
+                    operands: match lowp {
+                        Some(dt) if self.target.low_precision => dt,
+                        _ => DType::F32,
+                    },
                 };
                 return self.attention_gemm(&a, [q, k, v], g, at(out));
             }
@@ -1326,6 +1355,10 @@ impl Builder {
     /// The gradient recomputes the probabilities, then `dv = p^T g`, `dp = g v^T`,
     /// `ds = scale p (dp - rowsum(p dp))` in place, `dq = ds k`, `dk = ds^T q`, each product
     /// written straight into the output where its layout allows, else copied there.
+    ///
+    /// With low-precision operands (`a.operands`, from `Op::Attention`'s `lowp`) the head-major
+    /// copies are casts, the row kernels also write the probabilities and score gradients in
+    /// that dtype, and every product reads those copies and sums in float32.
     fn attention_gemm(
         &mut self,
         a: &AttentionGemm,
@@ -1335,14 +1368,16 @@ impl Builder {
     ) -> Result<()> {
         let (units, h, l, s, e, ev) = a.dims;
         let bh = units * h;
+        let (f, lo) = (DType::F32, a.operands);
+        let low = lo != f;
         // Workspace in the product buffer, 256-byte aligned pieces.
         let ws = std::cell::Cell::new(0usize);
-        let alloc = |elems: usize| {
+        let alloc = |elems: usize, dtype: DType| {
             let at = Loc {
                 buf: PRODUCT,
                 offset: ws.get(),
             };
-            ws.set(ws.get() + (elems * 4).div_ceil(256) * 256);
+            ws.set(ws.get() + (elems * dtype.size()).div_ceil(256) * 256);
             at
         };
         // Tensor `x` of the description (0 q, 1 k, 2 v, 3 o/g, 4 dq, 5 dk, 6 dv) at `base`:
@@ -1361,19 +1396,20 @@ impl Builder {
         let srcs = [(0, q, l, e), (1, k, s, e), (2, v, s, ev)];
         for (x, base, rows, cols) in srcs.into_iter().chain(g.map(|g| (3, g, l, ev))) {
             let (at, dims, st) = view(x, base, rows, cols);
-            if head_major(dims, st) {
+            if !low && head_major(dims, st) {
                 places.push(at);
             } else {
-                let to = alloc(bh * rows * cols);
-                self.rows_copy(&dims, (at, st), (to, contiguous(&dims)));
+                let to = alloc(bh * rows * cols, lo);
+                self.rows_copy(&dims, (at, st), (to, contiguous(&dims)), lo);
                 places.push(to);
             }
         }
         let (qh, kh, vh) = (places[0], places[1], places[2]);
-        let f = DType::F32;
-        let probs = alloc(bh * l * s);
+        let probs = alloc(bh * l * s, f);
+        // The probabilities as the products read them.
+        let probs_lo = if low { alloc(bh * l * s, lo) } else { probs };
         self.matmul_at(
-            f,
+            lo,
             (qh, &[bh, l, e]),
             (kh, &[bh, s, e]),
             (probs, &[bh, l, s]),
@@ -1387,15 +1423,17 @@ impl Builder {
             p.iv[2] = 1;
             p.iv[3] = off;
         }
+        p.iv[4] = low_code(lo);
         p.fv[0] = a.scale;
         let rows = grid_for(bh * l, 8);
-        self.launch(
-            Kernel::Library("rlx_att_softmax"),
-            rows,
-            THREADS,
-            p,
-            vec![(0, probs)],
-        );
+        let mut ops = vec![(0, probs)];
+        if low {
+            ops.push((1, probs_lo));
+        }
+        // A forward pass with low-precision products reads only the low-precision copy.
+        let mut ps = p;
+        ps.iv[5] = (low && g.is_none()) as i64;
+        self.launch(Kernel::Library("rlx_att_softmax"), rows, THREADS, ps, ops);
         // A product into output tensor `x` (`rows` x `cols` per head): straight there when it
         // is head-major, else through the product buffer.
         let into = |b: &mut Self,
@@ -1408,16 +1446,16 @@ impl Builder {
             if head_major(dims, st) {
                 return product(b, at);
             }
-            let tmp = alloc(bh * rows * cols);
+            let tmp = alloc(bh * rows * cols, f);
             product(b, tmp)?;
-            b.rows_copy(&dims, (tmp, contiguous(&dims)), (at, st));
+            b.rows_copy(&dims, (tmp, contiguous(&dims)), (at, st), f);
             Ok(())
         };
         let Some(gh) = g.map(|_| places[3]) else {
             into(self, 3, l, ev, &|b, o| {
                 b.matmul_at(
-                    f,
-                    (probs, &[bh, l, s]),
+                    lo,
+                    (probs_lo, &[bh, l, s]),
                     (vh, &[bh, s, ev]),
                     (o, &[bh, l, ev]),
                     false,
@@ -1429,34 +1467,33 @@ impl Builder {
         };
         into(self, 6, s, ev, &|b, dv| {
             b.matmul_at(
-                f,
-                (probs, &[bh, l, s]),
+                lo,
+                (probs_lo, &[bh, l, s]),
                 (gh, &[bh, l, ev]),
                 (dv, &[bh, s, ev]),
                 true,
                 false,
             )
         })?;
-        let ds = alloc(bh * l * s);
+        let ds = alloc(bh * l * s, f);
+        let ds_lo = if low { alloc(bh * l * s, lo) } else { ds };
         self.matmul_at(
-            f,
+            lo,
             (gh, &[bh, l, ev]),
             (vh, &[bh, s, ev]),
             (ds, &[bh, l, s]),
             false,
             true,
         )?;
-        self.launch(
-            Kernel::Library("rlx_att_dscore"),
-            rows,
-            THREADS,
-            p,
-            vec![(0, probs), (1, ds)],
-        );
+        let mut ops = vec![(0, probs), (1, ds)];
+        if low {
+            ops.push((2, ds_lo));
+        }
+        self.launch(Kernel::Library("rlx_att_dscore"), rows, THREADS, p, ops);
         into(self, 4, l, e, &|b, dq| {
             b.matmul_at(
-                f,
-                (ds, &[bh, l, s]),
+                lo,
+                (ds_lo, &[bh, l, s]),
                 (kh, &[bh, s, e]),
                 (dq, &[bh, l, e]),
                 false,
@@ -1465,8 +1502,8 @@ impl Builder {
         })?;
         into(self, 5, s, e, &|b, dk| {
             b.matmul_at(
-                f,
-                (ds, &[bh, l, s]),
+                lo,
+                (ds_lo, &[bh, l, s]),
                 (qh, &[bh, l, e]),
                 (dk, &[bh, s, e]),
                 true,
@@ -1477,13 +1514,15 @@ impl Builder {
         Ok(())
     }
 
-    /// Copies the rows of a `[blocks, heads, rows, cols]` tensor (contiguous columns) between
-    /// two layouts given by element strides; float4 moves where both sides allow them.
+    /// Copies the rows of a `[blocks, heads, rows, cols]` float32 tensor (contiguous columns)
+    /// between two layouts given by element strides, writing `to` (float32, or cast to
+    /// bfloat16 / float16); four at a time where both sides allow it.
     fn rows_copy(
         &mut self,
         dims: &[usize; 4],
         src: (Loc, impl AsRef<[i64]>),
         dst: (Loc, impl AsRef<[i64]>),
+        to: DType,
     ) {
         let (ss, ds) = (src.1.as_ref(), dst.1.as_ref());
         let n = dims[0] * dims[1] * dims[2];
@@ -1501,6 +1540,7 @@ impl Builder {
             && src.0.offset % 16 == 0
             && dst.0.offset % 16 == 0;
         p.iv[3] = vec4 as i64;
+        p.iv[4] = low_code(to);
         let per = if vec4 { dims[3] / 4 } else { dims[3] };
         self.launch(
             Kernel::Library("rlx_att_copy"),
@@ -2279,6 +2319,7 @@ mod tests {
                     scale: 0.5,
                     causal: Some(0),
                     heads: Some(3),
+                    lowp: None,
                 },
                 ins: vec![t(0, &[2, 8, 36])],
                 out: t(4096, &[2, 8, 12]),
@@ -2323,6 +2364,7 @@ mod tests {
                     scale: 0.25,
                     causal: None,
                     heads: None,
+                    lowp: None,
                 },
                 ins: vec![
                     t(0, &[2, 70, 40]),
@@ -2387,6 +2429,7 @@ mod tests {
                     scale: 0.25,
                     causal: Some(1),
                     heads: None,
+                    lowp: None,
                 },
                 ins: vec![
                     t(0, &[2, 70, 40]),
@@ -2424,6 +2467,7 @@ mod tests {
                     scale: 0.5,
                     causal: Some(0),
                     heads: Some(hh),
+                    lowp: None,
                 },
                 ins: vec![t(0, &[b, tt, 3 * hh * e])],
                 out: t(2048, &[b, tt, hh * e]),
@@ -2440,6 +2484,109 @@ mod tests {
         };
         assert_eq!((p.n, p.iv[0], p.iv[1], p.iv[2], p.iv[3]), (30, 5, 5, 1, 0));
         assert!(pl.product_bytes >= 4 * 6 * 5 * 4 * 4 + 6 * 5 * 5 * 4);
+    }
+
+    /// Attention marked for low-precision products (mixed precision) on the GEMM path: every
+    /// operand is cast into a head-major copy (even one already head-major), every product
+    /// reads those dtypes, and the row kernels write the low-precision copies the next
+    /// products read; a backend without mixed precision plans the float32 products.
+    #[test]
+    fn gemm_attention_with_low_precision_products() {
+        let (q, kv) = (2 * 70 * 40 * 4, 2 * 33 * 40 * 4);
+        let dout = 3 * q + 2 * kv;
+        let prog = |lowp: Option<DType>| Program {
+            instrs: vec![Instr::Op {
+                op: Op::AttentionGrad {
+                    scale: 0.25,
+                    causal: Some(1),
+                    heads: None,
+                    lowp,
+                },
+                ins: vec![
+                    t(0, &[2, 70, 40]),
+                    t(q, &[2, 33, 40]),
+                    t(q + kv, &[2, 33, 40]),
+                    t(q + 2 * kv, &[2, 70, 40]),
+                    t(2 * q + 2 * kv, &[2, 70, 40]),
+                ],
+                out: t(dout, &[q / 4 + 2 * kv / 4]),
+            }],
+        };
+        let gemm = Target {
+            gemm_attention: Some(0),
+            ..Target::CUDA
+        };
+        for (dt, code) in [(DType::BF16, 1), (DType::F16, 2)] {
+            let pl = plan(&prog(Some(dt)), &[4 * q + 4 * kv], gemm).unwrap();
+            let (mut copies, mut gemms) = (0, 0);
+            for step in &pl.steps {
+                match step {
+                    Step::Gemm { g, .. } => {
+                        gemms += 1;
+                        assert_eq!(g.dtype, dt);
+                    }
+                    Step::Launch {
+                        kernel: Kernel::Library(k),
+                        p,
+                        operands,
+                        ..
+                    } => {
+                        assert_eq!(p.iv[4], code, "{k}");
+                        match *k {
+                            "rlx_att_copy" => copies += 1,
+                            // The gradient reads the float32 probabilities too.
+                            "rlx_att_softmax" => assert_eq!((operands.len(), p.iv[5]), (2, 0)),
+                            "rlx_att_dscore" => assert_eq!(operands.len(), 3),
+                            other => panic!("{other}"),
+                        }
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            // q, k, v and g cast; the scores, dv, dp, dq and dk products.
+            assert_eq!((copies, gemms), (4, 5));
+            // Two float32 score matrices, their two low-precision copies, four operand copies.
+            let half = |n: usize| (n * 2).div_ceil(256) * 256;
+            let scores = (2 * 70 * 33 * 4usize).div_ceil(256) * 256;
+            let min = 2 * scores + 2 * half(2 * 70 * 33) + 2 * half(2 * 70 * 40);
+            assert!(pl.product_bytes >= min + 2 * half(2 * 33 * 40));
+        }
+        // A forward pass writes only the low-precision probabilities.
+        let fwd = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Attention {
+                    scale: 0.25,
+                    causal: Some(1),
+                    heads: None,
+                    lowp: Some(DType::BF16),
+                },
+                ins: vec![
+                    t(0, &[2, 70, 40]),
+                    t(q, &[2, 33, 40]),
+                    t(q + kv, &[2, 33, 40]),
+                ],
+                out: t(q + 2 * kv, &[2, 70, 40]),
+            }],
+        };
+        let pl = plan(&fwd, &[2 * q + 2 * kv], gemm).unwrap();
+        let soft = pl.steps.iter().find_map(|s| match s {
+            Step::Launch {
+                kernel: Kernel::Library("rlx_att_softmax"),
+                p,
+                ..
+            } => Some(p.iv[5]),
+            _ => None,
+        });
+        assert_eq!(soft, Some(1));
+        let metal_like = Target {
+            low_precision: false,
+            ..gemm
+        };
+        let pl = plan(&prog(Some(DType::BF16)), &[4 * q + 4 * kv], metal_like).unwrap();
+        assert!(pl
+            .steps
+            .iter()
+            .all(|s| !matches!(s, Step::Gemm { g, .. } if g.dtype != DType::F32)));
     }
 
     #[test]
