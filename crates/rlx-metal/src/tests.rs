@@ -1119,6 +1119,7 @@ fn attention_program(
         scale: 1.0 / (e as f32).sqrt(),
         causal,
         heads,
+        lowp: None,
     };
     let instr = match heads {
         None => Instr::Op {
@@ -1248,6 +1249,7 @@ fn attention_gradient_runs_on_the_engine_where_routed_and_matches_the_cpu_backen
                         scale: 0.3,
                         causal,
                         heads: None,
+                        lowp: None,
                     },
                     ins: vec![
                         r(0, &[b, h, l, e]),
@@ -1261,6 +1263,7 @@ fn attention_gradient_runs_on_the_engine_where_routed_and_matches_the_cpu_backen
                         scale: 0.3,
                         causal,
                         heads: None,
+                        lowp: None,
                     },
                     ins: vec![
                         r(0, &[b, h, l, e]),
