@@ -87,6 +87,9 @@ pub fn attention_of(
 ) -> std::result::Result<(AttentionKey, Vec<Loc>), String> {
     let dim = |i: usize| usize::try_from(p.iv[i]).map_err(|_| "a negative dimension".to_string());
     let (units, h, l, s, e, ev) = (dim(0)?, dim(1)?, dim(2)?, dim(3)?, dim(4)?, dim(5)?);
+    if [units, h, l, s, e, ev].contains(&0) {
+        return Err("an empty dimension (no array of it can be made)".into());
+    }
     let causal = (p.iv[6] != 0).then_some(p.iv[7]);
     if causal.is_some_and(|off| off < 0) {
         return Err("a causal offset below 0 (queries that see no key)".into());
@@ -363,6 +366,8 @@ mod tests {
         odd[2].1.offset = 2;
         let e = attention_of(&record(2, 8, 8, 4, None), &odd, false).unwrap_err();
         assert!(e.contains("float32 boundary"), "{e}");
+        let e = attention_of(&record(2, 8, 0, 4, None), &ops(), false).unwrap_err();
+        assert!(e.contains("empty"), "{e}");
         let small = attention_of(&record(1, 4, 4, 4, None), &ops(), false).map(|k| k.0);
         let e = route(&MatmulPolicy::default(), small.clone()).unwrap_err();
         assert!(e.contains("threshold"), "{e}");
