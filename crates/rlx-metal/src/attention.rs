@@ -8,7 +8,9 @@
 //! gradient (`rlx_attention_grad`), which recomputes the probabilities `p` and gives
 //! `dv = p^T g`, `ds = scale p (g v^T - rowsum(p g v^T))`, `dq = ds k`, `dk = ds^T q`. The
 //! operands must be head-major (`[blocks, heads, rows, cols]` packed, so each is one array of
-//! `[blocks * heads, rows, cols]` at a byte offset), every query must see a key (`off >= 0`, as
+//! `[blocks * heads, rows, cols]` at a byte offset) or the packed q|k|v layout of
+//! `Op::Attention { heads: Some(h) }` (one `[b, t, 3, h, e]` array in, `[b, t, h, e]` out; the
+//! graph slices and transposes it into heads and back), every query must see a key (`off >= 0`, as
 //! a query that sees none is NaN by definition), and the scores (materialised by the graph)
 //! must stay under the plan's bound for materialised scores. The size threshold is the matmul
 //! engine's; the switch is `RLX_METAL_MPSGRAPH_ATTENTION`, which follows `RLX_METAL_MPSGRAPH`
@@ -18,7 +20,8 @@ use rlx_runtime::gpu_plan::{Loc, GEMM_ATTENTION_MAX_SCORES, P};
 
 /// One attention as the engine compiles it: `bh` heads (blocks x heads) of `l` queries and `s`
 /// keys, head sizes `e` (q, k) and `ev` (v, out), the scale (as its bits, so the key hashes),
-/// the causal offset, and whether it is the gradient. Offsets are not part of the key.
+/// the causal offset, whether it is the gradient, and the layout (`heads: None` head-major,
+/// `Some(h)`: packed q|k|v of `h` heads, `l = s` tokens). Offsets are not part of the key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AttentionKey {
     pub bh: usize,
@@ -29,33 +32,45 @@ pub struct AttentionKey {
     pub scale_bits: u32,
     pub causal: Option<i64>,
     pub grad: bool,
+    pub heads: Option<usize>,
 }
 
 impl AttentionKey {
     pub fn scale(&self) -> f32 {
         f32::from_bits(self.scale_bits)
     }
-    /// The shapes of the arrays of a call, feeds first: q, k, v, out for the forward pass;
-    /// q, k, v, g (the output's gradient), dq, dk, dv for the gradient.
-    pub fn shapes(&self) -> Vec<[usize; 3]> {
+    /// The shapes of the arrays of a call, feeds first. Head-major: q, k, v, out for the
+    /// forward pass; q, k, v, g (the output's gradient), dq, dk, dv for the gradient. Packed:
+    /// qkv `[b, t, 3, h, e]`, out `[b, t, h, e]`; qkv, g, dqkv for the gradient.
+    pub fn shapes(&self) -> Vec<Vec<usize>> {
+        if let Some(h) = self.heads {
+            let (b, t, e) = (self.bh / h, self.l, self.e);
+            let (qkv, o) = (vec![b, t, 3, h, e], vec![b, t, h, e]);
+            return if self.grad {
+                vec![qkv.clone(), o, qkv]
+            } else {
+                vec![qkv, o]
+            };
+        }
         let (q, k, v, o) = (
-            [self.bh, self.l, self.e],
-            [self.bh, self.s, self.e],
-            [self.bh, self.s, self.ev],
-            [self.bh, self.l, self.ev],
+            vec![self.bh, self.l, self.e],
+            vec![self.bh, self.s, self.e],
+            vec![self.bh, self.s, self.ev],
+            vec![self.bh, self.l, self.ev],
         );
         if self.grad {
-            vec![q, k, v, o, q, k, v]
+            vec![q.clone(), k.clone(), v.clone(), o, q, k, v]
         } else {
             vec![q, k, v, o]
         }
     }
     /// How many of [`AttentionKey::shapes`] are feeds (the rest are results).
     pub fn feeds(&self) -> usize {
-        if self.grad {
-            4
-        } else {
-            3
+        match (self.heads.is_some(), self.grad) {
+            (false, true) => 4,
+            (false, false) => 3,
+            (true, true) => 2,
+            (true, false) => 1,
         }
     }
     /// The byte sizes of the arrays of a call, as `shapes`.
@@ -103,6 +118,7 @@ pub fn attention_of(
         scale_bits: p.fv[0].to_bits(),
         causal,
         grad,
+        heads: None,
     };
     let scores = key.bh * l * s;
     if scores > MAX_ARRAY_ELEMENTS || scores * 4 > GEMM_ATTENTION_MAX_SCORES {
@@ -110,6 +126,32 @@ pub fn attention_of(
             "{scores} scores, more than the engine materialises"
         ));
     }
+    match head_major(p, operands, key, units, h) {
+        Ok(places) => Ok((key, places)),
+        Err(why) => match packed(p, operands, key, units, h) {
+            Some(places) => Ok((
+                AttentionKey {
+                    heads: Some(h),
+                    ..key
+                },
+                places,
+            )),
+            None => Err(why),
+        },
+    }
+}
+
+/// The places of a launch's arrays where they are all head-major, or why not.
+fn head_major(
+    p: &P,
+    operands: &[(usize, Loc)],
+    key: AttentionKey,
+    units: usize,
+    h: usize,
+) -> std::result::Result<Vec<Loc>, String> {
+    let AttentionKey {
+        l, s, e, ev, grad, ..
+    } = key;
     // (name, operand slot, record strides, rows, columns) of each array, in call order
     let arrays: &[(&str, usize, usize, usize, usize)] = if grad {
         &[
@@ -160,7 +202,54 @@ pub fn attention_of(
             offset,
         });
     }
-    Ok((key, places))
+    Ok(places)
+}
+
+/// The places of a launch's arrays (qkv, out; or qkv, g, dqkv) where it is the packed q|k|v
+/// layout the plan makes for `heads: Some(h)` (`b` blocks of `t` tokens, each row
+/// `q | k | v` of `h` heads of `e`, the output rows `h` heads of `e`), else `None`.
+fn packed(
+    p: &P,
+    operands: &[(usize, Loc)],
+    key: AttentionKey,
+    b: usize,
+    h: usize,
+) -> Option<Vec<Loc>> {
+    let AttentionKey { l, s, e, ev, .. } = key;
+    if l != s || e != ev {
+        return None;
+    }
+    let (t, he) = (l as i64, (h * e) as i64);
+    let at = |slot: usize| operands.iter().find(|(o, _)| *o == slot).map(|(_, l)| *l);
+    // dims of size 1 take any stride
+    let matches = |x: usize, want: [i64; 4]| {
+        let st = &p.st[x];
+        [b as i64, h as i64, t]
+            .iter()
+            .enumerate()
+            .all(|(d, &n)| n == 1 || st[d] == want[d])
+            && st[3] == want[3]
+    };
+    let row = 3 * he;
+    let qkv_ok =
+        |first: usize| (0..3).all(|x| matches(first + x, [t * row, e as i64, row, x as i64 * he]));
+    let out_ok = matches(3, [t * he, e as i64, he, 0]);
+    let qkv = at(0)?;
+    if !qkv_ok(0) || !out_ok || at(1)? != qkv || at(2)? != qkv {
+        return None;
+    }
+    let places = if key.grad {
+        if !qkv_ok(4) {
+            return None;
+        }
+        vec![qkv, at(4)?, at(5)?]
+    } else {
+        vec![qkv, at(3)?]
+    };
+    places
+        .iter()
+        .all(|l| offset_ok(l.offset).is_ok())
+        .then_some(places)
 }
 
 /// The attention policy a value of `RLX_METAL_MPSGRAPH_ATTENTION` asks for: unset or empty
@@ -227,6 +316,56 @@ fn probabilities(key: &AttentionKey, q: &[f32], k: &[f32], z: usize, i: usize, p
 /// arrays of the key's shapes, in order) the results, each zeroed first (the host GPU's engine
 /// attention).
 pub fn reference(key: &AttentionKey, feeds: &[&[f32]], results: &mut [Vec<f32>]) {
+    if let Some(h) = key.heads {
+        // The packed layout through the head-major one: (b, t, x, j, d) <-> x (b, j, t, d).
+        let (b, t, e) = (key.bh / h, key.l, key.e);
+        let at = |parts: usize, x: usize, bb: usize, tt: usize, j: usize| {
+            (((bb * t + tt) * parts + x) * h + j) * e
+        };
+        let split = |a: &[f32], parts: usize| -> Vec<Vec<f32>> {
+            (0..parts)
+                .map(|x| {
+                    let mut o = Vec::with_capacity(b * h * t * e);
+                    for bb in 0..b {
+                        for j in 0..h {
+                            for tt in 0..t {
+                                o.extend_from_slice(&a[at(parts, x, bb, tt, j)..][..e]);
+                            }
+                        }
+                    }
+                    o
+                })
+                .collect()
+        };
+        let join = |parts: &[Vec<f32>], out: &mut Vec<f32>| {
+            let n = parts.len();
+            for (x, part) in parts.iter().enumerate() {
+                let mut rows = part.chunks(e);
+                for bb in 0..b {
+                    for j in 0..h {
+                        for tt in 0..t {
+                            let row = rows.next().expect("a full head-major array");
+                            out[at(n, x, bb, tt, j)..][..e].copy_from_slice(row);
+                        }
+                    }
+                }
+            }
+        };
+        let flat = AttentionKey {
+            heads: None,
+            ..*key
+        };
+        let mut heads: Vec<Vec<f32>> = split(feeds[0], 3);
+        if key.grad {
+            heads.extend(split(feeds[1], 1));
+        }
+        let views: Vec<&[f32]> = heads.iter().map(Vec::as_slice).collect();
+        let n = if key.grad { 3 } else { 1 };
+        let mut out: Vec<Vec<f32>> = vec![vec![0f32; b * h * t * e]; n];
+        reference(&flat, &views, &mut out);
+        join(&out, &mut results[0]);
+        return;
+    }
     let AttentionKey { l, s, e, ev, .. } = *key;
     let (q, k, v) = (feeds[0], feeds[1], feeds[2]);
     let mut p = vec![0f32; s];
@@ -335,6 +474,7 @@ mod tests {
                 scale_bits: 0.125f32.to_bits(),
                 causal: Some(0),
                 grad: false,
+                heads: None,
             }
         );
         let at: Vec<usize> = places.iter().map(|p| p.offset).collect();
@@ -406,6 +546,7 @@ mod tests {
             scale_bits: 1.0f32.to_bits(),
             causal: Some(0),
             grad: false,
+            heads: None,
         };
         let (q, k, v) = ([1.0f32, 1.0], [0.0f32, 1.0], [10.0f32, 20.0]);
         let mut out = vec![vec![0f32; 2]];

@@ -268,7 +268,7 @@ impl MetalProgram {
                     {
                         let out = operands.iter().find(|(slot, _)| *slot == 5).map(|o| o.1);
                         let written: usize = key.bytes()[key.feeds()..].iter().sum();
-                        if out == Some(*at) && *bytes == written && places[4] == *at {
+                        if out == Some(*at) && *bytes == written && places[key.feeds()] == *at {
                             skip[i - 1] = true;
                         }
                     }

@@ -607,9 +607,35 @@ impl Gpu for MetalGpu {
             let mul = |a: &MPSGraphTensor, b: &MPSGraphTensor| {
                 graph.multiplicationWithPrimaryTensor_secondaryTensor_name(a, b, None)
             };
+            let reshape = |x: &MPSGraphTensor, dims: &[usize]| {
+                graph.reshapeTensor_withShape_name(x, &ns_shape(dims), None)
+            };
             let feeds: Vec<Retained<MPSGraphTensor>> =
                 shapes[..key.feeds()].iter().map(|s| place(s)).collect();
-            let (q, k, v) = (&feeds[0], &feeds[1], &feeds[2]);
+            // Head-major arrays [bh, rows, cols] of q, k, v (and g): the feeds themselves, or
+            // from the packed [b, t, 3, h, e] (and [b, t, h, e]) by slices and transposes.
+            let (b, tokens) = (key.bh / key.heads.unwrap_or(1), key.l);
+            // [b, t, h, e] -> [b, h, t, e] -> [b h, t, e]
+            let heads = |x: &MPSGraphTensor| reshape(&t(x), &[key.bh, tokens, key.e]);
+            let (q, k, v, g) = match key.heads {
+                None => (
+                    feeds[0].clone(),
+                    feeds[1].clone(),
+                    feeds[2].clone(),
+                    feeds.get(3).cloned(),
+                ),
+                Some(h) => {
+                    let part = |x: usize| {
+                        let one = graph.sliceTensor_dimension_start_length_name(
+                            &feeds[0], 2, x as isize, 1, None,
+                        );
+                        heads(&reshape(&one, &[b, tokens, h, key.e]))
+                    };
+                    let g = key.grad.then(|| heads(&feeds[1]));
+                    (part(0), part(1), part(2), g)
+                }
+            };
+            let (q, k, v) = (&q, &k, &v);
             // scores [bh, l, s] = scale * q k^T
             let scale = f32c(key.scale() as f64);
             let mut scores = mul(&mm(q, &t(k)), &scale);
@@ -636,10 +662,9 @@ impl Gpu for MetalGpu {
                     );
             }
             let probs = graph.softMaxWithTensor_axis_name(&scores, 2, None);
-            let results: Vec<Retained<MPSGraphTensor>> = if key.grad {
+            let mut results: Vec<Retained<MPSGraphTensor>> = if let Some(g) = &g {
                 // dv = p^T g; dp = g v^T; ds = scale p (dp - rowsum(p dp)); dq = ds k;
                 // dk = ds^T q (a hidden key has p = 0, so ds = 0 there)
-                let g = &feeds[3];
                 let dv = mm(&t(&probs), g);
                 let dp = mm(g, &t(v));
                 let rows = graph.reductionSumWithTensor_axis_name(&mul(&probs, &dp), 2, None);
@@ -652,6 +677,21 @@ impl Gpu for MetalGpu {
             } else {
                 vec![mm(&probs, v)]
             };
+            if let Some(h) = key.heads {
+                // back to the packed layout: [b h, t, e] -> [b, h, t, e] -> [b, t, h, e], and
+                // the gradient's dq, dk, dv side by side as [b, t, 3, h, e]
+                let tokens_major = |x: &MPSGraphTensor| t(&reshape(x, &[b, h, tokens, key.e]));
+                results = if key.grad {
+                    let parts: Vec<Retained<MPSGraphTensor>> = results
+                        .iter()
+                        .map(|x| reshape(&tokens_major(x), &[b, tokens, 1, h, key.e]))
+                        .collect();
+                    let parts: Vec<&MPSGraphTensor> = parts.iter().map(|x| &**x).collect();
+                    vec![graph.concatTensors_dimension_name(&NSArray::from_slice(&parts), 2, None)]
+                } else {
+                    vec![tokens_major(&results[0])]
+                };
+            }
             let placeholders: Vec<(Retained<MPSGraphTensor>, Vec<usize>)> = feeds
                 .iter()
                 .zip(&shapes)

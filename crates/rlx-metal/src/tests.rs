@@ -1180,6 +1180,7 @@ fn attention_runs_on_the_engine_where_routed_and_matches_the_cpu_backend() {
                 scale_bits: (1.0 / 8f32.sqrt()).to_bits(),
                 causal,
                 grad: false,
+                heads: None,
             };
             match (policy.enabled, prog.attention_routes()) {
                 (true, [(0, AttentionRoute::Engine(k))]) => assert_eq!(*k, key),
@@ -1197,7 +1198,7 @@ fn attention_runs_on_the_engine_where_routed_and_matches_the_cpu_backend() {
     }
     // one executable per key, whatever the program
     assert_eq!(dev.attentions_compiled(), before + 3);
-    // below the threshold, packed qkv and a negative causal offset stay on the kernel, with why
+    // below the threshold and with a negative causal offset it stays on the kernel, with why
     let kernel_why = |program: &Program, floats: usize, policy| {
         let opts = crate::MetalOptions {
             matmul: MatmulPolicy::OFF,
@@ -1219,8 +1220,6 @@ fn attention_runs_on_the_engine_where_routed_and_matches_the_cpu_backend() {
     };
     let (small, n) = attention_program([1, 1, 4, 4, 4], None, None);
     assert!(kernel_why(&small, n, MatmulPolicy::default()).contains("threshold"));
-    let (packed, n) = attention_program([2, 3, 8, 8, 4], Some(0), Some(3));
-    assert!(kernel_why(&packed, n, MatmulPolicy::ALL).contains("head-major"));
     let (blind, n) = attention_program([1, 2, 8, 8, 4], Some(-1), None);
     assert!(kernel_why(&blind, n, MatmulPolicy::ALL).contains("causal offset"));
 }
@@ -1311,6 +1310,94 @@ fn attention_gradient_runs_on_the_engine_where_routed_and_matches_the_cpu_backen
             let got = run_on(&metal, &program, &init);
             assert!(want[grad_at..].iter().any(|&x| x != 0.0));
             close(&got, &want, 1e-4);
+        }
+    }
+}
+
+#[test]
+fn packed_qkv_attention_runs_on_the_engine_and_matches_the_cpu_backend() {
+    use crate::program::{AttentionRoute, MetalProgram};
+    use rlx_ir::{DType, Op, Shape};
+    let Some(dev) = device() else { return };
+    let (b, t, h, e) = (2, 12, 3, 8);
+    let (nqkv, no) = (b * t * 3 * h * e, b * t * h * e);
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    for causal in [None, Some(0), Some(2)] {
+        // qkv, out (forward), g, then d qkv
+        let (qkv, out, g, dqkv) = (
+            r(0, &[b, t, 3 * h * e]),
+            r(nqkv, &[b, t, h * e]),
+            r(nqkv + no, &[b, t, h * e]),
+            r(nqkv + 2 * no, &[b, t, 3 * h * e]),
+        );
+        let att = |grad: bool| {
+            let (scale, heads, lowp) = (0.4, Some(h), None);
+            if grad {
+                Op::AttentionGrad {
+                    scale,
+                    causal,
+                    heads,
+                    lowp,
+                }
+            } else {
+                Op::Attention {
+                    scale,
+                    causal,
+                    heads,
+                    lowp,
+                }
+            }
+        };
+        let program = Program {
+            instrs: vec![
+                Instr::Op {
+                    op: att(false),
+                    ins: vec![qkv.clone()],
+                    out: out.clone(),
+                },
+                Instr::Op {
+                    op: att(true),
+                    ins: vec![qkv.clone(), out.clone(), g.clone()],
+                    out: dqkv.clone(),
+                },
+            ],
+        };
+        let floats = 2 * nqkv + 2 * no;
+        let init = data(floats, 53);
+        let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+        assert!(want[nqkv + 2 * no..].iter().any(|&x| x != 0.0));
+        for policy in [MatmulPolicy::ALL, MatmulPolicy::OFF] {
+            let opts = crate::MetalOptions {
+                matmul: MatmulPolicy::OFF,
+                attention: policy,
+                update: crate::UpdateMode::Kernel,
+            };
+            let prog = MetalProgram::new(
+                dev.clone(),
+                &program,
+                &[floats * 4],
+                rlx_cpu::host_update,
+                opts,
+            )
+            .unwrap();
+            let routes = prog.attention_routes();
+            assert_eq!(routes.len(), 2, "{routes:?}");
+            for (_, route) in routes {
+                match (policy.enabled, route) {
+                    (true, AttentionRoute::Engine(k)) => {
+                        assert_eq!((k.heads, k.bh, k.l, k.causal), (Some(h), b * h, t, causal))
+                    }
+                    (false, AttentionRoute::Kernel(_)) => {}
+                    _ => panic!("{policy:?}: {routes:?}"),
+                }
+            }
+            let metal = crate::MetalBackend::with_options(dev.clone(), rlx_cpu::host_update, opts);
+            close(&run_on(&metal, &program, &init), &want, 1e-4);
         }
     }
 }
