@@ -192,9 +192,10 @@ impl MetalDevice {
         self.run_work(wait, &work, uses)
     }
 
-    /// Runs `work` (kernels and engine matmuls) in order on the compute queue, as `run`: the
-    /// submission first waits on the device for `wait` and for every wait the copy engines
-    /// recorded since the last submission; a failure of such a copy is reported here.
+    /// Runs `work` (kernels, engine matmuls and attentions) in order on the compute queue, as
+    /// `run`: the submission first waits on the device for `wait` and for every wait the copy
+    /// engines recorded since the last submission; a failure of such a copy is reported here.
+    /// (An explicit `wait` is the caller's to keep live: nothing here watches its copy.)
     pub fn run_work(
         &self,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,

@@ -179,11 +179,12 @@ fn held_device() -> Option<(Arc<host::HostGpu>, MetalDevice)> {
     Some((gpu, dev))
 }
 
-/// Lets the blit queue go after a moment, from another thread.
+/// Lets the blit queue go after a moment (long enough for the caller to have submitted what
+/// it tests, even on a busy machine), from another thread.
 fn release_later(gpu: &Arc<host::HostGpu>) -> std::thread::JoinHandle<()> {
     let gpu = gpu.clone();
     std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(100));
+        std::thread::sleep(std::time::Duration::from_millis(400));
         gpu.hold_blits(false);
     })
 }
