@@ -1,6 +1,7 @@
 //! `rlx_runtime::Backend` for a Metal device: shared-storage allocations, the blit copy engine,
 //! programs run by `crate::program` (every instruction the CPU backend runs), and the options a
-//! program is compiled with: whether large matmuls go to the matrix engine (`RLX_METAL_MPSGRAPH`)
+//! program is compiled with: whether large matmuls go to the matrix engine (`RLX_METAL_MPSGRAPH`;
+//! attention: `RLX_METAL_MPSGRAPH_ATTENTION`, by default as the matmuls)
 //! and where the training update runs (`RLX_METAL_UPDATE`: a Metal kernel, the default, or the
 //! host with the function the backend is given).
 use crate::matmul::MatmulPolicy;
@@ -50,15 +51,26 @@ impl UpdateMode {
 /// How the backend compiles programs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub struct MetalOptions {
+    /// Which matmuls run on the matrix engine.
     pub matmul: MatmulPolicy,
+    /// Which attention forward passes run on the matrix engine (`crate::attention`).
+    pub attention: MatmulPolicy,
     pub update: UpdateMode,
 }
 
 impl MetalOptions {
-    /// The options the environment asks for (`RLX_METAL_MPSGRAPH`, `RLX_METAL_UPDATE`).
+    /// The options the environment asks for (`RLX_METAL_MPSGRAPH`,
+    /// `RLX_METAL_MPSGRAPH_ATTENTION`, `RLX_METAL_UPDATE`).
     pub fn from_env() -> Result<Self> {
+        let matmul = MatmulPolicy::from_env()?;
         Ok(Self {
-            matmul: MatmulPolicy::from_env()?,
+            matmul,
+            attention: crate::attention::policy(
+                matmul,
+                std::env::var("RLX_METAL_MPSGRAPH_ATTENTION")
+                    .ok()
+                    .as_deref(),
+            )?,
             update: UpdateMode::parse(std::env::var("RLX_METAL_UPDATE").ok().as_deref())?,
         })
     }

@@ -1,22 +1,75 @@
 //! The backend's device buffer: one shared-storage GPU buffer seen by the runtime as a
-//! `DeviceBuffer` whose `host_ptr` is the memory kernels compute on (zero-copy numpy views).
+//! `DeviceBuffer` whose `host_ptr` is the memory kernels compute on (zero-copy numpy views),
+//! and the fences of the blit copies in flight over its bytes: `read`, `write` and `copy_from`
+//! wait (on the host) for the copies whose ranges they touch (`host_ptr` users order their own
+//! accesses, as the runtime's contract says).
 #![allow(unsafe_code)] // host access to the shared allocation
+use crate::copy::Engine;
 use crate::gpu::GpuBuffer;
 use rlx_ir::Result;
 use rlx_runtime::backend::check_range;
 use rlx_runtime::DeviceBuffer;
 use std::any::Any;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
+
+/// A blit copy in flight over bytes `start..end` of a buffer: copy `seq` of `engine`.
+struct Fence {
+    engine: Weak<Engine>,
+    seq: u64,
+    start: usize,
+    end: usize,
+}
 
 /// A shared buffer (arena, store or staging) of the Metal backend.
 pub struct MetalBuffer {
     pub(crate) gpu: Arc<dyn GpuBuffer>,
+    fences: Mutex<Vec<Fence>>,
 }
 
 impl MetalBuffer {
     pub fn new(gpu: Arc<dyn GpuBuffer>) -> Self {
-        Self { gpu }
+        Self {
+            gpu,
+            fences: Mutex::new(Vec::new()),
+        }
+    }
+    fn fences(&self) -> std::sync::MutexGuard<'_, Vec<Fence>> {
+        self.fences.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    /// Records that copy `seq` of `engine` reads or writes `bytes` bytes from `offset` (and
+    /// forgets the fences of copies that completed).
+    pub(crate) fn fence(&self, engine: &Arc<Engine>, seq: u64, offset: usize, bytes: usize) {
+        let mut f = self.fences();
+        f.retain(|f| f.engine.upgrade().is_some_and(|e| !e.reached(f.seq)));
+        f.push(Fence {
+            engine: Arc::downgrade(engine),
+            seq,
+            start: offset,
+            end: offset + bytes,
+        });
+    }
+    /// Waits (on the host) for the copies in flight over bytes `offset..offset + len`. A copy's
+    /// own failure is reported at the waits on its token, not here.
+    pub fn settle(&self, offset: usize, len: usize) {
+        let end = offset.saturating_add(len);
+        let hit: Vec<(Arc<Engine>, u64)> = {
+            let mut f = self.fences();
+            let mut hit = Vec::new();
+            f.retain(|f| match f.engine.upgrade() {
+                None => false,
+                Some(e) if e.reached(f.seq) => false,
+                Some(e) if f.start < end && offset < f.end => {
+                    hit.push((e, f.seq));
+                    false
+                }
+                Some(_) => true,
+            });
+            hit
+        };
+        for (engine, seq) in hit {
+            engine.wait_seq(seq);
+        }
     }
     /// The GPU buffer underneath.
     pub fn gpu(&self) -> &Arc<dyn GpuBuffer> {
@@ -38,6 +91,7 @@ impl DeviceBuffer for MetalBuffer {
     }
     fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
         check_range("metal write", offset, data.len(), self.len())?;
+        self.settle(offset, data.len());
         // SAFETY: the range was checked; the caller keeps the runtime's contract that nothing
         // else accesses these bytes meanwhile.
         unsafe {
@@ -51,6 +105,7 @@ impl DeviceBuffer for MetalBuffer {
     }
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         check_range("metal read", offset, out.len(), self.len())?;
+        self.settle(offset, out.len());
         // SAFETY: as in `write`.
         unsafe {
             std::ptr::copy_nonoverlapping(
@@ -70,6 +125,10 @@ impl DeviceBuffer for MetalBuffer {
     ) -> Result<()> {
         check_range("metal copy", offset, len, self.len())?;
         check_range("metal copy source", src_offset, len, src.len())?;
+        self.settle(offset, len);
+        if let Some(s) = src.as_any().downcast_ref::<MetalBuffer>() {
+            s.settle(src_offset, len);
+        }
         match src.host_ptr() {
             // SAFETY: both ranges were checked; `copy` allows the two to overlap (same buffer).
             Some(p) => unsafe {

@@ -28,6 +28,9 @@ pub trait GpuEvent: Send + Sync + Any {
     fn signaled_value(&self) -> u64;
     /// Blocks until the value is at least `value`; false if `timeout_ms` passed first.
     fn wait_until(&self, value: u64, timeout_ms: u64) -> bool;
+    /// Raises the value to `value` from the host (never lowers it): releases the waiters of a
+    /// copy whose own signal will never come because its command buffer failed.
+    fn signal(&self, value: u64);
     fn as_any(&self) -> &dyn Any;
 }
 
@@ -64,10 +67,33 @@ pub struct MatmulCall<'a> {
     pub bias: Option<(&'a Arc<dyn GpuBuffer>, usize)>,
 }
 
+/// An attention compiled for one [`crate::attention::AttentionKey`] (Metal: an
+/// `MPSGraphExecutable`).
+pub trait GpuAttention: Send + Sync + Any {
+    fn key(&self) -> crate::attention::AttentionKey;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// One engine attention: `exe` over packed arrays at byte offsets of shared buffers, in the
+/// order of `exe.key().shapes()` (its feeds read, then its results written), each spanning its
+/// `exe.key().bytes()` from its offset.
+pub struct AttentionCall<'a> {
+    pub exe: &'a dyn GpuAttention,
+    pub arrays: Vec<(&'a Arc<dyn GpuBuffer>, usize)>,
+}
+
 /// One item of a compute submission, run in order after the items before it.
 pub enum Work<'a> {
     Kernel(Dispatch<'a>),
     Matmul(MatmulCall<'a>),
+    Attention(AttentionCall<'a>),
+}
+
+impl Work<'_> {
+    /// Whether the item is an engine encode (no compute encoder may be open around it).
+    pub fn is_engine(&self) -> bool {
+        !matches!(self, Work::Kernel(_))
+    }
 }
 
 /// One blit copy between shared buffers.
@@ -79,9 +105,32 @@ pub struct BlitCopy {
     pub bytes: usize,
 }
 
+impl BlitCopy {
+    /// Whether source and destination are overlapping bytes of one buffer: a Metal blit's
+    /// result is undefined there, so neither the engine nor a `Gpu` accepts such a copy.
+    pub fn overlaps(&self) -> bool {
+        let same = self.src.contents() == self.dst.contents();
+        same && self.bytes > 0
+            && self.src_offset < self.dst_offset + self.bytes
+            && self.dst_offset < self.src_offset + self.bytes
+    }
+}
+
 /// Work handed to a queue; `finish` blocks until it completed and reports its error.
 pub trait Submitted: Send + Sync {
     fn finish(&self) -> Result<()>;
+    /// Never blocks: `None` while it runs (or waits to), else what `finish` would return.
+    fn poll(&self) -> Option<Result<()>>;
+}
+
+/// A device-side wait of a compute submission: its work does not start before `event` reached
+/// `value`. `progress`, where given, is called on the host while the wait lasts (between
+/// timeouts, where the implementation blocks on it): it raises the event itself once the copy
+/// the value stands for failed, whose own signal then never comes.
+pub struct EventWait<'a> {
+    pub event: Arc<dyn GpuEvent>,
+    pub value: u64,
+    pub progress: Option<&'a (dyn Fn() + Sync)>,
 }
 
 /// A GPU as the backend sees it.
@@ -99,11 +148,15 @@ pub trait Gpu: Send + Sync {
         key: crate::matmul::MatmulKey,
         library: &Arc<dyn GpuLibrary>,
     ) -> Result<Arc<dyn GpuMatmul>>;
+    /// Compiles the attention of `key` (Metal: an MPSGraph executable; the host GPU computes
+    /// it with `crate::attention::reference`).
+    fn attention(&self, key: crate::attention::AttentionKey) -> Result<Arc<dyn GpuAttention>>;
     /// Encodes `work` in order on the compute queue, after the queue waited (on the device)
-    /// for `wait` if given, with `uses` made resident, commits, and returns the submission.
+    /// for every wait of `waits`, with `uses` made resident, commits, and returns the
+    /// submission.
     fn compute(
         &self,
-        wait: Option<(&Arc<dyn GpuEvent>, u64)>,
+        waits: &[EventWait<'_>],
         work: &[Work<'_>],
         uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>>;

@@ -2,11 +2,18 @@
 //! allocations, kernels are the MSL sources compiled by the system C++ compiler through
 //! `msl/compat.h` into a shared library loaded with `dlopen`, a dispatch calls the kernel once per
 //! thread index on the caller's thread, an engine matmul runs the GEMM kernel on a record rebuilt
-//! from its key alone (so the engine's decisions are checked by the numbers), and the blit queue is a worker thread that copies in
-//! issue order and then signals the event. Not a performance path: it runs the same kernels and
-//! the same queue/event ordering as the device does.
+//! from its key alone (so the engine's decisions are checked by the numbers), and the blit queue
+//! is a worker thread that copies in issue order and then signals the event. A compute
+//! submission's device-side waits block the compute "queue" (the caller's thread) until their
+//! event values are reached, before any of its work runs. Tests can hold the blit queue
+//! (`hold_blits`) and see the waits each submission encoded (`last_waits`). Not a performance
+//! path: it runs the same kernels and the same queue/event ordering as the device does.
 #![allow(unsafe_code)] // FFI module: raw allocations and dlopen'ed kernels
-use crate::gpu::{BlitCopy, Gpu, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted, Work};
+use crate::attention::AttentionKey;
+use crate::gpu::{
+    BlitCopy, EventWait, Gpu, GpuAttention, GpuBuffer, GpuEvent, GpuLibrary, GpuMatmul, Submitted,
+    Work,
+};
 use crate::matmul::MatmulKey;
 use rlx_ir::{Error, Result};
 use std::alloc::Layout;
@@ -103,7 +110,7 @@ pub struct HostEvent {
     changed: Condvar,
 }
 
-impl HostEvent {
+impl GpuEvent for HostEvent {
     fn signal(&self, value: u64) {
         let mut v = self.value.lock().unwrap_or_else(|p| p.into_inner());
         if value > *v {
@@ -111,9 +118,6 @@ impl HostEvent {
         }
         self.changed.notify_all();
     }
-}
-
-impl GpuEvent for HostEvent {
     fn signaled_value(&self) -> u64 {
         *self.value.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -237,6 +241,9 @@ impl Submitted for HostSubmitted {
         }
         g.clone().unwrap_or(Ok(()))
     }
+    fn poll(&self) -> Option<Result<()>> {
+        self.0 .0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// A compiled engine matmul of the host GPU: its key and the library whose GEMM kernel runs it.
@@ -252,6 +259,33 @@ impl GpuMatmul for HostMatmul {
     fn as_any(&self) -> &dyn Any {
         self
     }
+}
+
+/// A compiled engine attention of the host GPU: its key (computed by
+/// `crate::attention::reference` from the key alone).
+pub struct HostAttention {
+    key: AttentionKey,
+}
+
+impl GpuAttention for HostAttention {
+    fn key(&self) -> AttentionKey {
+        self.key
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// The floats of `bytes` bytes of `buf` from `off`, checked to lie inside it.
+fn floats_at((buf, off): (&Arc<dyn GpuBuffer>, usize), bytes: usize) -> Result<*mut f32> {
+    if off.checked_add(bytes).is_none_or(|end| end > buf.len()) || off / 4 * 4 != off {
+        return Err(Error::Internal(format!(
+            "engine array of {bytes} bytes at {off} past a buffer of {} (or misaligned)",
+            buf.len()
+        )));
+    }
+    // SAFETY: in bounds (checked above).
+    Ok(unsafe { buf.contents().as_ptr().add(off) }.cast::<f32>())
 }
 
 /// Runs `threads` threads of `kernel` of `library` on the calling thread, one after another.
@@ -282,13 +316,47 @@ fn dispatch(library: &dyn GpuLibrary, kernel: &str, record: &[u8], threads: usiz
     Ok(())
 }
 
-type BlitJob = (BlitCopy, Arc<dyn GpuEvent>, u64, Arc<Done>);
+/// A queued copy: the copy, the event and value it signals, its completion, and whether it is
+/// to fail (an injected failure: nothing copied, no signal, as a command buffer that errors).
+type BlitJob = (BlitCopy, Arc<dyn GpuEvent>, u64, Arc<Done>, bool);
+
+/// Whether the blit queue is held (tests: a copy that has not run yet, for as long as needed).
+#[derive(Default)]
+struct Gate {
+    held: Mutex<bool>,
+    changed: Condvar,
+}
+
+impl Gate {
+    fn set(&self, held: bool) {
+        *self.held.lock().unwrap_or_else(|p| p.into_inner()) = held;
+        self.changed.notify_all();
+    }
+    fn pass(&self) {
+        let mut h = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        while *h {
+            h = self.changed.wait(h).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// One device-side wait of a compute submission: the value waited for, and whether the event
+/// had already reached it when the submission was made (false: the queue really waited).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordedWait {
+    pub value: u64,
+    pub reached_at_submit: bool,
+}
 
 /// The host GPU: a compute "queue" on the caller's thread and a blit queue on a worker thread.
 pub struct HostGpu {
     cxx: String,
     blits: Mutex<mpsc::Sender<BlitJob>>,
     worker: Mutex<Option<thread::JoinHandle<()>>>,
+    gate: Arc<Gate>,
+    last_waits: Mutex<Vec<RecordedWait>>,
+    /// How many of the next blits fail.
+    failing: AtomicU64,
 }
 
 static LIB_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -305,14 +373,24 @@ impl HostGpu {
             )
         })?;
         let (tx, rx) = mpsc::channel::<BlitJob>();
+        let gate = Arc::new(Gate::default());
+        let held = gate.clone();
         let worker = thread::Builder::new()
             .name("rlx-metal-host-blit".into())
             .spawn(move || {
-                for (copy, event, value, done) in rx {
+                for (copy, event, value, done, fail) in rx {
+                    held.pass();
+                    if fail {
+                        done.set(Err(Error::Device(
+                            "host blit queue: injected command buffer failure".into(),
+                        )));
+                        continue;
+                    }
                     // SAFETY: the engine checked both ranges at issue and keeps both buffers
-                    // alive (they are in `copy`) until this job is done; `copy` handles overlap.
+                    // alive (they are in `copy`) until this job is done; `blit` refused a copy
+                    // whose ranges overlap (as Metal does not define one).
                     unsafe {
-                        std::ptr::copy(
+                        std::ptr::copy_nonoverlapping(
                             copy.src.contents().as_ptr().add(copy.src_offset),
                             copy.dst.contents().as_ptr().add(copy.dst_offset),
                             copy.bytes,
@@ -320,9 +398,7 @@ impl HostGpu {
                     }
                     drop(copy);
                     done.set(Ok(()));
-                    if let Some(e) = event.as_any().downcast_ref::<HostEvent>() {
-                        e.signal(value);
-                    }
+                    event.signal(value);
                 }
             })
             .map_err(|e| Error::Device(format!("cannot start the host blit queue: {e}")))?;
@@ -330,12 +406,35 @@ impl HostGpu {
             cxx,
             blits: Mutex::new(tx),
             worker: Mutex::new(Some(worker)),
+            gate,
+            last_waits: Mutex::default(),
+            failing: AtomicU64::new(0),
         })
+    }
+
+    /// Holds the blit queue (`true`: copies issued stay queued, not run) or lets it go on.
+    pub fn hold_blits(&self, hold: bool) {
+        self.gate.set(hold);
+    }
+
+    /// Makes the next `n` blits fail as a command buffer that errors does: nothing is copied,
+    /// the event is not signalled, the submission reports an error.
+    pub fn fail_next_blits(&self, n: u64) {
+        self.failing.store(n, Ordering::SeqCst);
+    }
+
+    /// The device-side waits of the last compute submission, in the order it encoded them.
+    pub fn last_waits(&self) -> Vec<RecordedWait> {
+        self.last_waits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 }
 
 impl Drop for HostGpu {
     fn drop(&mut self) {
+        self.gate.set(false);
         // Closing the channel ends the worker after the queued copies.
         let (tx, _) = mpsc::channel();
         *self.blits.lock().unwrap_or_else(|p| p.into_inner()) = tx;
@@ -406,19 +505,73 @@ impl Gpu for HostGpu {
             library: library.clone(),
         }))
     }
+    fn attention(&self, key: AttentionKey) -> Result<Arc<dyn GpuAttention>> {
+        Ok(Arc::new(HostAttention { key }))
+    }
     fn compute(
         &self,
-        wait: Option<(&Arc<dyn GpuEvent>, u64)>,
+        waits: &[EventWait<'_>],
         work: &[Work<'_>],
         _uses: &[Arc<dyn GpuBuffer>],
     ) -> Result<Box<dyn Submitted>> {
-        if let Some((event, value)) = wait {
-            // the device-side wait: this queue does not start the work before the value
-            while !event.wait_until(value, 1000) {}
+        let recorded = waits
+            .iter()
+            .map(|w| RecordedWait {
+                value: w.value,
+                reached_at_submit: w.event.signaled_value() >= w.value,
+            })
+            .collect();
+        *self.last_waits.lock().unwrap_or_else(|p| p.into_inner()) = recorded;
+        for w in waits {
+            if w.event.as_any().downcast_ref::<HostEvent>().is_none() {
+                return Err(Error::Internal("a foreign event on the host GPU".into()));
+            }
+            // The device-side wait: this queue does not start the work before the value (the
+            // caller's thread is the queue here, so it also runs the host's `progress`).
+            while !w.event.wait_until(w.value, 20) {
+                if let Some(p) = w.progress {
+                    p();
+                }
+            }
         }
         for w in work {
             match w {
                 Work::Kernel(d) => dispatch(d.library, d.kernel, d.record, d.threads)?,
+                Work::Attention(call) => {
+                    let att = call
+                        .exe
+                        .as_any()
+                        .downcast_ref::<HostAttention>()
+                        .ok_or_else(|| {
+                            Error::Internal("a foreign attention on the host GPU".into())
+                        })?;
+                    let key = att.key;
+                    let bytes = key.bytes();
+                    if call.arrays.len() != bytes.len() {
+                        return Err(Error::Internal(format!(
+                            "an engine attention of {} arrays, not {}",
+                            call.arrays.len(),
+                            bytes.len()
+                        )));
+                    }
+                    let mut feeds = Vec::with_capacity(key.feeds());
+                    for (&at, &n) in call.arrays.iter().zip(&bytes).take(key.feeds()) {
+                        let p = floats_at(at, n)?;
+                        // SAFETY: `n` bytes from `p` lie inside a live buffer (checked).
+                        feeds.push(unsafe { std::slice::from_raw_parts(p, n / 4) }.to_vec());
+                    }
+                    let feeds: Vec<&[f32]> = feeds.iter().map(Vec::as_slice).collect();
+                    let mut results: Vec<Vec<f32>> = bytes[key.feeds()..]
+                        .iter()
+                        .map(|n| vec![0f32; n / 4])
+                        .collect();
+                    crate::attention::reference(&key, &feeds, &mut results);
+                    for (&at, r) in call.arrays[key.feeds()..].iter().zip(&results) {
+                        let o = floats_at(at, r.len() * 4)?;
+                        // SAFETY: as above; no other reference to these bytes is live.
+                        unsafe { std::ptr::copy_nonoverlapping(r.as_ptr(), o, r.len()) };
+                    }
+                }
                 Work::Matmul(call) => {
                     let mm = call
                         .exe
@@ -487,11 +640,21 @@ impl Gpu for HostGpu {
         if event.as_any().downcast_ref::<HostEvent>().is_none() {
             return Err(Error::Internal("a foreign event on the host GPU".into()));
         }
+        // Not hidden by a memmove here: Metal leaves such a blit undefined.
+        if copy.overlaps() {
+            return Err(Error::Internal(
+                "a blit between overlapping ranges of one buffer (undefined on Metal)".into(),
+            ));
+        }
+        let fail = self
+            .failing
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
         let done = Done::new();
         self.blits
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .send((copy, event.clone(), value, done.clone()))
+            .send((copy, event.clone(), value, done.clone(), fail))
             .map_err(|_| Error::Device("the host blit queue has stopped".into()))?;
         Ok(Box::new(HostSubmitted(done)))
     }

@@ -6,8 +6,10 @@
 //! a thin GPU interface
 //! (`gpu`) that Metal implements on Apple targets (`sys`) and host memory plus the system C++
 //! compiler implements elsewhere (`host`, for tests).
+pub mod attention;
 pub mod backend;
 pub mod buffer;
+pub mod caps;
 pub mod copy;
 pub mod gpu;
 pub mod host;
@@ -21,7 +23,8 @@ pub use backend::{HostUpdate, MetalBackend, MetalOptions, UpdateMode};
 pub use buffer::MetalBuffer;
 pub use copy::MetalCopyEngine;
 
-use gpu::{Dispatch, Gpu, GpuEvent, GpuLibrary, GpuMatmul, Work};
+use attention::AttentionKey;
+use gpu::{Dispatch, EventWait, Gpu, GpuAttention, GpuEvent, GpuLibrary, GpuMatmul, Work};
 use matmul::MatmulKey;
 use rlx_ir::Result;
 use std::collections::HashMap;
@@ -40,6 +43,8 @@ pub enum Dialect {
 type FusedCache = Mutex<HashMap<u64, Arc<dyn GpuLibrary>>>;
 /// Compiled engine matmuls of a device, by key.
 type MatmulCache = Mutex<HashMap<MatmulKey, Arc<dyn GpuMatmul>>>;
+/// Compiled engine attentions of a device, by key.
+type AttentionCache = Mutex<HashMap<AttentionKey, Arc<dyn GpuAttention>>>;
 
 /// One GPU with the kernel library compiled for it (once, at creation) and the fused kernels
 /// compiled so far (once per distinct source), and the engine matmuls compiled so far (once per
@@ -51,6 +56,9 @@ pub struct MetalDevice {
     library: Arc<dyn GpuLibrary>,
     fused: Arc<FusedCache>,
     matmuls: Arc<MatmulCache>,
+    attentions: Arc<AttentionCache>,
+    /// Device-side waits of this device's copy engines, taken by the next compute submission.
+    waits: Arc<copy::DeviceWaits>,
 }
 
 impl MetalDevice {
@@ -63,6 +71,8 @@ impl MetalDevice {
             library,
             fused: Arc::default(),
             matmuls: Arc::default(),
+            attentions: Arc::default(),
+            waits: Arc::default(),
         })
     }
 
@@ -92,6 +102,25 @@ impl MetalDevice {
         let m = self.gpu.matmul(key, &self.library)?;
         cache.insert(key, m.clone());
         Ok(m)
+    }
+
+    /// The engine attention of `key`, compiled once per key.
+    pub fn attention(&self, key: AttentionKey) -> Result<Arc<dyn GpuAttention>> {
+        let mut cache = self.attentions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = cache.get(&key) {
+            return Ok(a.clone());
+        }
+        let a = self.gpu.attention(key)?;
+        cache.insert(key, a.clone());
+        Ok(a)
+    }
+
+    /// How many distinct engine attentions this device compiled.
+    pub fn attentions_compiled(&self) -> usize {
+        self.attentions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
     }
 
     /// How many distinct engine matmuls this device compiled.
@@ -125,13 +154,24 @@ impl MetalDevice {
         Ok(Arc::new(MetalBuffer::new(self.gpu.new_buffer(bytes)?)))
     }
 
-    /// A copy engine on this device's blit queue.
+    /// A copy engine on this device's blit queue (its device-side waits order this device's
+    /// next compute submission).
     pub fn copy_engine(&self) -> Result<Arc<MetalCopyEngine>> {
-        Ok(Arc::new(MetalCopyEngine::new(self.gpu.clone())?))
+        Ok(Arc::new(MetalCopyEngine::new(
+            self.gpu.clone(),
+            self.waits.clone(),
+        )?))
+    }
+
+    /// How many device-side waits (`AsyncCopy::wait_on_device`) the next compute submission
+    /// will encode.
+    pub fn pending_device_waits(&self) -> usize {
+        self.waits.len()
     }
 
     /// Runs `dispatches` in order on the compute queue (after the device-side wait `wait`, if
-    /// given) with `uses` resident, and blocks until they completed.
+    /// given, and those the copy engines recorded) with `uses` resident, and blocks until they
+    /// completed.
     pub fn run(
         &self,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
@@ -152,15 +192,62 @@ impl MetalDevice {
         self.run_work(wait, &work, uses)
     }
 
-    /// Runs `work` (kernels and engine matmuls) in order on the compute queue, as `run`.
+    /// Runs `work` (kernels, engine matmuls and attentions) in order on the compute queue, as
+    /// `run`: the submission first waits on the device for `wait` and for every wait the copy
+    /// engines recorded since the last submission; a failure of such a copy is reported here.
+    /// (An explicit `wait` is the caller's to keep live: nothing here watches its copy.)
     pub fn run_work(
         &self,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
         work: &[Work<'_>],
         uses: &[&MetalBuffer],
     ) -> Result<()> {
+        let copies = self.waits.take();
+        let waited = copy::wait_events(&copies);
+        let progress: Vec<_> = waited
+            .iter()
+            .map(|w| {
+                move || {
+                    w.progress();
+                }
+            })
+            .collect();
+        let mut waits: Vec<EventWait<'_>> = waited
+            .iter()
+            .zip(&progress)
+            .map(|(w, p)| {
+                let (event, value) = w.event();
+                EventWait {
+                    event,
+                    value,
+                    progress: Some(p as &(dyn Fn() + Sync)),
+                }
+            })
+            .collect();
+        waits.extend(wait.map(|(e, v)| EventWait {
+            event: e.clone(),
+            value: v,
+            progress: None,
+        }));
         let uses: Vec<_> = uses.iter().map(|b| b.gpu().clone()).collect();
-        self.gpu.compute(wait, work, &uses)?.finish()
+        let ran = self.gpu.compute(&waits, work, &uses).and_then(|s| {
+            if waited.is_empty() {
+                return s.finish();
+            }
+            // While the device waits for the copies, look after them on the host: a failed
+            // copy's signal never comes, and `progress` raises its event instead.
+            loop {
+                if waited.iter().all(|w| w.progress()) {
+                    return s.finish();
+                }
+                if let Some(r) = s.poll() {
+                    return r;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        });
+        let copied = copy::settle(&copies);
+        ran.and(copied)
     }
 }
 

@@ -10,8 +10,9 @@
 //! backend's `HostUpdate`, the CPU backend's kernels) over the same shared memory, between the
 //! submissions before and after it. Failures kernels flag (bad label, bad id, integer division
 //! by zero) come back as the CPU backend reports them.
+use crate::attention::{self, AttentionKey};
 use crate::backend::{HostUpdate, MetalOptions, UpdateMode};
-use crate::gpu::{Dispatch, GpuLibrary, GpuMatmul, MatmulCall, Work};
+use crate::gpu::{AttentionCall, Dispatch, GpuAttention, GpuLibrary, GpuMatmul, MatmulCall, Work};
 use crate::kernels::{self, Gemm};
 use crate::matmul::{self, MatmulKey};
 use crate::{MetalBuffer, MetalDevice};
@@ -44,6 +45,21 @@ pub enum MatmulRoute {
     EpilogueKernel(String),
 }
 
+/// Where a planned attention launch (forward or gradient) runs, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AttentionRoute {
+    /// The matrix engine, with the executable of this key.
+    Engine(AttentionKey),
+    /// The MSL attention kernel, for the reason given.
+    Kernel(String),
+}
+
+/// An engine-bound attention: its executable and where its arrays are (as its key's shapes).
+struct EngineAttention {
+    exe: Arc<dyn GpuAttention>,
+    places: Vec<Loc>,
+}
+
 /// An engine-bound GEMM: its executable and where its row-major A, B and C (and its
 /// epilogue's bias) are.
 struct EngineGemm {
@@ -73,6 +89,10 @@ pub struct MetalProgram {
     routes: Vec<(usize, MatmulRoute)>,
     /// Steps not run because an engine matmul computes them (fused epilogues).
     skip: Vec<bool>,
+    /// For each step, its engine attention when the step is an attention bound to the engine.
+    attention: Vec<Option<EngineAttention>>,
+    /// Each planned attention launch's step index and route.
+    attention_routes: Vec<(usize, AttentionRoute)>,
 }
 
 impl MetalProgram {
@@ -219,6 +239,54 @@ impl MetalProgram {
             routes.push((i, MatmulRoute::Engine(key)));
         }
         routes.sort_by_key(|r| r.0);
+        let mut engine_attention = Vec::with_capacity(plan.steps.len());
+        let mut attention_routes = Vec::new();
+        for (i, s) in plan.steps.iter().enumerate() {
+            let (grad, p, operands) = match s {
+                Step::Launch {
+                    kernel: Kernel::Library(k @ ("rlx_attention" | "rlx_attention_grad")),
+                    p,
+                    operands,
+                    ..
+                } => (*k == "rlx_attention_grad", p, operands),
+                _ => {
+                    engine_attention.push(None);
+                    continue;
+                }
+            };
+            let found = attention::attention_of(p, operands, grad);
+            let places = found.as_ref().map(|f| f.1.clone()).ok();
+            match attention::route(&options.attention, found.map(|f| f.0)) {
+                Ok(key) => {
+                    let places = places.ok_or_else(|| {
+                        Error::Internal("[metal] an engine attention without places".into())
+                    })?;
+                    // The gradient's output is zeroed first for the kernel's sums; the engine
+                    // writes every byte of it (dq | dk | dv), so that fill is not run.
+                    if let (true, Some(Step::Fill { at, bytes })) =
+                        (grad, i.checked_sub(1).and_then(|j| plan.steps.get(j)))
+                    {
+                        let out = operands.iter().find(|(slot, _)| *slot == 5).map(|o| o.1);
+                        let written: usize = key.bytes()[key.feeds()..].iter().sum();
+                        if out == Some(*at) && *bytes == written && places[key.feeds()] == *at {
+                            skip[i - 1] = true;
+                        }
+                    }
+                    engine_attention.push(Some(EngineAttention {
+                        exe: device.attention(key)?,
+                        places,
+                    }));
+                    attention_routes.push((i, AttentionRoute::Engine(key)));
+                }
+                Err(why) => {
+                    if debug {
+                        eprintln!("rlx metal: attention at step {i} on the MSL kernel: {why}");
+                    }
+                    engine_attention.push(None);
+                    attention_routes.push((i, AttentionRoute::Kernel(why)));
+                }
+            }
+        }
         // (never empty: Metal has no zero-length buffers)
         let scratch = device.alloc(plan.scratch_bytes.max(16))?;
         for (off, bytes) in &plan.tables {
@@ -237,7 +305,15 @@ impl MetalProgram {
             engine,
             routes,
             skip,
+            attention: engine_attention,
+            attention_routes,
         })
+    }
+
+    /// Each planned attention launch's step index and where it runs (the engine's key,
+    /// or the reason it stays on the MSL kernel).
+    pub fn attention_routes(&self) -> &[(usize, AttentionRoute)] {
+        &self.attention_routes
     }
 
     /// Each planned GEMM's step index and where it runs (the engine's key, or the reason it
@@ -276,6 +352,8 @@ enum Item {
         [(usize, usize); 3],
         Option<(usize, usize)>,
     ),
+    /// An engine attention: its executable, (buffer, byte offset) of each of its arrays.
+    Attention(Arc<dyn GpuAttention>, Vec<(usize, usize)>),
 }
 
 impl Compiled for MetalProgram {
@@ -383,6 +461,13 @@ impl Compiled for MetalProgram {
                         record: &l.record,
                         threads: l.threads,
                     }),
+                    Item::Attention(exe, arrays) => Work::Attention(AttentionCall {
+                        exe: exe.as_ref(),
+                        arrays: arrays
+                            .iter()
+                            .map(|&(b, off)| Ok((gpu(b)?, off)))
+                            .collect::<Result<_>>()?,
+                    }),
                     Item::Matmul(exe, [a, b, c], bias) => Work::Matmul(MatmulCall {
                         exe: exe.as_ref(),
                         a: (gpu(a.0)?, a.1),
@@ -401,6 +486,25 @@ impl Compiled for MetalProgram {
         };
         for (i, step) in self.plan.steps.iter().enumerate() {
             if self.skip[i] {
+                continue;
+            }
+            if let Some(a) = &self.attention[i] {
+                // Each array must lie inside its buffer (the engine does not check).
+                for (l, bytes) in a.places.iter().zip(a.exe.key().bytes()) {
+                    let end = l.offset.checked_add(bytes);
+                    let len = metal.get(l.buf).copied().flatten().map(|m| m.len());
+                    if end.is_none() || len.is_none() || end > len {
+                        return Err(Error::Internal(format!(
+                            "[metal] engine attention array of {bytes} bytes at {} of buffer \
+                             {} ({len:?} bytes)",
+                            l.offset, l.buf
+                        )));
+                    }
+                }
+                pending.push(Item::Attention(
+                    a.exe.clone(),
+                    a.places.iter().map(|l| (l.buf, l.offset)).collect(),
+                ));
                 continue;
             }
             match step {

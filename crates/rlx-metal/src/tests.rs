@@ -171,6 +171,295 @@ fn buffers_are_zero_copy_host_views() {
     assert!(matches!(buf.write(60, &[0; 8]), Err(Error::Bounds(_))));
 }
 
+/// A host GPU the test can hold the blit queue of, and the device over it.
+fn held_device() -> Option<(Arc<host::HostGpu>, MetalDevice)> {
+    device()?;
+    let gpu = Arc::new(host::HostGpu::new().unwrap());
+    let dev = MetalDevice::new(gpu.clone(), crate::Dialect::HostCxx).unwrap();
+    Some((gpu, dev))
+}
+
+/// Lets the blit queue go after a moment (long enough for the caller to have submitted what
+/// it tests, even on a busy machine), from another thread.
+fn release_later(gpu: &Arc<host::HostGpu>) -> std::thread::JoinHandle<()> {
+    let gpu = gpu.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(400));
+        gpu.hold_blits(false);
+    })
+}
+
+#[test]
+fn wait_on_device_orders_the_next_submission_without_blocking_the_host() {
+    let Some((gpu, dev)) = held_device() else {
+        return;
+    };
+    let eng = dev.copy_engine().unwrap();
+    let n = 4096;
+    let src = dev.alloc(n * 4).unwrap();
+    let dst = dev.alloc(n * 4).unwrap();
+    put(&src, &data(n, 9));
+    gpu.hold_blits(true);
+    let host_bytes: Arc<Vec<u8>> =
+        Arc::new(data(n, 7).iter().flat_map(|x| x.to_ne_bytes()).collect());
+    let dst_dyn: Arc<dyn DeviceBuffer> = dst.clone();
+    let t = eng
+        .issue(
+            CopySrc::Host(host_bytes),
+            CopyDst {
+                buffer: dst_dyn,
+                offset: 0,
+            },
+            n * 4,
+        )
+        .unwrap();
+    // The copy cannot run (the queue is held): a blocking wait would never return here.
+    eng.wait_on_device(t).unwrap();
+    let (event, value) = eng.device_wait(t).unwrap();
+    assert!(event.signaled_value() < value, "the copy ran while held");
+    assert_eq!(dev.pending_device_waits(), 1);
+    // out = dst + src, submitted with no explicit wait: the recorded one orders it.
+    let out = dev.alloc(n * 4).unwrap();
+    let add = rlx_ir::Fused {
+        shape: rlx_ir::Shape::new([n]),
+        n_inputs: 2,
+        steps: vec![rlx_ir::FusedStep::Binary(rlx_ir::BinaryOp::Add, 0, 1)],
+    };
+    let lib = dev
+        .compile_cached(&kernels::fused_kernel("add", &add))
+        .unwrap();
+    let mut p = P::sized(n);
+    p.ptr[..3].copy_from_slice(&[
+        dst.address(0).unwrap(),
+        src.address(0).unwrap(),
+        out.address(0).unwrap(),
+    ]);
+    p.mode[..3].copy_from_slice(&[1, 1, 1]);
+    let rec = kernels::record(&p);
+    let release = release_later(&gpu);
+    dev.run(
+        None,
+        &[Dispatch {
+            library: lib.as_ref(),
+            kernel: "add",
+            record: &rec,
+            threads: n,
+        }],
+        &[&src, &dst, &out],
+    )
+    .unwrap();
+    release.join().unwrap();
+    assert_eq!(
+        gpu.last_waits(),
+        vec![host::RecordedWait {
+            value,
+            reached_at_submit: false
+        }],
+        "the submission did not wait on the device for the copy"
+    );
+    assert_eq!(dev.pending_device_waits(), 0, "the wait was not taken");
+    let want: Vec<f32> = data(n, 7)
+        .iter()
+        .zip(data(n, 9))
+        .map(|(x, y)| x + y)
+        .collect();
+    close(&get(&out, n), &want, 1e-6);
+    // The next submission has nothing left to wait for.
+    dev.run(None, &[], &[&out]).unwrap();
+    assert!(gpu.last_waits().is_empty());
+    // A token whose copy completed needs no device wait at all.
+    eng.wait_on_device(t).unwrap();
+    assert_eq!(dev.pending_device_waits(), 0);
+}
+
+#[test]
+fn host_access_waits_for_a_copy_in_flight_over_its_bytes() {
+    let Some((gpu, dev)) = held_device() else {
+        return;
+    };
+    let eng = dev.copy_engine().unwrap();
+    let dst = dev.alloc(1024).unwrap();
+    gpu.hold_blits(true);
+    let dst_dyn: Arc<dyn DeviceBuffer> = dst.clone();
+    let t = eng
+        .issue(
+            CopySrc::Host(Arc::new(vec![5u8; 256])),
+            CopyDst {
+                buffer: dst_dyn,
+                offset: 256,
+            },
+            256,
+        )
+        .unwrap();
+    eng.wait_on_device(t).unwrap();
+    // Bytes the copy does not touch are read at once (the queue is still held).
+    let mut out = vec![1u8; 256];
+    dst.read(0, &mut out).unwrap();
+    assert!(out.iter().all(|&b| b == 0));
+    // A read of the copied bytes waits for the copy on the host.
+    let release = release_later(&gpu);
+    dst.read(256, &mut out).unwrap();
+    release.join().unwrap();
+    assert!(
+        out.iter().all(|&b| b == 5),
+        "a host read raced with the copy"
+    );
+    // Writes too: a write after the copy is not overwritten by it.
+    gpu.hold_blits(true);
+    let dst_dyn: Arc<dyn DeviceBuffer> = dst.clone();
+    eng.issue(
+        CopySrc::Host(Arc::new(vec![6u8; 256])),
+        CopyDst {
+            buffer: dst_dyn,
+            offset: 0,
+        },
+        256,
+    )
+    .unwrap();
+    let release = release_later(&gpu);
+    dst.write(128, &[9u8; 64]).unwrap();
+    release.join().unwrap();
+    eng.wait_all().unwrap();
+    dst.read(0, &mut out).unwrap();
+    assert!(out[..128].iter().all(|&b| b == 6));
+    assert!(
+        out[128..192].iter().all(|&b| b == 9),
+        "the copy overwrote a later write"
+    );
+}
+
+/// Runs `f` on a thread of its own; panics if it takes longer than `secs` (a hang fails).
+fn within(secs: u64, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(()) => t.join().unwrap(),
+        // the thread panicked: report its panic
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => t.join().unwrap(),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("hung for {secs} s"),
+    }
+}
+
+#[test]
+fn a_failed_blit_is_an_error_not_a_hang() {
+    within(60, failed_blits);
+}
+
+fn failed_blits() {
+    let Some((gpu, dev)) = held_device() else {
+        return;
+    };
+    let eng = dev.copy_engine().unwrap();
+    let dst = dev.alloc(1024).unwrap();
+    let copy = |v: u8, offset: usize| {
+        let to: Arc<dyn DeviceBuffer> = dst.clone();
+        eng.issue(
+            CopySrc::Host(Arc::new(vec![v; 256])),
+            CopyDst { buffer: to, offset },
+            256,
+        )
+        .unwrap()
+    };
+    let start = std::time::Instant::now();
+    gpu.fail_next_blits(1);
+    let bad = copy(1, 0);
+    let good = copy(2, 256);
+    let e = eng.wait(bad).unwrap_err().to_string();
+    assert!(
+        e.contains("failed on the blit queue") && e.contains("injected"),
+        "{e}"
+    );
+    // reported at every wait on its token and at wait_all; the copy after it still ran
+    assert!(eng.wait(bad).is_err());
+    eng.wait(good).unwrap();
+    assert!(eng.wait_all().is_err());
+    let mut out = vec![0u8; 512];
+    dst.read(0, &mut out).unwrap();
+    assert!(out[..256].iter().all(|&b| b == 0), "a failed copy wrote");
+    assert!(out[256..].iter().all(|&b| b == 2));
+    // A failed copy waited for on the device: the submission is released and reports it.
+    gpu.hold_blits(true);
+    gpu.fail_next_blits(1);
+    let bad = copy(3, 512);
+    eng.wait_on_device(bad).unwrap();
+    assert_eq!(dev.pending_device_waits(), 1);
+    let release = release_later(&gpu);
+    let e = dev.run(None, &[], &[&dst]).unwrap_err().to_string();
+    release.join().unwrap();
+    assert!(e.contains("failed on the blit queue"), "{e}");
+    // A failed copy the host never waited for does not hang the host access or the drop.
+    gpu.fail_next_blits(1);
+    copy(4, 768);
+    dst.read(768, &mut out[..256]).unwrap();
+    drop(eng);
+    assert!(start.elapsed() < std::time::Duration::from_secs(20));
+}
+
+#[test]
+fn overlapping_copies_within_one_buffer_are_refused() {
+    let Some(dev) = device() else { return };
+    let eng = dev.copy_engine().unwrap();
+    let a: Arc<dyn DeviceBuffer> = dev.alloc(1024).unwrap();
+    let b: Arc<dyn DeviceBuffer> = dev.alloc(1024).unwrap();
+    let ramp: Vec<u8> = (0..=255).collect();
+    a.write(0, &ramp).unwrap();
+    let within = |src: usize, dst: usize, bytes: usize| {
+        eng.issue(
+            CopySrc::Device {
+                buffer: a.clone(),
+                offset: src,
+            },
+            CopyDst {
+                buffer: a.clone(),
+                offset: dst,
+            },
+            bytes,
+        )
+    };
+    for (src, dst) in [(0, 64), (64, 0), (0, 0), (0, 127)] {
+        let e = within(src, dst, 128).unwrap_err();
+        assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+        assert!(e.to_string().contains("overlapping"), "{e}");
+    }
+    // Adjacent ranges of one buffer, and the same offsets of two buffers, are fine.
+    let t = within(0, 128, 128).unwrap();
+    let u = eng
+        .issue(
+            CopySrc::Device {
+                buffer: a.clone(),
+                offset: 0,
+            },
+            CopyDst {
+                buffer: b.clone(),
+                offset: 0,
+            },
+            256,
+        )
+        .unwrap();
+    eng.wait(t).unwrap();
+    eng.wait(u).unwrap();
+    let mut out = vec![0u8; 256];
+    a.read(0, &mut out).unwrap();
+    assert_eq!(&out[..128], &ramp[..128]);
+    assert_eq!(&out[128..], &ramp[..128]);
+    // The host stand-in refuses one too, rather than hiding it with a memmove.
+    let gpu = host::HostGpu::new().unwrap();
+    let buf = dev.alloc(256).unwrap();
+    let event = crate::gpu::Gpu::new_event(&gpu).unwrap();
+    let copy = crate::gpu::BlitCopy {
+        src: buf.gpu().clone(),
+        src_offset: 0,
+        dst: buf.gpu().clone(),
+        dst_offset: 8,
+        bytes: 16,
+    };
+    assert!(copy.overlaps());
+    assert!(crate::gpu::Gpu::blit(&gpu, copy, &event, 1).is_err());
+}
+
 #[test]
 fn copy_engine_orders_copies_and_reports_errors() {
     let Some(dev) = device() else { return };
@@ -456,6 +745,7 @@ fn matmul_programs_match_the_cpu_backend() {
             rlx_cpu::host_update,
             crate::MetalOptions {
                 matmul: policy,
+                attention: policy,
                 update: crate::UpdateMode::Kernel,
             },
         );
@@ -517,6 +807,7 @@ fn planned_gemms_are_routed_with_reasons_and_compiled_once_per_key() {
     let Some(dev) = device() else { return };
     let opts = |matmul| crate::MetalOptions {
         matmul,
+        attention: matmul,
         update: crate::UpdateMode::Kernel,
     };
     let compile = |m, k, n, policy| {
@@ -772,6 +1063,7 @@ fn matmul_epilogues_run_on_the_engine_where_they_are_bias_and_activation() {
         let total = na + nb + ne + m * n;
         let opts = crate::MetalOptions {
             matmul: MatmulPolicy::ALL,
+            attention: MatmulPolicy::ALL,
             update: crate::UpdateMode::Kernel,
         };
         let prog = MetalProgram::new(
@@ -806,5 +1098,307 @@ fn matmul_epilogues_run_on_the_engine_where_they_are_bias_and_activation() {
         let got = run_on(&metal, &program, &init);
         assert!(want[na + nb + ne..].iter().any(|&x| x != 0.0), "{what}");
         close(&got, &want, 1e-5);
+    }
+}
+
+/// An attention forward over head-major `[b, h, l, e]` / `[b, h, s, e]` tensors in the arena
+/// (q, k, v, then out), and the arena's size in floats.
+fn attention_program(
+    [b, h, l, s, e]: [usize; 5],
+    causal: Option<i64>,
+    heads: Option<usize>,
+) -> (Program, usize) {
+    use rlx_ir::{DType, Op, Shape};
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    let (nq, nk) = (b * h * l * e, b * h * s * e);
+    let op = Op::Attention {
+        scale: 1.0 / (e as f32).sqrt(),
+        causal,
+        heads,
+        lowp: None,
+    };
+    let instr = match heads {
+        None => Instr::Op {
+            op,
+            ins: vec![
+                r(0, &[b, h, l, e]),
+                r(nq, &[b, h, s, e]),
+                r(nq + nk, &[b, h, s, e]),
+            ],
+            out: r(nq + 2 * nk, &[b, h, l, e]),
+        },
+        // packed qkv (b, l, 3 h e); out (b, l, h e)
+        Some(hh) => Instr::Op {
+            op,
+            ins: vec![r(0, &[b, l, 3 * hh * e])],
+            out: r(3 * b * l * hh * e, &[b, l, hh * e]),
+        },
+    };
+    (
+        Program {
+            instrs: vec![instr],
+        },
+        nq + 2 * nk + nq,
+    )
+}
+
+#[test]
+fn attention_runs_on_the_engine_where_routed_and_matches_the_cpu_backend() {
+    use crate::attention::AttentionKey;
+    use crate::program::{AttentionRoute, MetalProgram};
+    let Some(dev) = device() else { return };
+    let dims = [2, 3, 16, 24, 8];
+    let before = dev.attentions_compiled();
+    for causal in [None, Some(0), Some(3)] {
+        let (program, floats) = attention_program(dims, causal, None);
+        let init = data(floats, 31);
+        let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+        for policy in [MatmulPolicy::ALL, MatmulPolicy::OFF] {
+            let opts = crate::MetalOptions {
+                matmul: MatmulPolicy::OFF,
+                attention: policy,
+                update: crate::UpdateMode::Kernel,
+            };
+            let prog = MetalProgram::new(
+                dev.clone(),
+                &program,
+                &[floats * 4],
+                rlx_cpu::host_update,
+                opts,
+            )
+            .unwrap();
+            let key = AttentionKey {
+                bh: 6,
+                l: 16,
+                s: 24,
+                e: 8,
+                ev: 8,
+                scale_bits: (1.0 / 8f32.sqrt()).to_bits(),
+                causal,
+                grad: false,
+                heads: None,
+            };
+            match (policy.enabled, prog.attention_routes()) {
+                (true, [(0, AttentionRoute::Engine(k))]) => assert_eq!(*k, key),
+                (false, [(0, AttentionRoute::Kernel(why))]) => {
+                    assert!(why.contains("off"), "{why}")
+                }
+                (_, r) => panic!("{policy:?}: {r:?}"),
+            }
+            let metal = crate::MetalBackend::with_options(dev.clone(), rlx_cpu::host_update, opts);
+            let got = run_on(&metal, &program, &init);
+            let out = floats - 6 * 16 * 8;
+            assert!(want[out..].iter().any(|&x| x != 0.0));
+            close(&got, &want, 1e-4);
+        }
+    }
+    // one executable per key, whatever the program
+    assert_eq!(dev.attentions_compiled(), before + 3);
+    // below the threshold and with a negative causal offset it stays on the kernel, with why
+    let kernel_why = |program: &Program, floats: usize, policy| {
+        let opts = crate::MetalOptions {
+            matmul: MatmulPolicy::OFF,
+            attention: policy,
+            update: crate::UpdateMode::Kernel,
+        };
+        let prog = MetalProgram::new(
+            dev.clone(),
+            program,
+            &[floats * 4],
+            rlx_cpu::host_update,
+            opts,
+        )
+        .unwrap();
+        match prog.attention_routes() {
+            [(0, AttentionRoute::Kernel(why))] => why.clone(),
+            r => panic!("{r:?}"),
+        }
+    };
+    let (small, n) = attention_program([1, 1, 4, 4, 4], None, None);
+    assert!(kernel_why(&small, n, MatmulPolicy::default()).contains("threshold"));
+    let (blind, n) = attention_program([1, 2, 8, 8, 4], Some(-1), None);
+    assert!(kernel_why(&blind, n, MatmulPolicy::ALL).contains("causal offset"));
+}
+
+#[test]
+fn attention_gradient_runs_on_the_engine_where_routed_and_matches_the_cpu_backend() {
+    use crate::program::{AttentionRoute, MetalProgram};
+    use rlx_ir::{DType, Op, Shape};
+    let Some(dev) = device() else { return };
+    let (b, h, l, s, e) = (2, 3, 16, 24, 8);
+    let (nq, nk) = (b * h * l * e, b * h * s * e);
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    for causal in [None, Some(0), Some(5)] {
+        // inputs q, k, v, out (the forward result), g; the gradient [dq | dk | dv] after them
+        let fwd = r(nq + 2 * nk, &[b, h, l, e]);
+        let grad_at = 2 * nq + 2 * nk + nq;
+        let program = Program {
+            instrs: vec![
+                Instr::Op {
+                    op: Op::Attention {
+                        scale: 0.3,
+                        causal,
+                        heads: None,
+                        lowp: None,
+                    },
+                    ins: vec![
+                        r(0, &[b, h, l, e]),
+                        r(nq, &[b, h, s, e]),
+                        r(nq + nk, &[b, h, s, e]),
+                    ],
+                    out: fwd.clone(),
+                },
+                Instr::Op {
+                    op: Op::AttentionGrad {
+                        scale: 0.3,
+                        causal,
+                        heads: None,
+                        lowp: None,
+                    },
+                    ins: vec![
+                        r(0, &[b, h, l, e]),
+                        r(nq, &[b, h, s, e]),
+                        r(nq + nk, &[b, h, s, e]),
+                        fwd.clone(),
+                        r(2 * nq + 2 * nk, &[b, h, l, e]),
+                    ],
+                    out: r(grad_at, &[nq + 2 * nk]),
+                },
+            ],
+        };
+        let floats = grad_at + nq + 2 * nk;
+        let mut init = data(floats, 41);
+        // the gradient's output starts dirty: every byte of it must be written
+        let fwd_at = nq + 2 * nk;
+        init[fwd_at..fwd_at + nq].fill(0.0);
+        let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+        for policy in [MatmulPolicy::ALL, MatmulPolicy::OFF] {
+            let opts = crate::MetalOptions {
+                matmul: MatmulPolicy::OFF,
+                attention: policy,
+                update: crate::UpdateMode::Kernel,
+            };
+            let prog = MetalProgram::new(
+                dev.clone(),
+                &program,
+                &[floats * 4],
+                rlx_cpu::host_update,
+                opts,
+            )
+            .unwrap();
+            let routes = prog.attention_routes();
+            assert_eq!(routes.len(), 2, "{routes:?}");
+            for (_, route) in routes {
+                match (policy.enabled, route) {
+                    (true, AttentionRoute::Engine(_)) | (false, AttentionRoute::Kernel(_)) => {}
+                    _ => panic!("{policy:?}: {routes:?}"),
+                }
+            }
+            if let (_, AttentionRoute::Engine(k)) = &routes[1] {
+                assert!(k.grad && k.causal == causal);
+            }
+            let metal = crate::MetalBackend::with_options(dev.clone(), rlx_cpu::host_update, opts);
+            let got = run_on(&metal, &program, &init);
+            assert!(want[grad_at..].iter().any(|&x| x != 0.0));
+            close(&got, &want, 1e-4);
+        }
+    }
+}
+
+#[test]
+fn packed_qkv_attention_runs_on_the_engine_and_matches_the_cpu_backend() {
+    use crate::program::{AttentionRoute, MetalProgram};
+    use rlx_ir::{DType, Op, Shape};
+    let Some(dev) = device() else { return };
+    let (b, t, h, e) = (2, 12, 3, 8);
+    let (nqkv, no) = (b * t * 3 * h * e, b * t * h * e);
+    let r = |offset: usize, dims: &[usize]| TRef {
+        buf: Buf::Arena,
+        offset: offset * 4,
+        shape: Shape::new(dims.to_vec()),
+        dtype: DType::F32,
+    };
+    for causal in [None, Some(0), Some(2)] {
+        // qkv, out (forward), g, then d qkv
+        let (qkv, out, g, dqkv) = (
+            r(0, &[b, t, 3 * h * e]),
+            r(nqkv, &[b, t, h * e]),
+            r(nqkv + no, &[b, t, h * e]),
+            r(nqkv + 2 * no, &[b, t, 3 * h * e]),
+        );
+        let att = |grad: bool| {
+            let (scale, heads, lowp) = (0.4, Some(h), None);
+            if grad {
+                Op::AttentionGrad {
+                    scale,
+                    causal,
+                    heads,
+                    lowp,
+                }
+            } else {
+                Op::Attention {
+                    scale,
+                    causal,
+                    heads,
+                    lowp,
+                }
+            }
+        };
+        let program = Program {
+            instrs: vec![
+                Instr::Op {
+                    op: att(false),
+                    ins: vec![qkv.clone()],
+                    out: out.clone(),
+                },
+                Instr::Op {
+                    op: att(true),
+                    ins: vec![qkv.clone(), out.clone(), g.clone()],
+                    out: dqkv.clone(),
+                },
+            ],
+        };
+        let floats = 2 * nqkv + 2 * no;
+        let init = data(floats, 53);
+        let want = run_on(&rlx_cpu::CpuBackend, &program, &init);
+        assert!(want[nqkv + 2 * no..].iter().any(|&x| x != 0.0));
+        for policy in [MatmulPolicy::ALL, MatmulPolicy::OFF] {
+            let opts = crate::MetalOptions {
+                matmul: MatmulPolicy::OFF,
+                attention: policy,
+                update: crate::UpdateMode::Kernel,
+            };
+            let prog = MetalProgram::new(
+                dev.clone(),
+                &program,
+                &[floats * 4],
+                rlx_cpu::host_update,
+                opts,
+            )
+            .unwrap();
+            let routes = prog.attention_routes();
+            assert_eq!(routes.len(), 2, "{routes:?}");
+            for (_, route) in routes {
+                match (policy.enabled, route) {
+                    (true, AttentionRoute::Engine(k)) => {
+                        assert_eq!((k.heads, k.bh, k.l, k.causal), (Some(h), b * h, t, causal))
+                    }
+                    (false, AttentionRoute::Kernel(_)) => {}
+                    _ => panic!("{policy:?}: {routes:?}"),
+                }
+            }
+            let metal = crate::MetalBackend::with_options(dev.clone(), rlx_cpu::host_update, opts);
+            close(&run_on(&metal, &program, &init), &want, 1e-4);
+        }
     }
 }

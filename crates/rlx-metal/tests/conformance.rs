@@ -2,7 +2,7 @@
 //! (the MSL kernels compiled by the system C++ compiler and run on the CPU; Linux CI), three
 //! times: with the options the environment gives (by default the device-side update and the
 //! matrix engine above its size threshold), with the update on the host, and with every matmul
-//! on the matrix engine. Each check is skipped, with a message, where there is no C++ compiler.
+//! and every head-major attention forward on the matrix engine. Each check is skipped, with a message, where there is no C++ compiler.
 use rlx_metal::matmul::MatmulPolicy;
 use rlx_metal::{MetalOptions, UpdateMode};
 use rlx_runtime::Backend;
@@ -25,6 +25,7 @@ mod host_update {
     use super::*;
     rlx_runtime::conformance_tests!(skip_unless: make(Some(MetalOptions {
         matmul: MatmulPolicy::default(),
+        attention: MatmulPolicy::default(),
         update: UpdateMode::Host,
     })));
 }
@@ -33,6 +34,7 @@ mod every_matmul_on_the_engine {
     use super::*;
     rlx_runtime::conformance_tests!(skip_unless: make(Some(MetalOptions {
         matmul: MatmulPolicy::ALL,
+        attention: MatmulPolicy::ALL,
         update: UpdateMode::Kernel,
     })));
 }

@@ -28,7 +28,11 @@ fn metal(dev: &MetalDevice, update: UpdateMode, matmul: MatmulPolicy) -> Arc<dyn
     Arc::new(MetalBackend::with_options(
         dev.clone(),
         rlx_cpu::host_update,
-        MetalOptions { matmul, update },
+        MetalOptions {
+            matmul,
+            attention: matmul,
+            update,
+        },
     ))
 }
 
