@@ -55,6 +55,18 @@ __device__ __forceinline__ long long off(const P& p, int k, long long i) {
   return o + i * p.st[k][0];
 }
 #define F(k) ((float*)p.ptr[k])
+/* Four consecutive elements i..i+3 of operand k (i a multiple of 4) under the plan's `fused_x4`
+   conditions: a scalar, a contiguous run, or a broadcast whose innermost stride is 0 (one value)
+   or 1 (a run: the innermost dim is a multiple of 4). */
+__device__ __forceinline__ float4 rx_ld4(const P& p, int k, long long i) {
+  int m = p.mode[k];
+  const float* x = (const float*)p.ptr[k];
+  if (m == 0) { float v = x[0]; return make_float4(v, v, v, v); }
+  if (m == 1) return *(const float4*)(x + i);
+  long long o = off(p, k, i);
+  if (p.st[k][p.rank - 1] == 0) { float v = x[o]; return make_float4(v, v, v, v); }
+  return *(const float4*)(x + o);
+}
 #define I(k) ((int*)p.ptr[k])
 #define U(k) ((unsigned int*)p.ptr[k])
 #define GRID_LOOP(i, n) for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
@@ -1213,12 +1225,24 @@ extern "C" __global__ void rlx_update_finish(const P p) {
 "#;
 
 /// A kernel evaluating `f` elementwise: operands `0..n_inputs` are the inputs, operand
-/// `n_inputs` the output; every register is one float32 local.
+/// `n_inputs` the output; every register is one float32 local. With `iv[7]` set (the plan's
+/// `fused_x4`: every operand a scalar, contiguous and 16-byte aligned, or broadcast along rows
+/// of a multiple of four) each thread takes four consecutive elements with 16-byte loads and
+/// stores (`rx_ld4`), the expression evaluated once per lane.
 pub fn fused_kernel(name: &str, f: &Fused) -> String {
     let (body, last) = Dialect::CUDA.body(f, |k| format!("F({k})[off(p, {k}, i)]"));
     let o = f.n_inputs;
+    let mut quad = String::new();
+    for k in 0..f.n_inputs {
+        quad.push_str(&format!("      float4 v{k} = rx_ld4(p, {k}, i);\n"));
+    }
+    quad.push_str("      float4 res;\n");
+    for lane in ["x", "y", "z", "w"] {
+        let (b, l) = Dialect::CUDA.body(f, |k| format!("v{k}.{lane}"));
+        quad.push_str(&format!("      {{\n{b}      res.{lane} = {l};\n      }}\n"));
+    }
     format!(
-        "extern \"C\" __global__ void {name}(const P p) {{\n  GRID_LOOP(i, p.n) {{\n{body}    F({o})[off(p, {o}, i)] = {last};\n  }}\n}}\n"
+        "extern \"C\" __global__ void {name}(const P p) {{\n  if (p.iv[7]) {{\n    GRID_LOOP(q, p.n / 4) {{\n      long long i = q * 4;\n{quad}      *(float4*)(F({o}) + i) = res;\n    }}\n    return;\n  }}\n  GRID_LOOP(i, p.n) {{\n{body}    F({o})[off(p, {o}, i)] = {last};\n  }}\n}}\n"
     )
 }
 
@@ -1248,6 +1272,9 @@ mod tests {
             "{src}"
         );
         assert!(src.contains("F(2)[off(p, 2, i)] = r4;"), "{src}");
+        // The four-a-thread path: both inputs loaded as quads, each lane evaluated.
+        assert!(src.contains("float4 v1 = rx_ld4(p, 1, i);"), "{src}");
+        assert!(src.contains("res.w = r4;") && src.contains("*(float4*)(F(2) + i) = res;"));
     }
 
     /// Every kernel compiles for Hopper where NVRTC is installed (no GPU needed); elsewhere

@@ -30,6 +30,7 @@ pub fn target(update: UpdateMode) -> Target {
         low_precision: false,
         gemm_attention: None,
         gemm_attention_forward: false,
+        fused_x4: false,
     }
 }
 

@@ -358,6 +358,9 @@ pub struct Target {
     /// Whether the forward pass takes the GEMM path too where the tiled kernels could run it
     /// (the gradient always does, above the threshold).
     pub gemm_attention_forward: bool,
+    /// The fused kernels take four elements a thread with 16-byte loads and stores where every
+    /// operand allows it (`iv[7]` set; see [`quads`]).
+    pub fused_x4: bool,
 }
 
 impl Target {
@@ -368,6 +371,7 @@ impl Target {
         low_precision: true,
         gemm_attention: Some(1 << 24),
         gemm_attention_forward: true,
+        fused_x4: true,
     };
 }
 
@@ -477,6 +481,32 @@ fn low_code(dtype: DType) -> i64 {
     }
 }
 
+/// Whether a fused launch (its record `p` after [`iterate`], its operands at `locs`, the output
+/// last) can take four consecutive elements a thread: the count is a multiple of four, the
+/// output is contiguous, and each input is a scalar, contiguous, or a broadcast whose innermost
+/// dim is a multiple of four with stride 0 (one value for all four) or 1 (a run). Every run read
+/// or written whole must start 16-byte aligned.
+fn quads(p: &P, locs: &[Loc]) -> bool {
+    let r = p.rank as usize;
+    if p.n % 4 != 0 || r == 0 || p.mode[locs.len() - 1] != 1 {
+        return false;
+    }
+    let inner = p.dims[r - 1];
+    locs.iter().enumerate().all(|(k, l)| match p.mode[k] {
+        0 => true,
+        1 => l.offset % 16 == 0,
+        _ => {
+            let s = &p.st[k][..r];
+            inner % 4 == 0
+                && match s[r - 1] {
+                    0 => true,
+                    1 => s[..r - 1].iter().all(|v| v % 4 == 0) && l.offset % 16 == 0,
+                    _ => false,
+                }
+        }
+    })
+}
+
 /// The attributes of an `Attention` / `AttentionGrad` instruction (see `rlx_ir::Op`).
 #[derive(Clone, Copy)]
 struct Attn {
@@ -581,7 +611,26 @@ impl Builder {
                 self.plan.fused.len() - 1
             }
         };
-        self.map(Kernel::Fused(idx), &dims, &ops, P::default(), "fused")
+        let n: usize = dims.iter().product();
+        if n == 0 {
+            return Ok(());
+        }
+        let strides: Vec<Vec<i64>> = ops.iter().map(|(_, s)| s.clone()).collect();
+        let mut p = P::default();
+        iterate(&mut p, &dims, &strides, "fused", self.target.backend)?;
+        let locs: Vec<Loc> = ops.iter().map(|(l, _)| *l).collect();
+        let x4 = self.target.fused_x4 && quads(&p, &locs);
+        p.iv[7] = x4 as i64;
+        let threads = if x4 { n / 4 } else { n };
+        let operands = locs.into_iter().enumerate().collect();
+        self.launch(
+            Kernel::Fused(idx),
+            grid_for(threads, THREADS as usize),
+            THREADS,
+            p,
+            operands,
+        );
+        Ok(())
     }
 
     fn copy32(
@@ -2203,6 +2252,7 @@ mod tests {
             low_precision: false,
             gemm_attention: None,
             gemm_attention_forward: false,
+            fused_x4: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -2274,6 +2324,53 @@ mod tests {
         };
         assert_eq!(*kernel, Kernel::Library("rlx_reduce"));
         assert_eq!((p.n, p.iv[1], p.st[2][0], p.st[3][0]), (128, 6, 6, 1));
+    }
+
+    /// Fused launches take four elements a thread only where every operand allows it.
+    #[test]
+    fn fused_kernels_take_quads_where_every_operand_allows() {
+        // x + y * z over `shape`, reading y and z at the given dims (broadcast) and offsets.
+        let quad = |shape: &[usize], ins: [(&[usize], usize); 3], target: Target| -> (i64, i64) {
+            let f = Fused {
+                shape: Shape::from(shape),
+                n_inputs: 3,
+                steps: vec![
+                    FusedStep::Binary(BinaryOp::Mul, 1, 2),
+                    FusedStep::Binary(BinaryOp::Add, 0, 3),
+                ],
+            };
+            let prog = Program {
+                instrs: vec![Instr::Op {
+                    op: Op::Fused(std::sync::Arc::new(f)),
+                    ins: ins.iter().map(|&(d, off)| t(off, d)).collect(),
+                    out: t(4096, shape),
+                }],
+            };
+            let pl = plan(&prog, &[8192], target).unwrap();
+            let Step::Launch { p, .. } = &pl.steps[0] else {
+                panic!()
+            };
+            (p.iv[7], p.n)
+        };
+        let cuda = Target::CUDA;
+        // A contiguous operand, a row (bias) and a column broadcast, 16-byte aligned.
+        let ok = [(&[6usize, 8][..], 0), (&[8][..], 1024), (&[6, 1][..], 2048)];
+        assert_eq!(quad(&[6, 8], ok, cuda), (1, 48));
+        // A scalar operand too.
+        let scalar = [(&[6usize, 8][..], 0), (&[1][..], 1024), (&[8][..], 2048)];
+        assert_eq!(quad(&[6, 8], scalar, cuda), (1, 48));
+        // Rows of 6: a quad would cross rows of the broadcasts.
+        let rows6 = [(&[8usize, 6][..], 0), (&[6][..], 1024), (&[8, 1][..], 2048)];
+        assert_eq!(quad(&[8, 6], rows6, cuda).0, 0);
+        // A contiguous operand 4 bytes past alignment.
+        let skew = [(&[6usize, 8][..], 4), (&[8][..], 1024), (&[6, 1][..], 2048)];
+        assert_eq!(quad(&[6, 8], skew, cuda).0, 0);
+        // Other backends never.
+        let metal_like = Target {
+            fused_x4: false,
+            ..cuda
+        };
+        assert_eq!(quad(&[6, 8], ok, metal_like).0, 0);
     }
 
     #[test]
@@ -2349,6 +2446,7 @@ mod tests {
             low_precision: false,
             gemm_attention: None,
             gemm_attention_forward: false,
+            fused_x4: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
