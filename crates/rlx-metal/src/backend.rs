@@ -53,7 +53,7 @@ impl UpdateMode {
 pub struct MetalOptions {
     /// Which matmuls run on the matrix engine.
     pub matmul: MatmulPolicy,
-    /// Which attention forward passes run on the matrix engine (`crate::attention`).
+    /// Which attentions (forward and gradient) run on the matrix engine (`crate::attention`).
     pub attention: MatmulPolicy,
     pub update: UpdateMode,
 }

@@ -1,7 +1,9 @@
 //! What the Metal backend needs of a device, checked when the device is opened: the Metal 3 GPU
 //! family (macOS 13 or later: launch records carry `gpuAddress`es, kernels use `atomic_float`)
 //! and MPSNDArrays made over a buffer at a byte offset (`initWithBuffer:offset:descriptor:`,
-//! macOS 13). A device without them is refused with a `Device` error that says so, instead of
+//! macOS 13), and unified memory (the arena is one shared buffer that numpy views read and the
+//! host update writes; a discrete AMD or Intel GPU of the Metal 3 family has none). A device
+//! without them is refused with a `Device` error that says so, instead of
 //! failing later on a selector the system does not have. Platform-neutral: `sys` asks Metal.
 use rlx_ir::{Error, Result};
 
@@ -15,6 +17,8 @@ pub struct Capabilities {
     pub metal3: bool,
     /// `MPSNDArray` instances respond to `initWithBuffer:offset:descriptor:`.
     pub ndarray_at_offset: bool,
+    /// `hasUnifiedMemory`: the CPU and GPU share memory (Apple silicon).
+    pub unified_memory: bool,
 }
 
 /// `Ok` where the device named `name` has everything the backend needs, else the `Device` error
@@ -26,6 +30,9 @@ pub fn check(name: &str, caps: Capabilities) -> Result<()> {
     }
     if !caps.ndarray_at_offset {
         missing.push("MPSNDArray initWithBuffer:offset:descriptor: (matrix-engine operands)");
+    }
+    if !caps.unified_memory {
+        missing.push("unified memory (the arena is one buffer the host and the GPU share)");
     }
     if missing.is_empty() {
         return Ok(());
@@ -45,6 +52,7 @@ mod tests {
         let all = Capabilities {
             metal3: true,
             ndarray_at_offset: true,
+            unified_memory: true,
         };
         assert!(check("Apple M1", all).is_ok());
         let e = check(
@@ -65,12 +73,25 @@ mod tests {
         let e = check(
             "old",
             Capabilities {
-                metal3: true,
                 ndarray_at_offset: false,
+                ..all
             },
         )
         .unwrap_err()
         .to_string();
         assert!(e.contains("initWithBuffer:offset:descriptor:"), "{e}");
+        let e = check(
+            "AMD Radeon Pro W6800",
+            Capabilities {
+                unified_memory: false,
+                ..all
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("unified memory") && e.contains("Apple silicon"),
+            "{e}"
+        );
     }
 }

@@ -75,27 +75,27 @@ impl Engine {
         self.event.signaled_value() >= seq
     }
 
-    /// Never blocks: true once every copy up to `seq` completed or failed. Where one failed its
-    /// signal never comes, so the event is raised to `seq` from the host here, which releases
-    /// the host and device waits on it (the failure is reported at the waits on its token).
+    /// Never blocks: true once every copy up to `seq` completed or failed. The event is then
+    /// raised to `seq` from the host if it is not there yet: a failed copy's signal never
+    /// comes, and a host raise for an earlier failure can overwrite a later copy's signal that
+    /// landed between its read and its write. Raising is always right once every copy up to
+    /// `seq` is over, and it releases the host and device waits on it (a failure is reported
+    /// at the waits on its token).
     pub(crate) fn progress(&self, seq: u64) -> bool {
         if self.reached(seq) {
             return true;
         }
-        let (mut over, mut failed) = (true, false);
+        let mut over = true;
         for (s, sub) in self.lock().pending.iter() {
             if *s > seq {
                 break;
             }
-            match sub.poll() {
-                None => {
-                    over = false;
-                    break;
-                }
-                Some(r) => failed |= r.is_err(),
+            if sub.poll().is_none() {
+                over = false;
+                break;
             }
         }
-        if over && failed {
+        if over && !self.reached(seq) {
             self.event.signal(seq);
         }
         over

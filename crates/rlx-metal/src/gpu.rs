@@ -107,7 +107,8 @@ pub struct BlitCopy {
 
 impl BlitCopy {
     /// Whether source and destination are overlapping bytes of one buffer: a Metal blit's
-    /// result is undefined there, so neither the engine nor a `Gpu` accepts such a copy.
+    /// result is undefined there, so the copy engine refuses such a copy (and the host
+    /// stand-in refuses it too, so tests see what the engine let through).
     pub fn overlaps(&self) -> bool {
         let same = self.src.contents() == self.dst.contents();
         same && self.bytes > 0

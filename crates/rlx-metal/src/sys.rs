@@ -99,9 +99,10 @@ impl GpuEvent for SysEvent {
         self.ev.waitUntilSignaledValue_timeoutMS(value, timeout_ms)
     }
     fn signal(&self, value: u64) {
-        // Only ever called for the value of a copy whose command buffer failed (its own signal
-        // never comes); a later copy's signal racing with this one is a higher value the GPU
-        // sets, which this check leaves alone unless it lands between the read and the write.
+        // Called once every copy up to `value` is over, when the event has not reached it (a
+        // failed copy's signal never comes). A later copy's signal landing between the read
+        // and the write is lowered here; `Engine::progress` raises the event again for any
+        // wait on that later copy, once it is over.
         if self.ev.signaledValue() < value {
             self.ev.setSignaledValue(value);
         }
@@ -313,7 +314,7 @@ pub struct MetalGpu {
 
 impl MetalGpu {
     /// The system's default Metal device; a `Device` error where there is none, or where it
-    /// lacks what the backend needs (`crate::caps`: Metal 3, macOS 13).
+    /// lacks what the backend needs (`crate::caps`: Metal 3, macOS 13, unified memory).
     pub fn system_default() -> Result<Self> {
         let device = MTLCreateSystemDefaultDevice()
             .ok_or_else(|| Error::Device("this Mac has no Metal device".into()))?;
@@ -323,6 +324,7 @@ impl MetalGpu {
             metal3: device.supportsFamily(MTLGPUFamily::Metal3),
             ndarray_at_offset: AnyClass::get(c"MPSNDArray")
                 .is_some_and(|c| c.responds_to(sel!(initWithBuffer:offset:descriptor:))),
+            unified_memory: device.hasUnifiedMemory(),
         };
         crate::caps::check(&device.name().to_string(), caps)?;
         let compute = device

@@ -2,7 +2,7 @@
 //! (the MSL kernels compiled by the system C++ compiler and run on the CPU; Linux CI), three
 //! times: with the options the environment gives (by default the device-side update and the
 //! matrix engine above its size threshold), with the update on the host, and with every matmul
-//! and every head-major attention forward on the matrix engine. Each check is skipped, with a message, where there is no C++ compiler.
+//! and every attention the engine takes (both layouts, forward and gradient) on the matrix engine. Each check is skipped, with a message, where there is no C++ compiler.
 use rlx_metal::matmul::MatmulPolicy;
 use rlx_metal::{MetalOptions, UpdateMode};
 use rlx_runtime::Backend;
