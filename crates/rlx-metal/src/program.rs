@@ -257,8 +257,15 @@ impl MetalProgram {
             };
             let found = attention::attention_of(p, operands, grad);
             let places = found.as_ref().map(|f| f.1.clone()).ok();
-            match attention::route(&options.attention, found.map(|f| f.0)) {
-                Ok(key) => {
+            // An executable that does not compile leaves the attention on the kernel.
+            let routed = attention::route(&options.attention, found.map(|f| f.0)).and_then(|key| {
+                device
+                    .attention(key)
+                    .map(|exe| (key, exe))
+                    .map_err(|e| format!("its MPSGraph executable did not compile: {e}"))
+            });
+            match routed {
+                Ok((key, exe)) => {
                     let places = places.ok_or_else(|| {
                         Error::Internal("[metal] an engine attention without places".into())
                     })?;
@@ -273,10 +280,7 @@ impl MetalProgram {
                             skip[i - 1] = true;
                         }
                     }
-                    engine_attention.push(Some(EngineAttention {
-                        exe: device.attention(key)?,
-                        places,
-                    }));
+                    engine_attention.push(Some(EngineAttention { exe, places }));
                     attention_routes.push((i, AttentionRoute::Engine(key)));
                 }
                 Err(why) => {
