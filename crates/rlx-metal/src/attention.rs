@@ -216,7 +216,8 @@ fn packed(
     h: usize,
 ) -> Option<Vec<Loc>> {
     let AttentionKey { l, s, e, ev, .. } = key;
-    if l != s || e != ev {
+    // The q|k|v array holds three times a head-major array's elements (the bound those check).
+    if l != s || e != ev || 3 * key.bh * l * e > MAX_ARRAY_ELEMENTS {
         return None;
     }
     let (t, he) = (l as i64, (h * e) as i64);

@@ -196,6 +196,11 @@ impl MetalDevice {
     /// `run`: the submission first waits on the device for `wait` and for every wait the copy
     /// engines recorded since the last submission; a failure of such a copy is reported here.
     /// (An explicit `wait` is the caller's to keep live: nothing here watches its copy.)
+    ///
+    /// The recorded waits belong to the device, not to a caller: whichever submission comes
+    /// next (from any thread) takes them. A failed copy releases the submission that waited
+    /// for it (its event is raised from the host), so that work runs on bytes the copy never
+    /// wrote, an in-step update included, and the copy's error is returned after it.
     pub fn run_work(
         &self,
         wait: Option<(&Arc<dyn GpuEvent>, u64)>,
