@@ -1,7 +1,8 @@
 """Shared helpers for the rlx test suite: numpy comparisons, float64 finite differences, tiny modules.
 
 The helpers are plain functions so test files can import them (``from conftest import ...``).
-Set ``RLX_TEST_DEVICE`` (default ``"cpu"``) to run the device-neutral op tests on another backend.
+Set ``RLX_TEST_DEVICE`` (or ``RLX_DEVICE``; default ``"cpu"``) to run the device-neutral op tests
+on another backend.
 """
 
 import os
@@ -16,7 +17,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-DEVICE = os.environ.get("RLX_TEST_DEVICE", "cpu")
+DEVICE = os.environ.get("RLX_TEST_DEVICE") or os.environ.get("RLX_DEVICE") or "cpu"
 
 
 # ----------------------------------------------------------------------------------------------
