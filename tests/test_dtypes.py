@@ -236,8 +236,10 @@ def test_portable_and_f16c_conversions_give_the_same_bits():
         env = {**os.environ, "RLX_CPU_ISA": isa}
         r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, check=True)
         outs[isa] = r.stdout
-        # The default run uses the AVX2 kernels, and F16C with them, where the CPU has them.
-        assert r.stderr.decode() == ("portable" if isa == "portable" or not cpu_has("avx2", "fma") else "avx2")
+        # The default run uses the widest kernels (AVX2 or AVX-512), and F16C with them, where the
+        # CPU has them.
+        widest = "avx512" if cpu_has("avx2", "fma", "avx512f") else "avx2"
+        assert r.stderr.decode() == ("portable" if isa == "portable" or not cpu_has("avx2", "fma") else widest)
     assert len(outs["portable"]) == (1 << 19) * 6
     assert outs["portable"] == outs["auto"]
 

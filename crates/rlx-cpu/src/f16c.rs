@@ -1,5 +1,5 @@
 //! float16 <-> float32 conversion with the CPU's F16C instructions (x86-64), used by the cast
-//! kernel when the AVX2 kernels are chosen (`crate::isa`) and the CPU has F16C. The `unsafe` of
+//! kernel when the AVX2 or AVX-512 kernels are chosen (`crate::isa`) and the CPU has F16C. The `unsafe` of
 //! calling that target-feature code and of its unaligned vector loads and stores lives here.
 //! The portable conversions in `kernels/cast.rs` give the same bits (tested over every float16).
 
@@ -7,8 +7,7 @@
 pub fn in_use() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::isa::current() == crate::isa::Isa::Avx2Fma
-            && std::arch::is_x86_feature_detected!("f16c")
+        crate::isa::current().has_avx2() && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

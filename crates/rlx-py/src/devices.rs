@@ -21,7 +21,8 @@ pub fn devices() -> Vec<String> {
     out
 }
 
-/// The instruction set the CPU kernels run with in this process: `"avx2"` or `"portable"`
+/// The instruction set the CPU kernels run with in this process: `"avx512"`, `"avx2"` or
+/// `"portable"`
 /// (chosen once from the CPU and `RLX_CPU_ISA`).
 #[pyfunction]
 pub fn cpu_isa() -> &'static str {
