@@ -1,6 +1,7 @@
-"""Run-time kernel selection: `RLX_CPU_ISA=portable` forces the baseline x86-64 kernels, and they
-give bit-identical results to the AVX2/FMA kernels chosen by default (same source, no fused
-multiply-adds the source does not write). Each run is its own process: the choice is per process."""
+"""Run-time kernel selection: `RLX_CPU_ISA=portable` forces the baseline x86-64 kernels and
+`RLX_CPU_ISA=avx2` the AVX2/FMA ones, and they give bit-identical results to the widest kernels
+chosen by default (AVX-512 where the CPU has it; same source, no fused multiply-adds the source does
+not write). Each run is its own process: the choice is per process."""
 
 import json
 import os
