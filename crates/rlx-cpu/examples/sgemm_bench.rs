@@ -36,7 +36,7 @@ fn thread_seconds() -> f64 {
     START.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
-const SHAPES: [(&str, usize, usize, usize, bool, bool); 18] = [
+const SHAPES: [(&str, usize, usize, usize, bool, bool); 21] = [
     ("gpt qkv fwd", 1024, 128, 384, false, true),
     ("gpt proj fwd", 1024, 128, 128, false, true),
     ("gpt fc1 fwd", 1024, 128, 512, false, true),
@@ -55,6 +55,10 @@ const SHAPES: [(&str, usize, usize, usize, bool, bool); 18] = [
     ("mlp512 l2 fwd", 512, 256, 256, false, true),
     ("mlp512 l2 dX", 512, 256, 256, false, false),
     ("mlp512 l2 dW", 256, 512, 256, true, false),
+    // The CIFAR CNN's second convolution, one image (tap-major patches [288, 256]).
+    ("cifar conv2 fwd", 64, 288, 256, false, false),
+    ("cifar conv2 dW", 64, 256, 288, false, true),
+    ("cifar conv2 dX", 288, 64, 256, true, false),
 ];
 
 fn main() {
@@ -70,7 +74,13 @@ fn main() {
         let a: Vec<f32> = (0..m * k)
             .map(|i| ((i * 7919) % 1000) as f32 * 1e-3)
             .collect();
-        let b: Vec<f32> = (0..k * n)
+        // COLD=c: c copies of B taken in turn (B comes from memory, not cache, as a batch
+        // of convolution patches does).
+        let copies: usize = std::env::var("COLD")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1);
+        let bs: Vec<f32> = (0..k * n * copies)
             .map(|i| ((i * 104729) % 1000) as f32 * 1e-3)
             .collect();
         let av = if ta {
@@ -94,7 +104,8 @@ fn main() {
             .collect();
         let mut times = vec![Vec::new(); paths.len()];
         let calls = (4e9 / (m * n * k) as f64).clamp(100.0, 3000.0) as usize;
-        for _ in 0..calls {
+        for call in 0..calls {
+            let b = &bs[(call % copies) * k * n..][..k * n];
             for (p, t) in paths.iter().zip(&mut times) {
                 let (w0, c0) = (Instant::now(), thread_seconds());
                 sgemm_on(
@@ -107,7 +118,7 @@ fn main() {
                     0.0,
                     &a,
                     av,
-                    &b,
+                    b,
                     bv,
                     par,
                 );

@@ -50,6 +50,36 @@ pub fn b_panel(
     }
 }
 
+/// Packs depth `[p0, p0 + kc)` x columns `[j0, j0 + nc)` of a row-major B (`bv.cs == 1`) into
+/// `nc.div_ceil(nr)` panels of `nr * kc` floats, reading each row of B once, in order. Columns
+/// past `nc` in the last panel are zeros.
+#[allow(clippy::too_many_arguments)]
+pub fn b_rows(
+    dst: &mut [f32],
+    b: &[f32],
+    bv: View,
+    p0: usize,
+    kc: usize,
+    j0: usize,
+    nc: usize,
+    nr: usize,
+) {
+    debug_assert_eq!(bv.cs, 1);
+    let panels = nc.div_ceil(nr);
+    let dst = &mut dst[..panels * nr * kc];
+    let tail = nc - (panels - 1) * nr;
+    if tail < nr {
+        dst[(panels - 1) * nr * kc..].fill(0.0);
+    }
+    for p in 0..kc {
+        let row = &b[bv.off + (p0 + p) * bv.rs + j0..][..nc];
+        for (q, run) in row.chunks(nr).enumerate() {
+            let at = q * nr * kc + p * nr;
+            dst[at..at + run.len()].copy_from_slice(run);
+        }
+    }
+}
+
 /// `dst[p * W + r] = src[base + r * rstep + p * pstep]` for `r < lanes`, zero for
 /// `lanes <= r < W`, `p < kc`.
 #[inline]
