@@ -1,11 +1,16 @@
 //! Runs a lowered program on the host: checks every range once, then dispatches each instruction.
 use crate::kernels;
 use crate::mem::Bases;
+use crate::schedule::Step;
 use rlx_ir::{BinaryOp, DType, Error, Op, Result};
 use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
 
 pub struct CpuProgram {
     instrs: Vec<Instr>,
+    /// The order the instructions run in, some in pairs (`schedule`).
+    steps: Vec<Step>,
+    /// A copy of a paired convolution's image where the pair's output reuses its memory.
+    snapshot: Vec<f32>,
     lens: Vec<usize>,
     /// With `RLX_PROFILE=1`: seconds and calls per instruction kind, printed when dropped.
     profile: Option<rlx_runtime::profile::Profile>,
@@ -37,6 +42,8 @@ impl CpuProgram {
         let profile = rlx_runtime::profile::requested().then(Default::default);
         Ok(CpuProgram {
             instrs: program.instrs.clone(),
+            steps: crate::schedule::schedule(&program.instrs),
+            snapshot: Vec::new(),
             lens: lens.to_vec(),
             profile,
         })
@@ -62,22 +69,128 @@ impl CpuProgram {
         hyper: Option<&OptimHyper>,
     ) -> Result<()> {
         let b = &Bases::new(buffers, &self.lens)?;
-        for instr in &self.instrs {
+        for &step in &self.steps {
             let t0 = self.profile.is_some().then(std::time::Instant::now);
-            // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each output is
-            // disjoint from the instruction's inputs, and only one `&mut` is taken per instruction.
-            match instr {
-                Instr::Op { op, ins, out } => unsafe { run_op(b, op, ins, out)? },
-                // SAFETY: `CpuProgram::new` proved the update's written tensors disjoint from
-                // each other and from everything it reads.
-                Instr::Update(plan) => unsafe { crate::train::run(b, plan, hyper)? },
+            match step {
+                Step::One(i) => match &self.instrs[i] {
+                    // SAFETY (for every `get`/`get_mut` below): `CpuProgram::new` proved each
+                    // output is disjoint from the instruction's inputs, and only one `&mut` is
+                    // taken per instruction.
+                    Instr::Op { op, ins, out } => unsafe { run_op(b, op, ins, out)? },
+                    // SAFETY: `CpuProgram::new` proved the update's written tensors disjoint
+                    // from each other and from everything it reads.
+                    Instr::Update(plan) => unsafe { crate::train::run(b, plan, hyper)? },
+                },
+                // SAFETY: as for `Step::One`, and `schedule` formed the pair only where the
+                // two instructions' tensors allow it (see `run_pair`).
+                _ => unsafe { run_pair(b, &self.instrs, step, &mut self.snapshot)? },
             }
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
-                rlx_runtime::profile::add(p, profile_key(instr), t0.elapsed().as_secs_f64() * 1e3);
+                let key = match step {
+                    Step::One(i) => profile_key(&self.instrs[i]),
+                    Step::Im2ColMatMul { im2col, matmul, .. } => format!(
+                        "{} + {}",
+                        profile_key(&self.instrs[im2col]),
+                        profile_key(&self.instrs[matmul])
+                    ),
+                    Step::MatMulCol2Im { matmul, col2im } => format!(
+                        "{} + {}",
+                        profile_key(&self.instrs[matmul]),
+                        profile_key(&self.instrs[col2im])
+                    ),
+                };
+                rlx_runtime::profile::add(p, key, t0.elapsed().as_secs_f64() * 1e3);
             }
         }
         Ok(())
     }
+}
+
+/// Runs a pair of instructions of the schedule together (`kernels::conv_gemm`); a pair whose
+/// epilogue cannot be split by image runs as its two instructions.
+///
+/// # Safety
+/// Each instruction's output must be disjoint from its inputs (checked by `CpuProgram::new`),
+/// and the pair one that `schedule` formed: the patches overlap no other input of the product,
+/// and a `col2im`'s output overlaps neither input of its product.
+unsafe fn run_pair(b: &Bases, instrs: &[Instr], step: Step, snapshot: &mut Vec<f32>) -> Result<()> {
+    let parts = |i: usize| match &instrs[i] {
+        Instr::Op { op, ins, out } => Ok((op, &ins[..], out)),
+        Instr::Update(_) => Err(Error::Internal("a paired update".into())),
+    };
+    match step {
+        Step::Im2ColMatMul {
+            im2col,
+            matmul,
+            snapshot: copy,
+        } => {
+            let (Op::Im2Col { window, .. }, [x], cols) = parts(im2col)? else {
+                return Err(Error::Internal("a pair without its im2col".into()));
+            };
+            let (mm, ins, out) = parts(matmul)?;
+            // SAFETY: inputs are read only; the image and the product's inputs other than the
+            // patches are disjoint from the patches (checked by `CpuProgram::new` and
+            // `schedule`), and the output is disjoint from every input of the product.
+            let (xs, w) = unsafe { (b.get::<f32>(x), b.get::<f32>(&ins[0])) };
+            let xs: &[f32] = if copy {
+                // The output reuses the image's memory: read the image from a copy.
+                snapshot.clear();
+                snapshot.extend_from_slice(xs);
+                snapshot
+            } else {
+                xs
+            };
+            let extra: Vec<(&[f32], &[usize])> = ins[2..]
+                .iter()
+                .map(|t| (unsafe { b.get::<f32>(t) }, t.shape.dims()))
+                .collect();
+            let epilogue = match mm {
+                Op::MatMulEpilogue { epilogue, .. } => Some((&**epilogue, &extra[..])),
+                _ => None,
+            };
+            let (pc, po) = unsafe { (b.get_mut::<f32>(cols), b.get_mut::<f32>(out)) };
+            let xd = x.shape.dims();
+            if !kernels::conv_gemm::im2col_matmul(
+                xs,
+                xd,
+                window,
+                pc,
+                w,
+                ins[0].shape.dims(),
+                epilogue,
+                po,
+            ) {
+                unsafe {
+                    run_op(b, parts(im2col)?.0, std::slice::from_ref(x), cols)?;
+                    run_op(b, mm, ins, out)?;
+                }
+            }
+        }
+        Step::MatMulCol2Im { matmul, col2im } => {
+            let (Op::MatMul { trans_a, .. }, [w, dy], cols) = parts(matmul)? else {
+                return Err(Error::Internal("a pair without its matmul".into()));
+            };
+            let (Op::Col2Im { window, .. }, _, dx) = parts(col2im)? else {
+                return Err(Error::Internal("a pair without its col2im".into()));
+            };
+            // SAFETY: `w` and `dy` are read only; the patches and the image are disjoint from
+            // them and from each other (checked by `CpuProgram::new` and `schedule`).
+            unsafe {
+                kernels::conv_gemm::matmul_col2im(
+                    b.get::<f32>(w),
+                    w.shape.dims(),
+                    *trans_a,
+                    b.get::<f32>(dy),
+                    b.get_mut::<f32>(cols),
+                    window,
+                    dx.shape.dims(),
+                    b.get_mut::<f32>(dx),
+                )
+            }
+        }
+        Step::One(_) => unreachable!("not a pair"),
+    }
+    Ok(())
 }
 
 /// Runs `$body` with `$T` the unsigned integer type of `$dt`'s element size: data movement

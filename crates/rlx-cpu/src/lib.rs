@@ -39,6 +39,7 @@ pub mod isa;
 mod kernels;
 mod mem;
 mod pool;
+mod schedule;
 pub mod sgemm;
 mod train;
 

@@ -307,6 +307,11 @@ fn vjp(
             } else {
                 gy
             };
+            let (sa, sb) = (shape(g, a), shape(g, b));
+            // Each gradient is summed over broadcast batch dims as soon as it is made: the
+            // unsummed product dies before the other gradient's product is computed (less
+            // memory live at once), and the other product sits next to what consumes it (a
+            // convolution's patches gradient and its `col2im`, which the CPU runs as a pair).
             let da = if ta {
                 g.add(
                     Op::MatMul {
@@ -324,6 +329,7 @@ fn vjp(
                     &[gy, b],
                 )?
             };
+            let da = sum_to(g, da, &sa)?;
             let db = if tb {
                 g.add(
                     Op::MatMul {
@@ -341,8 +347,7 @@ fn vjp(
                     &[a, gy],
                 )?
             };
-            let (sa, sb) = (shape(g, a), shape(g, b));
-            vec![Some(sum_to(g, da, &sa)?), Some(sum_to(g, db, &sb)?)]
+            vec![Some(da), Some(sum_to(g, db, &sb)?)]
         }
         Op::Reduce {
             op: r,

@@ -8,11 +8,17 @@ use rlx_ir::{dropout_keep, Window};
 /// parallel when the whole output is large.
 #[inline(always)]
 fn planes(out: &mut [f32], plane: usize, body: impl Fn(usize, &mut [f32]) + Sync) {
+    planes_on(out, plane, true, body)
+}
+
+/// [`planes`], on the calling thread only unless `par`.
+#[inline(always)]
+fn planes_on(out: &mut [f32], plane: usize, par: bool, body: impl Fn(usize, &mut [f32]) + Sync) {
     if out.is_empty() || plane == 0 {
         return;
     }
     let n = out.len() / plane;
-    if out.len() >= PAR_MIN / 4 && n > 1 {
+    if par && out.len() >= PAR_MIN / 4 && n > 1 {
         // A few tasks per thread, each a run of whole planes (a task per small plane costs
         // more in scheduling than the plane's work).
         let per = n.div_ceil(rayon::current_num_threads() * 4).max(1);
@@ -150,14 +156,20 @@ fn tap_span(j: usize, o: usize, stride: usize, pad: usize, size: usize) -> (usiz
 /// holds tap (i, j) of channel c at every output position, zeros where it reaches into the
 /// padding. Each output row is a run of (shifted, for stride 1 contiguous) input row pieces.
 pub fn im2col_k(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
+    im2col_k_on(x, xd, w, out, true)
+}
+
+/// [`im2col_k`], on the calling thread only unless `par`.
+pub fn im2col_k_on(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32], par: bool) {
     let (c, h, wd) = (xd[1], xd[2], xd[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
     let ([sh, sw], [ph, pw]) = (w.stride, w.padding);
     let k = c * kh * kw;
-    planes(
+    planes_on(
         out,
         oh * ow,
+        par,
         #[inline(always)]
         |row, o| {
             let (n, kk) = (row / k, row % k);
@@ -190,14 +202,20 @@ pub fn im2col_k(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
 /// Tap-major patches `[N, C*kh*kw, Ho*Wo]` summed back into an image `[N, C, H, W]` (dims
 /// `od`): the adjoint of [`im2col_k`], one (image, channel) plane per task.
 pub fn col2im_k(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
+    col2im_k_on(cols, w, od, out, true)
+}
+
+/// [`col2im_k`], on the calling thread only unless `par`.
+pub fn col2im_k_on(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32], par: bool) {
     let (h, wd) = (od[2], od[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
     let ([sh, sw], [ph, pw]) = (w.stride, w.padding);
     let p = oh * ow;
-    planes(
+    planes_on(
         out,
         h * wd,
+        par,
         #[inline(always)]
         |nc, img| {
             img.fill(0.0);

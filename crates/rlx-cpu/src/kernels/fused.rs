@@ -176,7 +176,7 @@ fn per_product(
     xs: &[(&[f32], &[usize])],
     out: &mut [f32],
 ) -> bool {
-    use super::matmul::{gemm_view, View, PAR_FLOPS, PAR_FLOPS_BATCHED};
+    use super::matmul::{View, PAR_FLOPS, PAR_FLOPS_BATCHED};
     let (ra, ca) = (ad[ad.len() - 2], ad[ad.len() - 1]);
     let (rb, cb) = (bd[bd.len() - 2], bd[bd.len() - 1]);
     let (m, k) = if ta { (ca, ra) } else { (ra, ca) };
@@ -195,63 +195,25 @@ fn per_product(
     if ![1, batch].contains(&a_batch) || ![1, batch].contains(&b_batch) {
         return false;
     }
-    // The epilogue's shape is the batch's dims, then one product's.
-    let fd = f.shape.dims();
-    let Some(lead) = (0..=fd.len()).find(|&p| fd[..p].iter().product::<usize>() == batch) else {
+    let Some(shares) = Shares::new(f, batch, xs, out.len()) else {
         return false;
     };
-    let one_dims = &fd[lead..];
-    // Each input as one product's share: a scalar, a block of a full-size tensor, or the
-    // same values for every product (its batch dims all 1).
-    let mut shares: Vec<(&[f32], &[usize], bool)> = Vec::with_capacity(xs.len());
-    for &(x, d) in xs {
-        if x.len() == 1 {
-            shares.push((x, &[1], false));
-        } else if x.len() == out.len() {
-            shares.push((x, one_dims, true));
-        } else {
-            if d.len() > fd.len() {
-                return false;
-            }
-            // `d` is right-aligned to `fd`: its dims before `start` face the batch's.
-            let start = lead.saturating_sub(fd.len() - d.len());
-            if d[..start].iter().any(|&v| v != 1) {
-                return false;
-            }
-            shares.push((x, &d[start..], false));
-        }
-    }
     let (a_rs, a_cs) = if ta { (1, ca) } else { (ca, 1) };
     let (b_rs, b_cs) = if tb { (1, cb) } else { (cb, 1) };
     let one = |i: usize, o: &mut [f32]| {
-        thread_scratch(&PRODUCT, |p| {
-            if p.len() < size {
-                p.resize(size, 0.0);
-            }
-            let product = &mut p[..size];
-            let a_off = if a_batch == 1 { 0 } else { i * ra * ca };
-            let b_off = if b_batch == 1 { 0 } else { i * rb * cb };
-            let av = View {
-                off: a_off,
-                rs: a_rs,
-                cs: a_cs,
-            };
-            let bv = View {
-                off: b_off,
-                rs: b_rs,
-                cs: b_cs,
-            };
-            gemm_view(m, n, k, product, View::rows(0, n), 0.0, a, av, b, bv);
-            let mut ins: Vec<(&[f32], &[usize])> = vec![(product, one_dims)];
-            for &(x, d, blocked) in &shares {
-                ins.push(if blocked {
-                    (&x[i * size..(i + 1) * size], d)
-                } else {
-                    (x, d)
-                });
-            }
-            fused_shaped(f, one_dims, &ins, o);
-        })
+        let a_off = if a_batch == 1 { 0 } else { i * ra * ca };
+        let b_off = if b_batch == 1 { 0 } else { i * rb * cb };
+        let av = View {
+            off: a_off,
+            rs: a_rs,
+            cs: a_cs,
+        };
+        let bv = View {
+            off: b_off,
+            rs: b_rs,
+            cs: b_cs,
+        };
+        product_epilogue(f, &shares, i, [m, n, k], (a, av), (b, bv), o);
     };
     if batch * size * k >= PAR_FLOPS {
         out.par_chunks_mut(size)
@@ -263,6 +225,88 @@ fn per_product(
             .for_each(|(i, o)| one(i, o));
     }
     true
+}
+
+/// The inputs of a matmul epilogue as one product of a batch sees them (see [`per_product`]):
+/// each a scalar, a block of a full-size tensor, or the same values for every product.
+pub(super) struct Shares<'a> {
+    /// The epilogue's shape for one product (its dims after the batch's).
+    one_dims: &'a [usize],
+    /// (values, dims, whether product `i` takes block `i` of the values).
+    xs: Vec<(&'a [f32], &'a [usize], bool)>,
+    /// Elements of one product.
+    size: usize,
+}
+
+impl<'a> Shares<'a> {
+    /// The shares of `xs` among `batch` products of `out_len / batch` elements each; `None`
+    /// when an input differs between products other than as a full-size tensor, or the
+    /// epilogue's shape does not start with the batch.
+    pub(super) fn new(
+        f: &'a Fused,
+        batch: usize,
+        xs: &[(&'a [f32], &'a [usize])],
+        out_len: usize,
+    ) -> Option<Shares<'a>> {
+        // The epilogue's shape is the batch's dims, then one product's.
+        let fd = f.shape.dims();
+        let lead = (0..=fd.len()).find(|&p| fd[..p].iter().product::<usize>() == batch)?;
+        let one_dims = &fd[lead..];
+        let mut shares = Vec::with_capacity(xs.len());
+        for &(x, d) in xs {
+            if x.len() == 1 {
+                shares.push((x, &[1][..], false));
+            } else if x.len() == out_len {
+                shares.push((x, one_dims, true));
+            } else {
+                if d.len() > fd.len() {
+                    return None;
+                }
+                // `d` is right-aligned to `fd`: its dims before `start` face the batch's.
+                let start = lead.saturating_sub(fd.len() - d.len());
+                if d[..start].iter().any(|&v| v != 1) {
+                    return None;
+                }
+                shares.push((x, &d[start..], false));
+            }
+        }
+        Some(Shares {
+            one_dims,
+            xs: shares,
+            size: out_len / batch.max(1),
+        })
+    }
+}
+
+/// Product `i` of a batch, `o = f(a[av] (m x k) @ b[bv] (k x n), shares of i)`, on this
+/// thread: the product goes to a per-thread scratch and the epilogue writes `o` from it.
+pub(super) fn product_epilogue(
+    f: &Fused,
+    shares: &Shares,
+    i: usize,
+    [m, n, k]: [usize; 3],
+    (a, av): (&[f32], super::matmul::View),
+    (b, bv): (&[f32], super::matmul::View),
+    o: &mut [f32],
+) {
+    use super::matmul::{gemm_view, View};
+    let size = shares.size;
+    thread_scratch(&PRODUCT, |p| {
+        if p.len() < size {
+            p.resize(size, 0.0);
+        }
+        let product = &mut p[..size];
+        gemm_view(m, n, k, product, View::rows(0, n), 0.0, a, av, b, bv);
+        let mut ins: Vec<(&[f32], &[usize])> = vec![(product, shares.one_dims)];
+        for &(x, d, blocked) in &shares.xs {
+            ins.push(if blocked {
+                (&x[i * size..(i + 1) * size], d)
+            } else {
+                (x, d)
+            });
+        }
+        fused_shaped(f, shares.one_dims, &ins, o);
+    })
 }
 
 thread_local! {

@@ -2,6 +2,7 @@
 pub mod attention;
 pub mod cast;
 pub mod conv;
+pub mod conv_gemm;
 pub mod elementwise;
 pub mod fused;
 pub mod layout;
