@@ -75,14 +75,21 @@ def _specs(inputs: Mapping[str, Any]) -> dict[str, InputSpec]:
 
 
 def _check_compute_dtypes(where: str, model: Module) -> None:
-    """Refuses a model whose float parameters or buffers are not float32: rlx's kernels compute
-    in float32 only so far (storing, loading and saving other dtypes works)."""
+    """Refuses a model rlx cannot compute with: float64 parameters or buffers anywhere (no
+    float64 kernels yet), and bfloat16 / float16 ones in training (the optimizers update
+    float32 weights; inference computes with low-precision weights in float32 and rounds back,
+    as PyTorch's CPU kernels do). Storing, loading and saving every dtype works."""
     for name, p in model._tensors().items():
-        if p.dtype in ("float16", "bfloat16", "float64"):
+        if p.dtype == "float64":
             raise DTypeError(
-                f"[{where}] parameter '{name}' is {p.dtype}: computing in {p.dtype} is not supported yet; "
-                f"convert the model with model.to('float32') (checkpoints in {p.dtype} still load into float32 "
+                f"[{where}] parameter '{name}' is float64: computing in float64 is not supported yet; "
+                "convert the model with model.to('float32') (float64 checkpoints still load into float32 "
                 "models by casting)")
+        if p.dtype in ("float16", "bfloat16") and where == "compile_train_step":
+            raise DTypeError(
+                f"[{where}] parameter '{name}' is {p.dtype}: training {p.dtype} weights is not supported yet; "
+                f"train a float32 model (model.to('float32')) with precision='{'bf16' if p.dtype == 'bfloat16' else 'fp16'}' "
+                "for low-precision compute with float32 master weights")
 
 
 def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], store: Any,

@@ -32,8 +32,10 @@ def _class_inputs(op: str, logits: Any, labels: Any) -> tuple[Tensor, Tensor]:
         lb = lb.astype("int32")  # fed labels are range-checked before the cast
     if lb.dtype != "int32":
         raise DTypeError(f"[{op}] labels must be int32 or int64 class ids, got {lb.dtype}")
+    if lg.dtype in ("bfloat16", "float16"):
+        lg = lg.astype("float32")  # losses compute and return float32, as under autocast
     if lg.dtype != "float32":
-        raise DTypeError(f"[{op}] expects float32 scores, got {lg.dtype}")
+        raise DTypeError(f"[{op}] expects float32, bfloat16 or float16 scores, got {lg.dtype}")
     if lg.ndim != 2 or lb.ndim != 1 or lg.shape[0] != lb.shape[0]:
         raise ShapeError(f"[{op}] expects scores (N, C) and labels (N,), got scores {lg.shape} and labels {lb.shape}")
     return lg, lb
@@ -90,8 +92,10 @@ def nll_loss(log_probs: Any, labels: Any, ignore_index: int = _IGNORE, reduction
 def _pair(op: str, a: Any, b: Any) -> tuple[Tensor, Tensor]:
     t = _trace_of(a, b)
     x, y = _as_tensor(a, t), _as_tensor(b, t)
+    if x.dtype in ("bfloat16", "float16"):
+        x = x.astype("float32")  # losses compute and return float32, as under autocast
     if x.dtype != "float32":
-        raise DTypeError(f"[{op}] expects float32 input, got {x.dtype}")
+        raise DTypeError(f"[{op}] expects float32, bfloat16 or float16 input, got {x.dtype}")
     if y.dtype != "float32":
         y = y.astype("float32")
     if x.shape != y.shape:

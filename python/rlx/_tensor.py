@@ -118,18 +118,33 @@ def _dtype_of(x: Any) -> str | None:
     return None
 
 
+_LOW = ("bfloat16", "float16")
+
+
 def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False) -> list["Tensor"]:
     """The operands as tensors of one dtype, by numpy's rules with float32 as the float type:
     all integer -> int32; any float (a Python float scalar included) -> float32, casting int32
-    tensors and integer constants up. Operands of the other dtypes (float16, bfloat16, float64,
-    int64, bool) are never cast silently: ``moves`` ops (data movement: concat, where) accept
-    them when every operand is a tensor of that one dtype; anything else raises DTypeError."""
+    tensors and integer constants up. bfloat16 and float16 tensors follow PyTorch: with int32
+    tensors and Python numbers they keep their dtype (the op computes in float32 and rounds
+    back); beside a float32 tensor or the other low dtype they are cast to float32. Operands of
+    the other dtypes (float64, int64, bool) are never cast silently: ``moves`` ops (data
+    movement: concat, where) accept them when every operand is a tensor of that one dtype;
+    anything else raises DTypeError."""
     held = [_dtype_of(x) for x in xs]
-    if any(d is not None and d not in ("float32", "int32") for d in held):
-        if moves and len(set(held)) == 1:
-            return [_as_tensor(x, t) for x in xs]
+    if moves and held and held[0] is not None and len(set(held)) == 1:
+        return [_as_tensor(x, t) for x in xs]
+    if any(d is not None and d not in ("float32", "int32") + _LOW for d in held):
         shown = [d if d is not None else ("int32" if _kind(x) == "int" else "float32") for d, x in zip(held, xs)]
         raise _not_supported(op, shown)
+    lows = {d for d in held if d in _LOW}
+    if lows:
+        dtype = next(iter(lows)) if len(lows) == 1 and "float32" not in held else "float32"
+        out = []
+        for x in xs:
+            # Numbers become float32 constants first (bfloat16 constants are made by a cast).
+            x = _as_tensor(x, t, dtype="float32" if _dtype_of(x) is None else None)
+            out.append(x if x.dtype == dtype else x.astype(dtype))
+        return out
     dtype = "int32" if all(_kind(x) == "int" for x in xs) else "float32"
     out = []
     for x in xs:
@@ -398,8 +413,9 @@ class Tensor:
                 raise DTypeError(f"[getitem] tensor indices must be int32, got {ids.dtype}")
             if self.ndim == 0:
                 raise ShapeError("[getitem] cannot index a 0-d tensor with a tensor")
-            if self.dtype != "float32":
-                raise UnsupportedError(f"[getitem] indexing with a tensor needs a float32 tensor, got {self.dtype}")
+            if self.dtype not in ("float32",) + _LOW:
+                raise UnsupportedError(f"[getitem] indexing with a tensor needs a float32, bfloat16 or float16 tensor, "
+                                       f"got {self.dtype}")
             return Tensor(self._trace, self._trace.graph.gather(self._id, ids._id))
         if not isinstance(key, tuple):
             key = (key,)
@@ -910,6 +926,6 @@ def stop_gradient(x: Any) -> Tensor:
     """
     t = _trace_of(x)
     x = _as_tensor(x, t)
-    if x.dtype != "float32":
-        return x  # integer tensors carry no gradient anyway
+    if x.dtype not in ("float32",) + _LOW:
+        return x  # integer and bool tensors carry no gradient anyway (float64 computes nothing)
     return Tensor(t, t.graph.unary("stop_gradient", x._id))

@@ -31,8 +31,8 @@ def _pair(op: str, name: str, v: Any, lo: int) -> tuple[int, int]:
 def _nchw(op: str, x: Tensor, what: str = "x", layout: str = "(N, C, H, W)") -> None:
     if x.ndim != 4:
         raise ShapeError(f"[{op}] {what} must have rank 4 {layout}, got shape {x.shape}")
-    if x.dtype != "float32":
-        raise DTypeError(f"[{op}] {what} must be float32, got {x.dtype}")
+    if x.dtype not in ("float32", "bfloat16", "float16"):
+        raise DTypeError(f"[{op}] {what} must be float32, bfloat16 or float16, got {x.dtype}")
 
 
 def _out_size(op: str, x: Tensor, k: tuple[int, int], s: tuple[int, int], p: tuple[int, int], what: str) -> tuple[int, int]:
@@ -162,8 +162,8 @@ def dropout(x: Any, p: float = 0.5, training: bool = True) -> Tensor:
         raise InputError(f"[dropout] p must be in [0, 1), got {p}")
     t = _trace_of(x)
     x = _as_tensor(x, t)
-    if x.dtype != "float32":
-        raise DTypeError(f"[dropout] x must be float32, got {x.dtype}")
+    if x.dtype not in ("float32", "bfloat16", "float16"):
+        raise DTypeError(f"[dropout] x must be float32, bfloat16 or float16, got {x.dtype}")
     if not training or p == 0.0:
         return x
     seed = _rng_input(t)

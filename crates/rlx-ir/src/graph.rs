@@ -141,9 +141,51 @@ impl Graph {
             )));
         }
         let ins: Vec<&Node> = inputs.iter().map(|&i| &self.nodes[i]).collect();
-        let (shape, dtype) = infer::infer(&op, &ins)?;
+        let (shape, dtype) = match infer::infer(&op, &ins) {
+            Ok(r) => r,
+            Err(e) => return self.add_widened(op, inputs, e),
+        };
         check_size(op.name(), &shape, dtype)?;
         Ok(self.push(op, inputs.to_vec(), shape, dtype))
+    }
+
+    /// An op with bfloat16 / float16 operands that has no kernel for them computes in float32,
+    /// as PyTorch's CPU kernels do: those operands are cast to float32, the op runs, and a float
+    /// result is rounded back to the low dtype when every float operand had that one dtype
+    /// (else it stays float32, numpy's promotion of mixed float dtypes). Ops that take low
+    /// dtypes as they are (data movement, casts, the mixed-precision matmul) never come here.
+    /// `error` (infer's answer for the operands as given) is returned when no operand is of a
+    /// low dtype; float64, int64 and bool operands are never widened.
+    fn add_widened(&mut self, op: Op, inputs: &[NodeId], error: Error) -> Result<NodeId> {
+        let dts: Vec<DType> = inputs.iter().map(|&i| self.nodes[i].dtype).collect();
+        if !dts.iter().any(|d| d.is_low_precision()) {
+            return Err(error);
+        }
+        let floats: Vec<DType> = dts.iter().copied().filter(|d| d.is_float()).collect();
+        let back = floats.iter().all(|&d| d == floats[0]).then_some(floats[0]);
+        // A failed op leaves the graph as it was (no stray casts).
+        let before = self.nodes.len();
+        let widened = (|| {
+            let mut wide = Vec::with_capacity(inputs.len());
+            for (&i, d) in inputs.iter().zip(&dts) {
+                wide.push(if d.is_low_precision() {
+                    self.add(Op::Cast { to: DType::F32 }, &[i])?
+                } else {
+                    i
+                });
+            }
+            let out = self.add(op, &wide)?;
+            match back {
+                Some(low) if self.nodes[out].dtype == DType::F32 => {
+                    self.add(Op::Cast { to: low }, &[out])
+                }
+                _ => Ok(out),
+            }
+        })();
+        if widened.is_err() {
+            self.nodes.truncate(before);
+        }
+        widened
     }
 
     /// Marks a node as a graph output (in order).
