@@ -202,3 +202,16 @@ def test_float64_compute_is_still_refused():
     x = g.input("x", (2, 2), "float64")
     with pytest.raises(rlx.DTypeError, match=r"^\[exp\] float64 is not supported yet; cast to float32"):
         rlx.exp(x)
+
+
+def test_a_bfloat16_gpt_generates_with_its_kv_caches():
+    rlx.seed(4)
+    model = rlx.models.GPT(vocab=64, dim=32, heads=4, layers=2, seq_len=16)
+    gen = rlx.models.Generator(model)
+    want = [gen.step(np.array([[t]])) for t in (3, 5, 7)]
+    model.to("bfloat16")
+    gen = rlx.models.Generator(model)
+    got = [gen.step(np.array([[t]])) for t in (3, 5, 7)]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g.astype(np.float32), w, rtol=0.05, atol=0.02)
+    assert len(gen.generate([1, 2], n=4, temperature=0.0)) == 6
