@@ -42,7 +42,7 @@ CASES = {
     "5x5 stride 2, no bias": (6, 5, 7, 5, 2, 2, False, False, False, 33),
     "residual epilogue": (4, 8, 8, 3, 1, 1, True, True, False, 16),
     "1x1 kernel": (3, 6, 9, 1, 1, 0, True, False, False, 17),
-    "batch of one": (1, 3, 5, 3, 1, 1, True, False, True, 40),
+    "batch of one (not paired: too few images)": (1, 3, 5, 3, 1, 1, True, False, True, 40),
 }
 
 
@@ -90,7 +90,8 @@ _train(CASES["cifar-like, parallel over images"], steps=1)
 
 @pytest.mark.parametrize("setting", [None, "0"])
 def test_the_profile_shows_the_pairs_only_when_pairing_is_on(setting):
-    env = dict(os.environ, RLX_PROFILE="1")
+    # Two threads: a batch of 16 gives each at least two images (pairs split by image only).
+    env = dict(os.environ, RLX_PROFILE="1", RLX_NUM_THREADS="2")
     env.pop("RLX_CPU_CONV_PIPE", None)
     if setting is not None:
         env["RLX_CPU_CONV_PIPE"] = setting

@@ -215,3 +215,18 @@ def test_a_bfloat16_gpt_generates_with_its_kv_caches():
     for g, w in zip(got, want):
         np.testing.assert_allclose(g.astype(np.float32), w, rtol=0.05, atol=0.02)
     assert len(gen.generate([1, 2], n=4, temperature=0.0)) == 6
+
+
+@pytest.mark.parametrize("dtype", list(LOW))
+def test_numbers_are_used_unrounded_and_masks_stay_float32(dtype):
+    x = np.full((300,), 1.0, LOW[dtype])
+    # 1e5 is inf in float16 and 257 rounds to 256 in bfloat16: the number is used as given and
+    # only the result is rounded (PyTorch's CPU kernels do the same).
+    got_dtype, got = _run(lambda v: v / 1e5, [x])
+    assert got_dtype == dtype
+    _check(got, np.full(300, 1e-5), dtype)
+    _, got = _run(lambda v: v + 257, [x])
+    _check(got, np.full(300, 258.0), dtype)
+    # A comparison is a float32 mask whose sum counts exactly (a bfloat16 sum would round 300).
+    got_dtype, got = _run(lambda v: (v > 0).sum(), [x])
+    assert got_dtype == "float32" and float(got) == 300.0

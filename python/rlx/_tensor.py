@@ -121,7 +121,15 @@ def _dtype_of(x: Any) -> str | None:
 _LOW = ("bfloat16", "float16")
 
 
-def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False) -> list["Tensor"]:
+def _low_target(xs: Sequence[Any]) -> str | None:
+    """The low dtype (bfloat16 / float16) an arithmetic op of ``xs`` returns: the one low dtype
+    among its tensors when no float32 tensor is there (numbers and int32 do not promote it)."""
+    held = {_dtype_of(x) for x in xs} - {None, "int32"}
+    return next(iter(held)) if len(held) == 1 and next(iter(held)) in _LOW else None
+
+
+def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False,
+              exact_numbers: bool = False) -> list["Tensor"]:
     """The operands as tensors of one dtype, by numpy's rules with float32 as the float type:
     all integer -> int32; any float (a Python float scalar included) -> float32, casting int32
     tensors and integer constants up. bfloat16 and float16 tensors follow PyTorch: with int32
@@ -129,7 +137,9 @@ def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False) -> li
     back); beside a float32 tensor or the other low dtype they are cast to float32. Operands of
     the other dtypes (float64, int64, bool) are never cast silently: ``moves`` ops (data
     movement: concat, where) accept them when every operand is a tensor of that one dtype;
-    anything else raises DTypeError."""
+    anything else raises DTypeError. With ``exact_numbers`` a Python number beside a low dtype
+    stays a float32 constant (arithmetic uses it unrounded, as PyTorch's kernels do; the
+    caller rounds the result, see ``_low_target``)."""
     held = [_dtype_of(x) for x in xs]
     if moves and held and held[0] is not None and len(set(held)) == 1:
         return [_as_tensor(x, t) for x in xs]
@@ -142,8 +152,9 @@ def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False) -> li
         out = []
         for x in xs:
             # Numbers become float32 constants first (bfloat16 constants are made by a cast).
-            x = _as_tensor(x, t, dtype="float32" if _dtype_of(x) is None else None)
-            out.append(x if x.dtype == dtype else x.astype(dtype))
+            number = _dtype_of(x) is None
+            x = _as_tensor(x, t, dtype="float32" if number else None)
+            out.append(x if x.dtype == dtype or (number and exact_numbers) else x.astype(dtype))
         return out
     dtype = "int32" if all(_kind(x) == "int" for x in xs) else "float32"
     out = []
@@ -162,8 +173,17 @@ _BINARY_NAMES = {"floordiv": "floor_divide", "mod": "remainder", "lt": "less", "
 
 def _binary(kind: str, a: Any, b: Any) -> "Tensor":
     t = _trace_of(a, b)
-    a, b = _promoted(t, a, b, op=_BINARY_NAMES.get(kind, kind))
-    return Tensor(t, t.graph.binary(kind, a._id, b._id))
+    low = _low_target((a, b))
+    a, b = _promoted(t, a, b, op=_BINARY_NAMES.get(kind, kind), exact_numbers=True)
+    out = Tensor(t, t.graph.binary(kind, a._id, b._id))
+    # A low-precision operand beside an unrounded number computed in float32: round the result
+    # (comparisons give float32 masks, as for float32 operands).
+    if low is not None and out.dtype == "float32" and kind not in _COMPARISONS:
+        out = out.astype(low)
+    return out
+
+
+_COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
 # Unary functions with float values: int32 arguments are cast to float32 first (numpy and
@@ -787,6 +807,8 @@ def abs_(x: Any) -> Tensor:
     if x.dtype == "int32":
         return where(x < 0, 0 - x, x)
     sign = (x > 0) - (x < 0)  # comparisons carry no gradient
+    if x.dtype in _LOW:
+        sign = sign.astype(x.dtype)  # -1, 0, 1 exactly; |x| keeps x's dtype
     return x * sign
 
 

@@ -42,7 +42,7 @@ impl CpuProgram {
         let profile = rlx_runtime::profile::requested().then(Default::default);
         Ok(CpuProgram {
             instrs: program.instrs.clone(),
-            steps: crate::schedule::schedule(&program.instrs),
+            steps: crate::schedule::schedule(&program.instrs, crate::pool::thread_count()),
             snapshot: Vec::new(),
             lens: lens.to_vec(),
             profile,

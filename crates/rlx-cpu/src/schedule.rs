@@ -4,7 +4,9 @@
 //! instructions read and write the same bytes as one after the other would, an instruction
 //! moved past others touches nothing they touch, and a pair's output never overwrites an input
 //! it still has to read (where the planner reused that memory, the input is first copied).
-//! `RLX_CPU_CONV_PIPE=0` turns pairing off (read at each compile).
+//! A pair splits its work over the threads by image only, so it is formed only for batches of
+//! at least two images a thread (a smaller batch's products are split over the threads
+//! instead). `RLX_CPU_CONV_PIPE=0` turns pairing off (read at each compile).
 use rlx_ir::{DType, Op};
 use rlx_runtime::{Instr, TRef};
 
@@ -26,8 +28,8 @@ pub enum Step {
     MatMulCol2Im { matmul: usize, col2im: usize },
 }
 
-/// The schedule of `instrs`: every instruction exactly once.
-pub fn schedule(instrs: &[Instr]) -> Vec<Step> {
+/// The schedule of `instrs` for a pool of `threads`: every instruction exactly once.
+pub fn schedule(instrs: &[Instr], threads: usize) -> Vec<Step> {
     let off = std::env::var("RLX_CPU_CONV_PIPE").is_ok_and(|v| v == "0");
     let n = instrs.len();
     // For each instruction that ends a pair, the pair; producers moved into a pair are skipped.
@@ -37,10 +39,10 @@ pub fn schedule(instrs: &[Instr]) -> Vec<Step> {
         if off || moved[i] || ends[i].is_some() {
             continue;
         }
-        if let Some(step) = forward_pair(instrs, i) {
+        if let Some(step) = forward_pair(instrs, i, threads) {
             ends[i + 1] = Some(step);
             moved[i] = true;
-        } else if let Some(j) = backward_pair(instrs, i, &ends) {
+        } else if let Some(j) = backward_pair(instrs, i, &ends, threads) {
             ends[j] = Some(Step::MatMulCol2Im {
                 matmul: i,
                 col2im: j,
@@ -71,6 +73,11 @@ fn overlap(a: &TRef, b: &TRef) -> bool {
         && b.offset < a.offset + a.bytes()
 }
 
+/// Whether a batch (`t`'s first dim) gives every thread at least two images.
+fn enough_images(t: &TRef, threads: usize) -> bool {
+    t.shape.dims().first().copied().unwrap_or(0) >= 2 * threads.max(1)
+}
+
 fn all_f32(ins: &[TRef], out: &TRef) -> bool {
     out.dtype == DType::F32 && ins.iter().all(|t| t.dtype == DType::F32)
 }
@@ -78,7 +85,7 @@ fn all_f32(ins: &[TRef], out: &TRef) -> bool {
 /// `im2col` (tap-major) at `i` followed by a float32 product `w @ patches` (a 2-D `w`,
 /// neither operand transposed, an optional epilogue) that reads the patches as its right
 /// operand and nothing else of them.
-fn forward_pair(instrs: &[Instr], i: usize) -> Option<Step> {
+fn forward_pair(instrs: &[Instr], i: usize, threads: usize) -> Option<Step> {
     let (Op::Im2Col { k_major: true, .. }, [x], cols) = op(instrs.get(i)?)? else {
         return None;
     };
@@ -101,6 +108,7 @@ fn forward_pair(instrs: &[Instr], i: usize) -> Option<Step> {
         && ins[1] == *cols
         && ins[0].shape.rank() == 2
         && out.shape.dims().first() == x.shape.dims().first()
+        && enough_images(x, threads)
         && ins
             .iter()
             .enumerate()
@@ -116,11 +124,20 @@ fn forward_pair(instrs: &[Instr], i: usize) -> Option<Step> {
 /// patches a later tap-major `col2im` reads, where the product may run just before that
 /// `col2im`: no instruction between them reads or writes the patches, or writes what the
 /// product reads, and the `col2im`'s output overlaps nothing the product reads.
-fn backward_pair(instrs: &[Instr], i: usize, ends: &[Option<Step>]) -> Option<usize> {
+fn backward_pair(
+    instrs: &[Instr],
+    i: usize,
+    ends: &[Option<Step>],
+    threads: usize,
+) -> Option<usize> {
     let (Op::MatMul { trans_b: false, .. }, ins @ [w, dy], cols) = op(instrs.get(i)?)? else {
         return None;
     };
-    if !all_f32(ins, cols) || w.shape.rank() != 2 || dy.shape.rank() != 3 {
+    if !all_f32(ins, cols)
+        || w.shape.rank() != 2
+        || dy.shape.rank() != 3
+        || !enough_images(dy, threads)
+    {
         return None;
     }
     for j in i + 1..instrs.len() {
@@ -205,9 +222,9 @@ mod tests {
             matmul: 1,
             snapshot,
         };
-        assert_eq!(schedule(&forward(2 << 20)), vec![im(false)]);
+        assert_eq!(schedule(&forward(2 << 20), 1), vec![im(false)]);
         // The product's output reuses the image's memory.
-        assert_eq!(schedule(&forward(4096)), vec![im(true)]);
+        assert_eq!(schedule(&forward(4096), 1), vec![im(true)]);
         // A position-major im2col is not paired.
         let mut p = forward(2 << 20);
         if let Instr::Op { op, .. } = &mut p[0] {
@@ -216,7 +233,12 @@ mod tests {
                 k_major: false,
             };
         }
-        assert_eq!(schedule(&p), vec![Step::One(0), Step::One(1)]);
+        assert_eq!(schedule(&p, 1), vec![Step::One(0), Step::One(1)]);
+        // Two images cannot give two threads two each: the product is split instead.
+        assert_eq!(
+            schedule(&forward(2 << 20), 2),
+            vec![Step::One(0), Step::One(1)]
+        );
     }
 
     /// dy [2, 8, 256] at 0; patches' gradient [2, 36, 256] at 1 MB; then `between`; then
@@ -261,14 +283,14 @@ mod tests {
         };
         let far = 3 << 20;
         assert_eq!(
-            schedule(&backward(relu(far, far + 4096))),
+            schedule(&backward(relu(far, far + 4096)), 1),
             vec![Step::One(1), pair]
         );
         // The instruction between overwrites the product's input, reads its output, or
         // writes its output: the order stays.
         let kept = vec![Step::One(0), Step::One(1), Step::One(2)];
-        assert_eq!(schedule(&backward(relu(far, 0))), kept);
-        assert_eq!(schedule(&backward(relu(1 << 20, far))), kept);
-        assert_eq!(schedule(&backward(relu(far, (1 << 20) + 64))), kept);
+        assert_eq!(schedule(&backward(relu(far, 0)), 1), kept);
+        assert_eq!(schedule(&backward(relu(1 << 20, far)), 1), kept);
+        assert_eq!(schedule(&backward(relu(far, (1 << 20) + 64)), 1), kept);
     }
 }

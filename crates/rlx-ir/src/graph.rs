@@ -152,7 +152,8 @@ impl Graph {
     /// An op with bfloat16 / float16 operands that has no kernel for them computes in float32,
     /// as PyTorch's CPU kernels do: those operands are cast to float32, the op runs, and a float
     /// result is rounded back to the low dtype when every float operand had that one dtype
-    /// (else it stays float32, numpy's promotion of mixed float dtypes). Ops that take low
+    /// (else it stays float32, numpy's promotion of mixed float dtypes; a comparison's mask
+    /// stays float32 too). Ops that take low
     /// dtypes as they are (data movement, casts, the mixed-precision matmul) never come here.
     /// `error` (infer's answer for the operands as given) is returned when no operand is of a
     /// low dtype; float64, int64 and bool operands are never widened.
@@ -162,7 +163,9 @@ impl Graph {
             return Err(error);
         }
         let floats: Vec<DType> = dts.iter().copied().filter(|d| d.is_float()).collect();
-        let back = floats.iter().all(|&d| d == floats[0]).then_some(floats[0]);
+        // A comparison's float32 mask stays float32 (its sums count exactly).
+        let mask = matches!(op, Op::Binary(b) if b.is_comparison());
+        let back = (!mask && floats.iter().all(|&d| d == floats[0])).then_some(floats[0]);
         // A failed op leaves the graph as it was (no stray casts).
         let before = self.nodes.len();
         let widened = (|| {
@@ -182,10 +185,19 @@ impl Graph {
                 _ => Ok(out),
             }
         })();
-        if widened.is_err() {
-            self.nodes.truncate(before);
+        match widened {
+            Ok(id) => Ok(id),
+            Err(e) => {
+                self.nodes.truncate(before);
+                // A dtype the widening cannot help (float64 beside float16, say) is reported
+                // with the operands as given; any other error (a shape) is the op's own.
+                Err(if matches!(e, Error::DType { .. }) {
+                    error
+                } else {
+                    e
+                })
+            }
         }
-        widened
     }
 
     /// Marks a node as a graph output (in order).
