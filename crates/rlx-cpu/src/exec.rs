@@ -86,19 +86,12 @@ impl CpuProgram {
                 _ => unsafe { run_pair(b, &self.instrs, step, &mut self.snapshot)? },
             }
             if let (Some(t0), Some(p)) = (t0, self.profile.as_mut()) {
-                let key = match step {
-                    Step::One(i) => profile_key(&self.instrs[i]),
-                    Step::Im2ColMatMul { im2col, matmul, .. } => format!(
-                        "{} + {}",
-                        profile_key(&self.instrs[im2col]),
-                        profile_key(&self.instrs[matmul])
-                    ),
-                    Step::MatMulCol2Im { matmul, col2im } => format!(
-                        "{} + {}",
-                        profile_key(&self.instrs[matmul]),
-                        profile_key(&self.instrs[col2im])
-                    ),
-                };
+                let keys: Vec<String> = step
+                    .instrs()
+                    .iter()
+                    .map(|&i| profile_key(&self.instrs[i]))
+                    .collect();
+                let key = keys.join(" + ");
                 rlx_runtime::profile::add(p, key, t0.elapsed().as_secs_f64() * 1e3);
             }
         }

@@ -28,6 +28,17 @@ pub enum Step {
     MatMulCol2Im { matmul: usize, col2im: usize },
 }
 
+impl Step {
+    /// The instructions this step runs, in program order.
+    pub fn instrs(self) -> Vec<usize> {
+        match self {
+            Step::One(i) => vec![i],
+            Step::Im2ColMatMul { im2col, matmul, .. } => vec![im2col, matmul],
+            Step::MatMulCol2Im { matmul, col2im } => vec![matmul, col2im],
+        }
+    }
+}
+
 /// The schedule of `instrs` for a pool of `threads`: every instruction exactly once.
 pub fn schedule(instrs: &[Instr], threads: usize) -> Vec<Step> {
     let off = std::env::var("RLX_CPU_CONV_PIPE").is_ok_and(|v| v == "0");

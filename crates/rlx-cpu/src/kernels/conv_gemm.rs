@@ -62,17 +62,7 @@ pub fn im2col_matmul(
             ),
         }
     };
-    if images > 1 && images * m * p * k >= PAR_FLOPS {
-        cols.par_chunks_mut(k * p)
-            .zip(out.par_chunks_mut(m * p))
-            .enumerate()
-            .for_each(|(i, (c, o))| one(i, c, o));
-    } else {
-        cols.chunks_mut(k * p)
-            .zip(out.chunks_mut(m * p))
-            .enumerate()
-            .for_each(|(i, (c, o))| one(i, c, o));
-    }
+    each_image(cols, out, images, images * m * p * k, one);
     true
 }
 
@@ -118,15 +108,28 @@ pub fn matmul_col2im(
         );
         col2im_k_on(patches, w, &one_dims, img, false);
     };
-    let one_out = out.len() / images;
-    if images > 1 && images * m * p * k >= PAR_FLOPS {
-        cols.par_chunks_mut(m * p)
-            .zip(out.par_chunks_mut(one_out))
+    each_image(cols, out, images, images * m * p * k, one);
+}
+
+/// Runs `one(image, its patches, its output)` for every image: `cols` and `out` split into
+/// `images` equal parts, in parallel over the images when the products total at least
+/// `PAR_FLOPS` multiply-adds.
+fn each_image(
+    cols: &mut [f32],
+    out: &mut [f32],
+    images: usize,
+    flops: usize,
+    one: impl Fn(usize, &mut [f32], &mut [f32]) + Sync,
+) {
+    let (c, o) = (cols.len() / images, out.len() / images);
+    if images > 1 && flops >= PAR_FLOPS {
+        cols.par_chunks_mut(c)
+            .zip(out.par_chunks_mut(o))
             .enumerate()
             .for_each(|(i, (c, o))| one(i, c, o));
     } else {
-        cols.chunks_mut(m * p)
-            .zip(out.chunks_mut(one_out))
+        cols.chunks_mut(c)
+            .zip(out.chunks_mut(o))
             .enumerate()
             .for_each(|(i, (c, o))| one(i, c, o));
     }
