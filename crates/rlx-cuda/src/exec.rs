@@ -36,6 +36,9 @@ pub struct CudaProgram {
     profile: Option<profile::Profile>,
     /// The profiled run's timing events, one before the first step and one after each.
     marks: Vec<Event>,
+    /// With `RLX_PROFILE=step`: per run, the device milliseconds between events around the
+    /// submission and the host milliseconds of the whole `run_io` call, printed when dropped.
+    step_times: Option<Vec<(f64, f64)>>,
 }
 
 /// One host copy of a run: `len` bytes between byte `pos` of the pinned memory and the device
@@ -77,6 +80,23 @@ impl Drop for CudaProgram {
     fn drop(&mut self) {
         if let Some(p) = &self.profile {
             eprint!("{}", profile::render("rlx cuda profile", p));
+        }
+        if let Some(t) = self.step_times.as_mut().filter(|t| t.len() > 1) {
+            // The first run is left out: it launches step by step and warms the caches.
+            let runs = t.len() - 1;
+            let mut gpu: Vec<f64> = t[1..].iter().map(|r| r.0).collect();
+            let mut host: Vec<f64> = t[1..].iter().map(|r| r.1).collect();
+            eprintln!(
+                "rlx cuda step profile: {} steps, {runs} runs ({}); device {}; host call {}",
+                self.plan.steps.len(),
+                if self.graph.is_some() {
+                    "graph replay"
+                } else {
+                    "stream launches"
+                },
+                profile::spread_us(&mut gpu),
+                profile::spread_us(&mut host)
+            );
         }
     }
 }
@@ -203,6 +223,7 @@ impl CudaProgram {
             runs: 0,
             profile: profiling.then(profile::Profile::new),
             marks: Vec::new(),
+            step_times: profile::step_requested().then(Vec::new),
         })
     }
 
@@ -322,11 +343,22 @@ impl CudaProgram {
                 }
             }
         }
+        let start = match self.step_times {
+            Some(_) => Some(self.dev.timing()?),
+            None => None,
+        };
         match &self.graph {
             Some((_, g)) => self.dev.launch_graph(g)?,
             None => self.enqueue(bases)?,
         }
+        let end = match start {
+            Some(_) => Some(self.dev.timing()?),
+            None => None,
+        };
         self.dev.sync()?;
+        if let (Some(t), Some(s), Some(e)) = (self.step_times.as_mut(), start, end) {
+            t.push((e.ms_since(&s)? as f64, 0.0));
+        }
         self.take_marks()
     }
 
@@ -357,6 +389,26 @@ impl Compiled for CudaProgram {
     }
 
     unsafe fn run_io(
+        &mut self,
+        buffers: &[&dyn DeviceBuffer],
+        hyper: Option<&OptimHyper>,
+        writes: &[HostWrite<'_>],
+        reads: &mut [HostRead<'_>],
+    ) -> Result<()> {
+        let called = std::time::Instant::now();
+        let before = self.step_times.as_ref().map_or(0, Vec::len);
+        // SAFETY: the caller upholds `run_io`'s contract, which `run_io_timed` shares.
+        let done = unsafe { self.run_io_timed(buffers, hyper, writes, reads) };
+        if let Some(t) = self.step_times.as_mut().filter(|t| t.len() > before) {
+            t[before].1 = called.elapsed().as_secs_f64() * 1e3;
+        }
+        done
+    }
+}
+
+impl CudaProgram {
+    /// [`Compiled::run_io`] (the caller times it under `RLX_PROFILE=step`).
+    unsafe fn run_io_timed(
         &mut self,
         buffers: &[&dyn DeviceBuffer],
         hyper: Option<&OptimHyper>,

@@ -295,6 +295,7 @@ impl Window {
 /// at drop probability `p`: a counter-based hash (splitmix64 finaliser of the seed words and
 /// the index) turned into a uniform 24-bit value `u` in [0, 1); kept when `u >= p`. Every
 /// backend computes exactly this, so masks agree across devices.
+#[inline]
 pub fn dropout_keep(seed: [i32; 2], index: u64, p: f32) -> bool {
     let mut z = ((seed[0] as u32 as u64) << 32 | seed[1] as u32 as u64)
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)

@@ -10,6 +10,23 @@ pub fn requested() -> bool {
     std::env::var("RLX_PROFILE").is_ok_and(|v| v == "1")
 }
 
+/// Whether `RLX_PROFILE=step` asks for whole-run timing (a GPU backend then keeps replaying
+/// its captured graph and reports each run's device time beside the host time of the call).
+pub fn step_requested() -> bool {
+    std::env::var("RLX_PROFILE").is_ok_and(|v| v == "step")
+}
+
+/// Median, minimum and maximum of `xs` (which must not be empty), as text in microseconds.
+pub fn spread_us(xs: &mut [f64]) -> String {
+    xs.sort_by(f64::total_cmp);
+    format!(
+        "median {:.1} us (min {:.1}, max {:.1})",
+        xs[xs.len() / 2] * 1e3,
+        xs[0] * 1e3,
+        xs[xs.len() - 1] * 1e3
+    )
+}
+
 /// Adds one call of `ms` milliseconds to `key`'s row.
 pub fn add(p: &mut Profile, key: String, ms: f64) {
     let e = p.entry(key).or_default();

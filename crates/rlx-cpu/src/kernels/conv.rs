@@ -378,6 +378,36 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
     );
 }
 
+/// Rows of fewer than this many 2x2 windows get their max-pool gradient a block of row pairs
+/// at a time.
+const NARROW: usize = 16;
+/// Windows in one block of narrow row pairs (at least `NARROW`, so that a block has a row pair).
+const NARROW_WINDOWS: usize = 64;
+
+/// Copies the `pairs` row pairs from pair `first` of `x` (rows of `wd` elements, an even count
+/// per image, so that row pairs run on across images) into `i0` (the even rows) and `i1` (the
+/// odd rows), each contiguous; returns the elements copied into each.
+#[inline(always)]
+fn gather_row_pairs(
+    x: &[f32],
+    wd: usize,
+    first: usize,
+    pairs: usize,
+    i0: &mut [f32],
+    i1: &mut [f32],
+) -> usize {
+    let src = &x[first * 2 * wd..(first + pairs) * 2 * wd];
+    for ((pair, r0), r1) in src
+        .chunks_exact(2 * wd)
+        .zip(i0.chunks_exact_mut(wd))
+        .zip(i1.chunks_exact_mut(wd))
+    {
+        r0.copy_from_slice(&pair[..wd]);
+        r1.copy_from_slice(&pair[wd..]);
+    }
+    pairs * wd
+}
+
 /// One row of 2x2, stride-2 max-pool windows: the gradient `g[j]` goes to the first maximum
 /// (or the first NaN) of window j — (`i0[2j]`, `i0[2j+1]`, `i1[2j]`, `i1[2j+1]`) — and zeros to
 /// the other three. Written with plain indices and selects so it vectorizes (stride-2 loads
@@ -417,6 +447,36 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
         .collect();
     if max && w.padding == [0, 0] {
         let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
+        if [kh, kw, sh, sw] == [2, 2, 2, 2] && h == 2 * oh && wd == 2 * ow && ow < NARROW {
+            // Narrow rows: blocks of row pairs gathered into two contiguous rows each, so that
+            // the loop runs over a block's windows, not over one row's few (a short loop's
+            // scalar remainder mispredicts on real data); the gradient rows are scattered back.
+            let k = NARROW_WINDOWS / ow;
+            planes(
+                out,
+                k * 2 * wd,
+                #[inline(always)]
+                |b, gx| {
+                    let (i0, i1) =
+                        &mut ([0.0f32; 2 * NARROW_WINDOWS], [0.0f32; 2 * NARROW_WINDOWS]);
+                    let (o0, o1) =
+                        &mut ([0.0f32; 2 * NARROW_WINDOWS], [0.0f32; 2 * NARROW_WINDOWS]);
+                    let pairs = gx.len() / (2 * wd);
+                    let n = gather_row_pairs(x, wd, b * k, pairs, i0, i1);
+                    let gp = &g[b * k * ow..(b * k + pairs) * ow];
+                    window_row_grad(&i0[..n], &i1[..n], gp, &mut o0[..n], &mut o1[..n]);
+                    for ((pair, r0), r1) in gx
+                        .chunks_exact_mut(2 * wd)
+                        .zip(o0[..n].chunks_exact(wd))
+                        .zip(o1[..n].chunks_exact(wd))
+                    {
+                        pair[..wd].copy_from_slice(r0);
+                        pair[wd..].copy_from_slice(r1);
+                    }
+                },
+            );
+            return;
+        }
         if [kh, kw, sh, sw] == [2, 2, 2, 2] {
             planes(
                 out,
@@ -506,16 +566,20 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
 pub fn dropout(x: &[f32], seed: [i32; 2], p: f32, out: &mut [f32]) {
     let scale = 1.0 / (1.0 - p);
     const CHUNK: usize = 1 << 14;
+    // The mask hash is branch-free integer arithmetic: the compiled copy for the CPU's vector
+    // extensions runs it over a vector of indices at a time.
     let body = |c: usize, o: &mut [f32]| {
         let base = c * CHUNK;
-        for (k, v) in o.iter_mut().enumerate() {
-            let i = base + k;
-            *v = if dropout_keep(seed, i as u64, p) {
-                x[i] * scale
-            } else {
-                0.0
-            };
-        }
+        let x = &x[base..base + o.len()];
+        crate::isa::dispatch(
+            #[inline(always)]
+            || {
+                for (k, (v, &xv)) in o.iter_mut().zip(x).enumerate() {
+                    let keep = dropout_keep(seed, (base + k) as u64, p);
+                    *v = if keep { xv * scale } else { 0.0 };
+                }
+            },
+        )
     };
     if out.len() >= PAR_MIN {
         out.par_chunks_mut(CHUNK)
@@ -655,7 +719,16 @@ mod tests {
     /// first-maximum walk.
     #[test]
     fn max_pool_2x2_gradient_matches_a_naive_walk() {
-        for xd in [[2usize, 3, 6, 40], [1, 2, 7, 37]] {
+        // Wide rows, odd sizes, and narrow rows (blocks of row pairs across images, the last
+        // block short).
+        for xd in [
+            [2usize, 3, 6, 40],
+            [1, 2, 7, 37],
+            [3, 5, 8, 8],
+            [2, 3, 4, 6],
+            [5, 7, 6, 2],
+            [64, 3, 4, 4],
+        ] {
             let (h, wd) = (xd[2], xd[3]);
             let (oh, ow) = (h / 2, wd / 2);
             let total: usize = xd.iter().product();
@@ -683,6 +756,24 @@ mod tests {
             let mut got = vec![7.0f32; total];
             pool2d_grad(&x, &xd, &g, &win(2, 2, 0), true, &mut got);
             assert_eq!(got, want, "{xd:?}");
+        }
+    }
+
+    /// Element i is kept exactly where `dropout_keep` says, across chunks, serial and split.
+    #[test]
+    fn dropout_mask_is_the_shared_hash() {
+        for n in [40_000usize, PAR_MIN + 5] {
+            let x: Vec<f32> = (0..n).map(|i| i as f32 + 1.0).collect();
+            let mut y = vec![0.0; n];
+            dropout(&x, [-3, 11], 0.4, &mut y);
+            for (i, (&v, &xv)) in y.iter().zip(&x).enumerate() {
+                let want = if dropout_keep([-3, 11], i as u64, 0.4) {
+                    xv * (1.0 / (1.0 - 0.4f32))
+                } else {
+                    0.0
+                };
+                assert_eq!(v, want, "element {i} of {n}");
+            }
         }
     }
 
