@@ -399,6 +399,11 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             reduce::reduce(*r, f(0), sh(0), axes, unsafe { b.get_mut(out) })
         }
         Op::SumTo { .. } => reduce::sum_to(f(0), sh(0), unsafe { b.get_mut(out) }, od),
+        Op::Transpose { perm } if out.dtype == DType::F32 && layout::swaps_last_two(perm) => {
+            let d = sh(0);
+            let r = d.len();
+            layout::transpose_last_two(f(0), d[r - 2], d[r - 1], unsafe { b.get_mut(out) })
+        }
         Op::BroadcastTo { .. } | Op::Transpose { .. } => {
             let src = match op {
                 Op::Transpose { perm } => Strided::permuted(sh(0), perm),

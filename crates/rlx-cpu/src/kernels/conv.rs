@@ -8,17 +8,19 @@ use rlx_ir::{dropout_keep, Window};
 /// parallel when the whole output is large.
 #[inline(always)]
 fn planes(out: &mut [f32], plane: usize, body: impl Fn(usize, &mut [f32]) + Sync) {
-    planes_on(out, plane, true, body)
+    let work = out.len();
+    planes_on(out, plane, work, body)
 }
 
-/// [`planes`], on the calling thread only unless `par`.
+/// [`planes`], split between the threads only when `work` (the elements the kernel reads or
+/// writes, 0 for never) is large.
 #[inline(always)]
-fn planes_on(out: &mut [f32], plane: usize, par: bool, body: impl Fn(usize, &mut [f32]) + Sync) {
+fn planes_on(out: &mut [f32], plane: usize, work: usize, body: impl Fn(usize, &mut [f32]) + Sync) {
     if out.is_empty() || plane == 0 {
         return;
     }
     let n = out.len() / plane;
-    if par && out.len() >= PAR_MIN / 4 && n > 1 {
+    if work >= PAR_MIN / 4 && n > 1 {
         // A few tasks per thread, each a run of whole planes (a task per small plane costs
         // more in scheduling than the plane's work).
         let per = n.div_ceil(rayon::current_num_threads() * 4).max(1);
@@ -115,9 +117,11 @@ pub fn col2im(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
     let rxs: Vec<_> = (0..ow)
         .map(|ox| span(ox, kw, w.stride[1], w.padding[1], wd))
         .collect();
-    planes(
+    // Split by the patches read: the image written is a ninth of them for a 3x3 kernel.
+    planes_on(
         out,
         c * h * wd,
+        cols.len(),
         #[inline(always)]
         |n, img| {
             img.fill(0.0);
@@ -166,10 +170,11 @@ pub fn im2col_k_on(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32], par: bo
     let [kh, kw] = w.kernel;
     let ([sh, sw], [ph, pw]) = (w.stride, w.padding);
     let k = c * kh * kw;
+    let work = if par { out.len() } else { 0 };
     planes_on(
         out,
         oh * ow,
-        par,
+        work,
         #[inline(always)]
         |row, o| {
             let (n, kk) = (row / k, row % k);
@@ -215,7 +220,7 @@ pub fn col2im_k_on(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32], par:
     planes_on(
         out,
         h * wd,
-        par,
+        if par { cols.len() } else { 0 },
         #[inline(always)]
         |nc, img| {
             img.fill(0.0);

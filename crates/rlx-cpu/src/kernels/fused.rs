@@ -380,7 +380,7 @@ pub fn fused_sum_to(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32], od: 
         }
         acc
     };
-    let partials: Vec<Vec<f32>> = if total >= PAR_MIN {
+    let partials: Vec<Vec<f32>> = if split(f, total) {
         (0..blocks)
             .into_par_iter()
             .map_init(Vec::new, |s, c| part(c, s))
@@ -418,7 +418,7 @@ fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [
             }
             with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
         };
-        if out.len() >= PAR_MIN {
+        if split(f, out.len()) {
             out.par_chunks_mut(TILE).enumerate().for_each(tile);
         } else {
             out.chunks_mut(TILE).enumerate().for_each(tile);
@@ -529,11 +529,17 @@ fn row_groups(
             with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
         })
     };
-    if total >= PAR_MIN {
+    if split(f, total) {
         out.par_chunks_mut(group * row).enumerate().for_each(tile);
     } else {
         out.chunks_mut(group * row).enumerate().for_each(tile);
     }
+}
+
+/// Whether a fused expression over `total` elements is split between the threads: by its work
+/// (elements times steps), since a long expression costs far more per element than a copy.
+fn split(f: &Fused, total: usize) -> bool {
+    total * (f.steps.len() + 1) >= PAR_MIN
 }
 
 fn with_scratch(f: &Fused, body: impl FnOnce(&mut [f32])) {

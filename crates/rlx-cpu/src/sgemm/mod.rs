@@ -14,6 +14,9 @@ mod avx512;
 mod fallback;
 mod pack;
 
+/// The 8 x 8 register transpose, for the layout kernels' batched transposes.
+pub(crate) use avx2::{available as transpose8_available, transpose8};
+
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU8, Ordering};
