@@ -81,19 +81,16 @@ impl Drop for CudaProgram {
         if let Some(p) = &self.profile {
             eprint!("{}", profile::render("rlx cuda profile", p));
         }
-        if let Some(t) = self.step_times.as_mut().filter(|t| t.len() > 1) {
-            // The first run is left out: it launches step by step and warms the caches.
-            let runs = t.len() - 1;
-            let mut gpu: Vec<f64> = t[1..].iter().map(|r| r.0).collect();
-            let mut host: Vec<f64> = t[1..].iter().map(|r| r.1).collect();
+        if let Some(t) = self.step_times.as_ref().filter(|t| t.len() > 2) {
+            // The first two runs are left out: the first launches step by step and warms the
+            // caches, the second captures the graph.
+            let runs = t.len() - 2;
+            let mut gpu: Vec<f64> = t[2..].iter().map(|r| r.0).collect();
+            let mut host: Vec<f64> = t[2..].iter().map(|r| r.1).collect();
             eprintln!(
                 "rlx cuda step profile: {} steps, {runs} runs ({}); device {}; host call {}",
                 self.plan.steps.len(),
-                if self.graph.is_some() {
-                    "graph replay"
-                } else {
-                    "stream launches"
-                },
+                if self.graph.is_some() { "graph replay" } else { "stream launches" },
                 profile::spread_us(&mut gpu),
                 profile::spread_us(&mut host)
             );

@@ -719,9 +719,9 @@ mod tests {
         }
     }
 
-    /// The vectorized 2x2 stride-2 gradient on rows long enough for its vector loop, with
-    /// ties, NaNs and odd sizes (a last row and column no window covers), against a naive
-    /// first-maximum walk.
+    /// The vectorized 2x2 stride-2 gradient, on long rows and on narrow ones (blocks of row
+    /// pairs across images, a short last block, split between threads), with ties, NaNs and odd
+    /// sizes (a last row and column no window covers), against a naive first-maximum walk.
     #[test]
     fn max_pool_2x2_gradient_matches_a_naive_walk() {
         // Wide rows, odd sizes, and narrow rows (blocks of row pairs across images, the last
@@ -733,6 +733,7 @@ mod tests {
             [2, 3, 4, 6],
             [5, 7, 6, 2],
             [64, 3, 4, 4],
+            [256, 17, 4, 4],
         ] {
             let (h, wd) = (xd[2], xd[3]);
             let (oh, ow) = (h / 2, wd / 2);

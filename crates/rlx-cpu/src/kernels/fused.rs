@@ -23,7 +23,7 @@ enum Src<'a> {
 
 /// Evaluates `f` into `out`; `ins[i]` is input `i` with its shape (broadcast to `f.shape`).
 pub fn fused(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32]) {
-    fused_shaped(f, f.shape.dims(), ins, out)
+    fused_shaped(f, f.shape.dims(), ins, out, true)
 }
 
 /// Elements of one block of a (single-threaded) matmul epilogue's product: 128 KB, in cache
@@ -146,7 +146,7 @@ pub fn matmul_epilogue(
                 (x, &d[d.len() - 1..])
             });
         }
-        fused_shaped(f, &rn, &ins, o);
+        fused_shaped(f, &rn, &ins, o, false);
     };
     thread_scratch(&PRODUCT, |p| {
         out.chunks_mut(block_rows * n)
@@ -305,7 +305,7 @@ pub(super) fn product_epilogue(
                 (x, d)
             });
         }
-        fused_shaped(f, shares.one_dims, &ins, o);
+        fused_shaped(f, shares.one_dims, &ins, o, false);
     })
 }
 
@@ -373,7 +373,7 @@ pub fn fused_sum_to(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32], od: 
                 }
             })
             .collect();
-        fused_shaped(f, &rn, &sub, scratch);
+        fused_shaped(f, &rn, &sub, scratch, false);
         let mut acc = vec![0.0f32; n];
         for row in scratch.chunks(n) {
             acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v);
@@ -395,8 +395,9 @@ pub fn fused_sum_to(f: &Fused, ins: &[(&[f32], &[usize])], out: &mut [f32], od: 
     }
 }
 
-/// `fused` over an output of shape `od` (the expression's shape or a block of its rows).
-fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [f32]) {
+/// `fused` over an output of shape `od` (the expression's shape or a block of its rows), split
+/// between the threads where large unless `!par` (a block that is already one task of a split).
+fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [f32], par: bool) {
     assert!(
         ins.len() <= MAX_IN,
         "a fused expression reads at most {MAX_IN} inputs"
@@ -418,7 +419,7 @@ fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [
             }
             with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
         };
-        if split(f, out.len()) {
+        if par && split(f, out.len()) {
             out.par_chunks_mut(TILE).enumerate().for_each(tile);
         } else {
             out.chunks_mut(TILE).enumerate().for_each(tile);
@@ -429,7 +430,7 @@ fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [
     let refs: Vec<&Strided> = strided.iter().collect();
     let (cd, cs) = super::collapse(od, &refs);
     if cd.last().is_some_and(|&row| 2 * row <= TILE) {
-        return row_groups(f, ins, out, &cd, &cs);
+        return row_groups(f, ins, out, &cd, &cs, par);
     }
     map_rows(
         out,
@@ -483,6 +484,7 @@ fn row_groups(
     out: &mut [f32],
     cd: &[usize],
     cs: &[Vec<usize>],
+    par: bool,
 ) {
     let total = out.len();
     let row = cd[cd.len() - 1];
@@ -529,7 +531,7 @@ fn row_groups(
             with_scratch(f, |scratch| eval(f, &srcs[..ins.len()], chunk, scratch));
         })
     };
-    if split(f, total) {
+    if par && split(f, total) {
         out.par_chunks_mut(group * row).enumerate().for_each(tile);
     } else {
         out.chunks_mut(group * row).enumerate().for_each(tile);

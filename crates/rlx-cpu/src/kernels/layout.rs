@@ -14,14 +14,15 @@ pub fn swaps_last_two(perm: &[usize]) -> bool {
 }
 
 /// `out[b][j][i] = x[b][i][j]` for a batch of `rows x cols` matrices: 8 x 8 blocks transposed in
-/// registers where the CPU has AVX2, the edges element by element; split over the threads by
+/// registers where the chosen instruction set has AVX2 (`RLX_CPU_ISA=portable` moves element by
+/// element), the edges element by element; split over the threads by
 /// matrices when large.
 pub fn transpose_last_two(x: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
     let m = rows * cols;
     if m == 0 {
         return;
     }
-    let blocks = crate::sgemm::transpose8_available();
+    let blocks = crate::isa::current().has_avx2() && crate::sgemm::transpose8_available();
     let one = |(b, o): (usize, &mut [f32])| {
         let src = &x[b * m..(b + 1) * m];
         let (r8, c8) = if blocks {
