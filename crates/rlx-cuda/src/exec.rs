@@ -90,7 +90,11 @@ impl Drop for CudaProgram {
             eprintln!(
                 "rlx cuda step profile: {} steps, {runs} runs ({}); device {}; host call {}",
                 self.plan.steps.len(),
-                if self.graph.is_some() { "graph replay" } else { "stream launches" },
+                if self.graph.is_some() {
+                    "graph replay"
+                } else {
+                    "stream launches"
+                },
                 profile::spread_us(&mut gpu),
                 profile::spread_us(&mut host)
             );
