@@ -247,19 +247,32 @@ extern "C" __global__ void rlx_reduce(const P p) {
     __syncthreads();
   }
 }
-/* Sums over leading rows (bias gradients): x is [iv[0] rows, iv[1] cols]; each block sums
-   iv[2] rows for 256 adjacent columns (coalesced) and adds its partial, times fv[0], into the
-   zeroed output. */
+/* Sums over leading rows (bias gradients): x is [iv[0] rows, iv[1] cols]. A block of 256
+   threads takes 32 adjacent columns (a warp reads one row's 32 floats, coalesced) of a chunk of
+   iv[2] rows, its 8 warps taking every 8th row; the warps' sums meet in shared memory and the
+   block adds its partial, times fv[0], into the zeroed output. */
 extern "C" __global__ void rlx_reduce_rows(const P p) {
+  __shared__ float sh[8][33];
   long long rows = p.iv[0], cols = p.iv[1], chunk = p.iv[2];
-  long long colblocks = (cols + blockDim.x - 1) / blockDim.x;
+  long long colblocks = (cols + 31) / 32;
   long long cb = blockIdx.x % colblocks, rb = blockIdx.x / colblocks;
-  long long c = cb * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  long long c = cb * 32 + lane;
   long long r0 = rb * chunk, r1 = min(rows, r0 + chunk);
   float acc = 0.0f;
-  for (long long r = r0; r < r1; ++r) acc += F(0)[r * cols + c];
-  atomicAdd(F(1) + c, acc * p.fv[0]);
+  if (c < cols) {
+    const float* x = F(0) + c;
+#pragma unroll 4
+    for (long long r = r0 + w; r < r1; r += 8) acc += x[r * cols];
+  }
+  sh[w][lane] = acc;
+  __syncthreads();
+  if (w == 0 && c < cols) {
+    float t = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) t += sh[k][lane];
+    atomicAdd(F(1) + c, t * p.fv[0]);
+  }
 }
 /* ---- softmax / log-softmax: one warp per row; iv[0] len, iv[1] inner, iv[2] log. ---- */
 extern "C" __global__ void rlx_softmax(const P p) {
@@ -762,11 +775,14 @@ __device__ __forceinline__ float grp_sum(float v, int w) {
   for (int o = 1; o < w; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-/* Forward: a block per (unit, head, 64 query rows); thread (rg, cg) = (t / 8, t % 8) owns rows
-   4rg..4rg+3, keys 4cg..4cg+3 of a score tile and features cg*EM/8.. of the output. */
+/* Forward: a block per (unit, head, BQ query rows), BQ = blockDim / 2 (16, 32 or 64: the plan
+   takes fewer rows a block where that gives the GPU more blocks); thread (rg, cg) =
+   (t / 8, t % 8) owns rows 4rg..4rg+3, keys 4cg..4cg+3 of a score tile and features cg*EM/8..
+   of the output. */
 template <int EM>
 __device__ void att_fwd(const P& p) {
-  const int BQ = 64, QLD = BQ + 4, DT = EM / 8;
+  const int QLD = 64 + 4, DT = EM / 8;
+  const int BQ = (int)blockDim.x >> 1;
   __shared__ __align__(16) float qT[EM * QLD];
   __shared__ __align__(16) float kT[EM * ATT_LD];
   __shared__ __align__(16) float vs[ATT_BK * EM];
@@ -875,11 +891,13 @@ __device__ __forceinline__ void att_tile32(const float* aT, const float* bT, int
     for (int i = 0; i < 4; ++i) { s[i][0] += av[i] * k.x; s[i][1] += av[i] * k.y; }
   }
 }
-/* Gradient, part 1: a block per (unit, head, 32 query rows). Per row: the log-sum-exp (first
-   sweep over the key tiles) and D = g.out, then dQ = dS K (second sweep). */
+/* Gradient, part 1: a block per (unit, head, BQ query rows), BQ = blockDim / 4 (16 or 32, as
+   the forward chooses). Per row: the log-sum-exp (first sweep over the key tiles) and
+   D = g.out, then dQ = dS K (second sweep). */
 template <int EM>
 __device__ void att_bwd_q(const P& p) {
-  const int BQ = 32, DT = EM / 16;
+  const int DT = EM / 16;
+  const int BQ = (int)blockDim.x >> 2;
   __shared__ __align__(16) float qT[EM * ATT_LD];
   __shared__ __align__(16) float gT[EM * ATT_LD];
   __shared__ __align__(16) float kT[EM * ATT_LD];
@@ -1082,13 +1100,14 @@ extern "C" __global__ void rlx_sumsq(const P p) {
     atomicAdd(((double*)p.ptr[1]) + p.iv[0], t);
   }
 }
-/* One thread. ptr0 ctrl, ptr1 stats, ptr2 loss. iv[0] phase, iv[1] skip_nonfinite,
-   iv[2] accumulate, iv[3] need_norm, iv[4] norm from sq1, iv[5] clip on; fv[0] clip. */
+/* One thread. ptr0 ctrl, ptr1 stats, ptr2 loss. Phases iv[0]..=iv[6] in order, iv[1]
+   skip_nonfinite, iv[2] accumulate, iv[3] need_norm, iv[4] norm from sq1, iv[5] clip on;
+   fv[0] clip. */
 extern "C" __global__ void rlx_update_ctrl(const P p) {
   Ctrl* c = (Ctrl*)p.ptr[0];
   float* st = F(1);
   long long k = p.iv[2];
-  switch ((int)p.iv[0]) {
+  for (int phase = (int)p.iv[0]; phase <= (int)p.iv[6]; ++phase) switch (phase) {
     case 0: {
       st[3] = 0.0f;
       c->go = 1.0f; c->noskip = 1.0f; c->scale = 1.0f; c->micro = st[2];
@@ -1212,6 +1231,21 @@ extern "C" __global__ void rlx_update_multi(const P p) {
     for (long long i = start + threadIdx.x; i < end; i += blockDim.x) upd_one(u, w, g, s0, s1, i);
   }
 }
+/* The end of an update, one block: every tensor of rlx_update_multi's table (same operands,
+   iv[1] tensors) counts the step and marks SGD momentum as started; then phase 3 of
+   rlx_update_ctrl (ptr8 stats: the run was applied). */
+extern "C" __global__ void rlx_update_end(const P p) {
+  const Ctrl* c = (const Ctrl*)p.ptr[7];
+  if (c->go == 0.0f) return;
+  const unsigned long long* tab = (const unsigned long long*)p.ptr[6];
+  for (long long k = threadIdx.x; k < p.iv[1]; k += blockDim.x) {
+    const unsigned long long* d = tab + 8 * k;
+    atomicAdd((int*)upd_at(p, d[4]), 1);
+    int* started = (int*)upd_at(p, d[5]);
+    if (started != 0 && ((const float*)upd_at(p, d[6]))[2] != 0.0f) started[0] = 1;
+  }
+  if (threadIdx.x == 0) F(8)[3] = 1.0f;
+}
 /* One thread, up to 5 parameters: ptr0 ctrl; for i < iv[0]: ptr[1+3i] step, ptr[2+3i] started
    (or 0), ptr[3+3i] hyper row. Counts the update and marks SGD momentum as started. */
 extern "C" __global__ void rlx_update_finish(const P p) {
@@ -1312,6 +1346,7 @@ mod tests {
             "rlx_att_bwd_kv_64",
             "rlx_im2col",
             "rlx_update_multi",
+            "rlx_update_end",
             "k0",
         ] {
             assert!(ptx.contains(name), "{name} missing from the PTX");

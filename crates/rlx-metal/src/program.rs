@@ -31,6 +31,7 @@ pub fn target(update: UpdateMode) -> Target {
         gemm_attention: None,
         gemm_attention_forward: false,
         fused_x4: false,
+        update_end: false,
     }
 }
 

@@ -101,8 +101,35 @@ pub const ROWS_AT: usize = 1024;
 /// materialises; larger attention runs the fused kernels.
 pub const GEMM_ATTENTION_MAX_SCORES: usize = 512 << 20;
 
-/// Elements a block of the multi-tensor update takes at a time.
-pub const UPDATE_CHUNK: usize = 16384;
+/// Query rows a tiled attention block takes: `most` (the kernel's largest tile), halved down
+/// to 16 while `heads` heads of `rows` rows give fewer blocks than two per multiprocessor of
+/// an H100 (short sequences: smaller blocks keep every multiprocessor busy).
+fn tile_rows(heads: usize, rows: usize, most: usize) -> usize {
+    let mut per = most;
+    while per > 16 && heads * rows.div_ceil(per) < WIDE_GRID {
+        per /= 2;
+    }
+    per
+}
+
+/// Blocks a launch of small work should spread over where it can (a column reduction,
+/// attention of short sequences): two per multiprocessor of an H100.
+const WIDE_GRID: usize = 264;
+
+/// Elements a block of the multi-tensor update takes at a time: the fewest that still give
+/// [`UPDATE_BLOCKS`] blocks, between these bounds (multiples of [`UPDATE_CHUNK_MIN`]).
+pub const UPDATE_CHUNK_MIN: usize = 1024;
+pub const UPDATE_CHUNK_MAX: usize = 16384;
+/// Blocks the update should have to fill a large GPU (four per multiprocessor of an H100).
+const UPDATE_BLOCKS: usize = 528;
+
+/// The update's chunk size for `total` elements of parameters (see [`UPDATE_CHUNK_MIN`]):
+/// small models get many short chunks (a block's threads take a few elements each, so the
+/// update is as wide as the GPU), large ones long chunks (a smaller table).
+pub fn update_chunk(total: usize) -> usize {
+    let want = total.div_ceil(UPDATE_BLOCKS).div_ceil(UPDATE_CHUNK_MIN) * UPDATE_CHUNK_MIN;
+    want.clamp(UPDATE_CHUNK_MIN, UPDATE_CHUNK_MAX)
+}
 
 fn at(t: &TRef) -> Loc {
     Loc {
@@ -361,6 +388,11 @@ pub struct Target {
     /// The fused kernels take four elements a thread with 16-byte loads and stores where every
     /// operand allows it (`iv[7]` set; see [`quads`]).
     pub fused_x4: bool,
+    /// The update's bookkeeping in few launches: `rlx_update_ctrl` runs the phases
+    /// `iv[0]..=iv[6]` (adjacent phases are one launch) and `rlx_update_end` counts the step of
+    /// every tensor of the update table and ends the run (phase 3) in one launch; without it,
+    /// one phase a launch and `rlx_update_finish` for five tensors at a time.
+    pub update_end: bool,
 }
 
 impl Target {
@@ -372,6 +404,7 @@ impl Target {
         gemm_attention: Some(1 << 24),
         gemm_attention_forward: true,
         fused_x4: true,
+        update_end: true,
     };
 }
 
@@ -1352,7 +1385,14 @@ impl Builder {
                 } else {
                     "rlx_att_fwd_64"
                 };
-                self.launch(Kernel::Library(name), blocks(l, 64)?, 128, p, ops);
+                let rows = tile_rows(units * h, l, 64);
+                self.launch(
+                    Kernel::Library(name),
+                    blocks(l, rows)?,
+                    2 * rows as u32,
+                    p,
+                    ops,
+                );
                 return Ok(());
             }
             let (o, g) = if packed {
@@ -1369,7 +1409,14 @@ impl Builder {
             } else {
                 ("rlx_att_bwd_q_64", "rlx_att_bwd_kv_64")
             };
-            self.launch(Kernel::Library(nq), blocks(l, 32)?, 128, p, ops.clone());
+            let rows = tile_rows(units * h, l, 32);
+            self.launch(
+                Kernel::Library(nq),
+                blocks(l, rows)?,
+                4 * rows as u32,
+                p,
+                ops.clone(),
+            );
             if s > 0 {
                 self.launch(Kernel::Library(nkv), blocks(s, 32)?, 128, p, ops);
             }
@@ -1624,9 +1671,17 @@ impl Builder {
         let is_prefix = axes.iter().enumerate().all(|(i, &a)| a == i);
         if is_prefix && r != ReduceOp::Max && count >= 64 {
             // Leading rows summed column-wise: coalesced reads, partial sums added atomically.
-            const CHUNK: usize = 64;
-            let colblocks = n.div_ceil(THREADS as usize);
-            let chunks = count.div_ceil(CHUNK);
+            // Blocks of 32 columns and a chunk of rows; the chunk halves (down to 16 rows, two
+            // a warp) until there are blocks enough for a large GPU.
+            let colblocks = n.div_ceil(32);
+            let mut chunk = 256;
+            while chunk > 16 && colblocks * count.div_ceil(chunk) < WIDE_GRID {
+                chunk /= 2;
+            }
+            let blocks = colblocks * count.div_ceil(chunk);
+            let blocks = u32::try_from(blocks).map_err(|_| {
+                Error::unsupported("reduce", format!("{count} rows of {n} columns"))
+            })?;
             self.plan.steps.push(Step::Fill {
                 at: at(out),
                 bytes: out.bytes(),
@@ -1634,7 +1689,7 @@ impl Builder {
             let mut p = P::sized(n);
             p.iv[0] = count as i64;
             p.iv[1] = n as i64;
-            p.iv[2] = CHUNK as i64;
+            p.iv[2] = chunk as i64;
             p.fv[0] = if r == ReduceOp::Mean {
                 1.0 / count as f32
             } else {
@@ -1642,7 +1697,7 @@ impl Builder {
             };
             self.launch(
                 Kernel::Library("rlx_reduce_rows"),
-                (colblocks * chunks) as u32,
+                blocks,
                 THREADS,
                 p,
                 vec![(0, xl), (1, at(out))],
@@ -1811,6 +1866,24 @@ impl Builder {
         Ok(())
     }
 
+    /// Step counts and momentum flags (`(step, started, hyper row)` of each tensor), five
+    /// tensors a launch (backends without `rlx_update_end`).
+    fn update_finish(&mut self, finish: &[(Loc, Option<Loc>, Loc)], ctrl: Loc) {
+        for chunk in finish.chunks(5) {
+            let mut p = P::default();
+            p.iv[0] = chunk.len() as i64;
+            let mut ops = vec![(0, ctrl)];
+            for (i, (step, started, row)) in chunk.iter().enumerate() {
+                ops.push((1 + 3 * i, *step));
+                if let Some(s) = started {
+                    ops.push((2 + 3 * i, *s));
+                }
+                ops.push((3 + 3 * i, *row));
+            }
+            self.launch(Kernel::Library("rlx_update_finish"), 1, 1, p, ops);
+        }
+    }
+
     fn update(&mut self, u: &UpdatePlan) -> Result<()> {
         let k = u.accumulate.max(1) as i64;
         let skip = u.skip_nonfinite;
@@ -1847,9 +1920,10 @@ impl Builder {
                 sumsq(self, at(&q.grad), q.grad.numel(), 0);
             }
         }
-        let ctrl_step = |s: &mut Self, phase: i64| {
+        let ctrl_steps = |s: &mut Self, first: i64, last: i64| {
             let mut p = P::default();
-            p.iv[0] = phase;
+            p.iv[0] = first;
+            p.iv[6] = last;
             p.iv[1] = skip as i64;
             p.iv[2] = k;
             p.iv[3] = need_norm as i64;
@@ -1863,7 +1937,14 @@ impl Builder {
                 vec![(0, ctrl), (1, at(&u.stats)), (2, at(&u.loss))],
             );
         };
-        ctrl_step(self, 0);
+        let ctrl_step = |s: &mut Self, phase: i64| ctrl_steps(s, phase, phase);
+        // Phases 0 and 2 meet where nothing runs between them (no accumulation, no norm).
+        let merge_02 = self.target.update_end && k == 1 && !(need_norm && !skip);
+        if merge_02 {
+            ctrl_steps(self, 0, 2);
+        } else {
+            ctrl_step(self, 0);
+        }
         let src = |q: &crate::UpdateParam| q.acc.as_ref().map_or(at(&q.grad), at);
         if k > 1 {
             for q in &u.params {
@@ -1889,7 +1970,9 @@ impl Builder {
                 sumsq(self, src(q), q.grad.numel(), 1);
             }
         }
-        ctrl_step(self, 2);
+        if !merge_02 {
+            ctrl_step(self, 2);
+        }
         let rule = match u.rule {
             OptimRule::Sgd => 0,
             OptimRule::Adam => 1,
@@ -1901,6 +1984,12 @@ impl Builder {
         // and which chunk of elements each block takes (uploaded once, at compile time).
         let enc = |l: Loc| ((l.buf as u64) << 56) | l.offset as u64;
         let (mut table, mut chunks) = (Vec::<u64>::new(), Vec::<u64>::new());
+        let chunk = update_chunk(
+            u.params
+                .iter()
+                .map(|q| q.param.numel().min(q.grad.numel()))
+                .sum(),
+        );
         let mut finish: Vec<(Loc, Option<Loc>, Loc)> = Vec::new();
         for q in &u.params {
             let row = match &u.hyper {
@@ -1912,7 +2001,9 @@ impl Builder {
                 None => scratch(HYPER_AT),
             };
             let n = q.param.numel().min(q.grad.numel());
-            if n > 0 {
+            // Every tensor has its row (`rlx_update_end` counts each one's step); only those
+            // with elements have chunks.
+            {
                 let tensor = (table.len() / 8) as u64;
                 let state = |i: usize| q.state.get(i).map_or(u64::MAX, |s| enc(at(s)));
                 table.extend([
@@ -1931,49 +2022,42 @@ impl Builder {
                         format!("{} tensors / {n} elements", tensor + 1),
                     ));
                 }
-                chunks.extend(
-                    (0..n)
-                        .step_by(UPDATE_CHUNK)
-                        .map(|s| (tensor << 40) | s as u64),
-                );
+                chunks.extend((0..n).step_by(chunk).map(|s| (tensor << 40) | s as u64));
             }
             finish.push((at(&q.step), q.started.as_ref().map(at), row));
         }
-        if !chunks.is_empty() {
-            let (tensors, n_chunks) = (table.len() / 8, chunks.len());
+        let (tensors, n_chunks) = (table.len() / 8, chunks.len());
+        let mut ops: Vec<(usize, Loc)> = (0..6).map(|b| (b, Loc { buf: b, offset: 0 })).collect();
+        if tensors > 0 {
             table.extend(chunks);
             let bytes: Vec<u8> = table.iter().flat_map(|w| w.to_le_bytes()).collect();
             let off = self.plan.scratch_bytes.div_ceil(256) * 256;
             self.plan.scratch_bytes = off + bytes.len();
             self.plan.tables.push((off, bytes));
-            let mut p = P::default();
-            p.iv[..4].copy_from_slice(&[
-                rule,
-                tensors as i64,
-                n_chunks as i64,
-                UPDATE_CHUNK as i64,
-            ]);
-            let mut ops: Vec<(usize, Loc)> =
-                (0..6).map(|b| (b, Loc { buf: b, offset: 0 })).collect();
             ops.extend([(6, scratch(off)), (7, ctrl)]);
-            let grid = n_chunks.min(1024) as u32;
-            self.launch(Kernel::Library("rlx_update_multi"), grid, THREADS, p, ops);
         }
-        // Step counts and momentum flags, five parameters per launch.
-        for chunk in finish.chunks(5) {
+        if n_chunks > 0 {
             let mut p = P::default();
-            p.iv[0] = chunk.len() as i64;
-            let mut ops = vec![(0, ctrl)];
-            for (i, (step, started, row)) in chunk.iter().enumerate() {
-                ops.push((1 + 3 * i, *step));
-                if let Some(s) = started {
-                    ops.push((2 + 3 * i, *s));
-                }
-                ops.push((3 + 3 * i, *row));
-            }
-            one(self, "rlx_update_finish", p, ops);
+            p.iv[..4].copy_from_slice(&[rule, tensors as i64, n_chunks as i64, chunk as i64]);
+            let grid = n_chunks.min(65535) as u32;
+            self.launch(
+                Kernel::Library("rlx_update_multi"),
+                grid,
+                THREADS,
+                p,
+                ops.clone(),
+            );
         }
-        ctrl_step(self, 3);
+        if self.target.update_end && tensors > 0 {
+            // Step counts, momentum flags and phase 3, in one launch over the table.
+            let mut p = P::default();
+            p.iv[1] = tensors as i64;
+            ops.push((8, at(&u.stats)));
+            self.launch(Kernel::Library("rlx_update_end"), 1, THREADS, p, ops);
+        } else {
+            self.update_finish(&finish, ctrl);
+            ctrl_step(self, 3);
+        }
         for (s, d) in &u.buffer_updates {
             let n = s.numel().min(d.numel());
             if n > 0 {
@@ -2253,6 +2337,7 @@ mod tests {
             gemm_attention: None,
             gemm_attention_forward: false,
             fused_x4: false,
+            update_end: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -2271,8 +2356,53 @@ mod tests {
             })
             .collect();
         assert_eq!(launches.len(), 1, "one launch for every tensor");
+        // The bookkeeping: phases 0 to 2 in one launch (nothing runs between them: the norm
+        // comes from the sums taken before phase 0), then one end launch after the update.
+        let kernels: Vec<(&str, i64, i64)> = device
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Launch {
+                    kernel: Kernel::Library(k),
+                    p,
+                    ..
+                } => Some((*k, p.iv[0], p.iv[6])),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            kernels,
+            [
+                ("rlx_sumsq", 0, 0),
+                ("rlx_update_ctrl", 0, 2),
+                ("rlx_update_multi", 1, 0),
+                ("rlx_update_end", 0, 0)
+            ]
+        );
+        let one_phase_a_launch = plan(
+            &prog,
+            &[512],
+            Target {
+                update_end: false,
+                ..Target::CUDA
+            },
+        )
+        .unwrap();
+        let ctrl_phases: Vec<(i64, i64)> = one_phase_a_launch
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Launch {
+                    kernel: Kernel::Library("rlx_update_ctrl"),
+                    p,
+                    ..
+                } => Some((p.iv[0], p.iv[6])),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ctrl_phases, [(0, 0), (2, 2), (3, 3)]);
         let (iv, operands) = &launches[0];
-        assert_eq!(&iv[..4], &[1, 1, 1, UPDATE_CHUNK as i64]);
+        assert_eq!(&iv[..4], &[1, 1, 1, UPDATE_CHUNK_MIN as i64]);
         // The table: the tensor's 8 words, then its one chunk.
         let (off, bytes) = &device.tables[0];
         assert_eq!(operands[6].1, scratch(*off));
@@ -2285,6 +2415,16 @@ mod tests {
         assert_eq!(words[5], u64::MAX, "no started flag");
         assert_eq!(words[7], 8, "elements");
         assert_eq!(words[8], 0, "tensor 0 from element 0");
+    }
+
+    #[test]
+    fn update_chunks_spread_small_models_and_cap_large_ones() {
+        assert_eq!(update_chunk(10), UPDATE_CHUNK_MIN);
+        // The digits MLP (85K parameters) and the tiny GPT (0.44M): 1024-element chunks.
+        assert_eq!(update_chunk(85_002), 1024);
+        assert_eq!(update_chunk(440_000), 1024);
+        assert_eq!(update_chunk(2_000_000), 4096);
+        assert_eq!(update_chunk(85_000_000), UPDATE_CHUNK_MAX);
     }
 
     #[test]
@@ -2310,6 +2450,11 @@ mod tests {
         };
         assert_eq!(*kernel, Kernel::Library("rlx_reduce_rows"));
         assert_eq!((p.iv[0], p.iv[1], p.fv[0]), (128, 6, 1.0 / 128.0));
+        // 128 rows of one 32-column block: the smallest chunk, 16 rows, for 8 blocks.
+        let Step::Launch { grid, .. } = &steps[1] else {
+            panic!()
+        };
+        assert_eq!((p.iv[2], *grid), (16, 8));
         let steps = red(vec![0], ReduceOp::Max, &[6]);
         assert!(matches!(
             &steps[0],
@@ -2433,11 +2578,29 @@ mod tests {
         assert_eq!(&p.iv[..8], &[2, 3, 8, 8, 4, 4, 1, 0]);
         assert_eq!(&p.st[1][..4], &[8 * 36, 4, 36, 12]);
         assert_eq!(&p.st[3][..4], &[8 * 12, 4, 12, 0]);
-        // On CUDA: the tiled kernel, one block per (unit, head, 64 query rows).
-        let Step::Launch { kernel, grid, .. } = &pl.steps[0] else {
+        // On CUDA: the tiled kernel, one block per (unit, head, 16 query rows): six heads
+        // are few blocks, so the tile is the smallest (32 threads, two a row).
+        let Step::Launch {
+            kernel,
+            grid,
+            block,
+            ..
+        } = &pl.steps[0]
+        else {
             panic!()
         };
-        assert_eq!((*kernel, *grid), (Kernel::Library("rlx_att_fwd_32"), 2 * 3));
+        assert_eq!(
+            (*kernel, *grid, *block),
+            (Kernel::Library("rlx_att_fwd_32"), 2 * 3, 32)
+        );
+        assert_eq!(tile_rows(2 * 3, 8, 64), 16);
+        assert_eq!(tile_rows(64, 64, 64), 16, "tiny GPT: 64 heads of 64 rows");
+        assert_eq!(tile_rows(64, 256, 64), 32);
+        assert_eq!(
+            tile_rows(1024, 256, 64),
+            64,
+            "many heads keep the widest tile"
+        );
         // Without tiled kernels (Metal): one warp per query row.
         let metal = Target {
             backend: "metal",
@@ -2447,6 +2610,7 @@ mod tests {
             gemm_attention: None,
             gemm_attention_forward: false,
             fused_x4: false,
+            update_end: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
@@ -2485,20 +2649,22 @@ mod tests {
                 Step::Launch {
                     kernel,
                     grid,
+                    block,
                     operands,
                     ..
                 } => {
                     assert_eq!(operands[6].1, scratch(ROWS_AT));
-                    (*kernel, *grid)
+                    (*kernel, *grid, *block)
                 }
                 other => panic!("{other:?}"),
             })
             .collect();
+        // dQ: 16-row tiles (few heads), 4 threads a row; dK/dV: 32 keys a block.
         assert_eq!(
             names,
             [
-                (Kernel::Library("rlx_att_bwd_q_64"), 2 * 3),
-                (Kernel::Library("rlx_att_bwd_kv_64"), 2 * 2)
+                (Kernel::Library("rlx_att_bwd_q_64"), 2 * 5, 64),
+                (Kernel::Library("rlx_att_bwd_kv_64"), 2 * 2, 128)
             ]
         );
         assert!(pl.scratch_bytes >= ROWS_AT + 2 * 70 * 8);
