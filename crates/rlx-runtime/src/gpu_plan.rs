@@ -1938,8 +1938,9 @@ impl Builder {
             );
         };
         let ctrl_step = |s: &mut Self, phase: i64| ctrl_steps(s, phase, phase);
-        // Phases 0 and 2 meet where nothing runs between them (no accumulation, no norm).
-        let merge_02 = self.target.update_end && k == 1 && !(need_norm && !skip);
+        // Phases 0 and 2 meet where nothing runs between them: no accumulation, and a norm
+        // only from the sums taken before phase 0 (the skip check).
+        let merge_02 = self.target.update_end && k == 1 && (skip || !need_norm);
         if merge_02 {
             ctrl_steps(self, 0, 2);
         } else {
