@@ -117,10 +117,59 @@ fn softmax_rows(g: &Geometry, p: &mut [f32]) {
     )
 }
 
-/// The probabilities of one block into `p`.
+/// Query rows (and keys) a block of the causal products takes: a causal mask hides the keys
+/// past each block's last visible one, so the products skip them (for T = 64 in blocks of 16,
+/// 5/8 of the full products' work).
+const CAUSAL_BLOCK: usize = 32;
+
+/// `v` moved down `r` rows.
+fn down(v: View, r: usize) -> View {
+    View {
+        off: v.off + r * v.rs,
+        ..v
+    }
+}
+
+/// Rows `r0..r1` of a block and the keys `0..kb` they may see (at least one where there are
+/// keys, so that rows that see none still meet their NaN probabilities in the products);
+/// one block of every row without a causal mask.
+fn row_blocks(g: &Geometry) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    let step = if g.causal.is_some() {
+        CAUSAL_BLOCK
+    } else {
+        g.l.max(1)
+    };
+    (0..g.l).step_by(step).map(move |r0| {
+        let r1 = (r0 + step).min(g.l);
+        (r0, r1, g.visible(r1 - 1).max(1).min(g.s))
+    })
+}
+
+/// Keys `c0..c1` of a block and the first query row that sees any of them (the products over
+/// queries start there: earlier rows' probabilities and score gradients are 0 for these keys).
+fn key_blocks(g: &Geometry) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    let step = if g.causal.is_some() {
+        CAUSAL_BLOCK
+    } else {
+        g.s.max(1)
+    };
+    (0..g.s).step_by(step).map(move |c0| {
+        let first = match g.causal {
+            None => 0,
+            Some(off) => (c0 as i64 - off).clamp(0, g.l as i64) as usize,
+        };
+        (c0, (c0 + step).min(g.s), first)
+    })
+}
+
+/// The probabilities of one block into `p` (l x s; hidden keys 0): the scores of each row
+/// block only over the keys it may see.
 fn probs(g: &Geometry, q: &[f32], qv: View, k: &[f32], kv: View, p: &mut Vec<f32>) {
     p.resize(g.l * g.s, 0.0);
-    gemm_view(g.l, g.s, g.e, p, View::rows(0, g.s), 0.0, q, qv, k, kv.t());
+    for (r0, r1, kb) in row_blocks(g) {
+        let pv = View::rows(r0 * g.s, g.s);
+        gemm_view(r1 - r0, kb, g.e, p, pv, 0.0, q, down(qv, r0), k, kv.t());
+    }
     softmax_rows(g, p);
 }
 
@@ -136,7 +185,10 @@ pub fn forward(g: &Geometry, ins: &[&[f32]], out: &mut [f32]) {
         for j in 0..g.heads {
             let [qv, kv, vv, ov] = g.views(j);
             probs(g, q, qv, k, kv, p);
-            gemm_view(g.l, g.ev, g.s, o, ov, 0.0, p, View::rows(0, g.s), v, vv);
+            for (r0, r1, kb) in row_blocks(g) {
+                let pv = View::rows(r0 * g.s, g.s);
+                gemm_view(r1 - r0, g.ev, kb, o, down(ov, r0), 0.0, p, pv, v, vv);
+            }
         }
     };
     out.par_chunks_mut(oc)
@@ -216,42 +268,54 @@ pub fn backward(g: &Geometry, ins: &[&[f32]], grad: &mut [f32]) {
         let (p, ds) = scratch;
         probs(g, q, qv, k, kv, p);
         ds.resize(g.l * g.s, 0.0);
-        let sv = View::rows(0, g.s);
-        gemm_view(g.l, g.s, g.ev, ds, sv, 0.0, gy, ov, v, vv.t());
-        for i in 0..g.l {
-            let (or, gr) = (ov.off + i * ov.rs, ov.off + i * ov.rs);
-            let d: f32 = o[or..or + g.ev]
-                .iter()
-                .zip(&gy[gr..gr + g.ev])
-                .map(|(a, b)| a * b)
-                .sum();
-            let row = &mut ds[i * g.s..(i + 1) * g.s];
-            for (x, &pp) in row.iter_mut().zip(&p[i * g.s..(i + 1) * g.s]) {
-                *x = pp * (*x - d) * g.scale;
+        // dS over each row block's visible keys, 0 past them (P is 0 there).
+        for (r0, r1, kb) in row_blocks(g) {
+            let dv = View::rows(r0 * g.s, g.s);
+            gemm_view(r1 - r0, kb, g.ev, ds, dv, 0.0, gy, down(ov, r0), v, vv.t());
+            for i in r0..r1 {
+                let (or, gr) = (ov.off + i * ov.rs, ov.off + i * ov.rs);
+                let d: f32 = o[or..or + g.ev]
+                    .iter()
+                    .zip(&gy[gr..gr + g.ev])
+                    .map(|(a, b)| a * b)
+                    .sum();
+                let (row, hidden) = ds[i * g.s..(i + 1) * g.s].split_at_mut(kb);
+                for (x, &pp) in row.iter_mut().zip(&p[i * g.s..i * g.s + kb]) {
+                    *x = pp * (*x - d) * g.scale;
+                }
+                hidden.fill(0.0);
             }
         }
         let (p, ds): (&[f32], &[f32]) = (p, ds);
-        write(Product {
-            which: 2,
-            dst: vv,
-            mnk: (g.s, g.ev, g.l),
-            a: (p, sv.t()),
-            b: (gy, ov),
-        });
-        write(Product {
-            which: 0,
-            dst: qv,
-            mnk: (g.l, g.e, g.s),
-            a: (ds, sv),
-            b: (k, kv),
-        });
-        write(Product {
-            which: 1,
-            dst: kv,
-            mnk: (g.s, g.e, g.l),
-            a: (ds, sv.t()),
-            b: (q, qv),
-        });
+        let sv = View::rows(0, g.s);
+        // dV = P^T dO and dK = dS^T Q by key blocks, over the query rows that see them.
+        for (c0, c1, first) in key_blocks(g) {
+            let at = View::rows(first * g.s + c0, g.s).t();
+            write(Product {
+                which: 2,
+                dst: down(vv, c0),
+                mnk: (c1 - c0, g.ev, g.l - first),
+                a: (p, at),
+                b: (gy, down(ov, first)),
+            });
+            write(Product {
+                which: 1,
+                dst: down(kv, c0),
+                mnk: (c1 - c0, g.e, g.l - first),
+                a: (ds, at),
+                b: (q, down(qv, first)),
+            });
+        }
+        // dQ = dS K by row blocks, over the keys each sees.
+        for (r0, r1, kb) in row_blocks(g) {
+            write(Product {
+                which: 0,
+                dst: down(qv, r0),
+                mnk: (r1 - r0, g.e, kb),
+                a: (ds, down(sv, r0)),
+                b: (k, kv),
+            });
+        }
     };
     if g.packed {
         grad.par_chunks_mut(qc).enumerate().for_each_init(
