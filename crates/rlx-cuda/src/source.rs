@@ -250,7 +250,8 @@ extern "C" __global__ void rlx_reduce(const P p) {
 /* Sums over leading rows (bias gradients): x is [iv[0] rows, iv[1] cols]. A block of 256
    threads takes 32 adjacent columns (a warp reads one row's 32 floats, coalesced) of a chunk of
    iv[2] rows, its 8 warps taking every 8th row; the warps' sums meet in shared memory and the
-   block adds its partial, times fv[0], into the zeroed output. */
+   block stores them, times fv[0] (one chunk of every row), or adds its partial into the zeroed
+   output. */
 extern "C" __global__ void rlx_reduce_rows(const P p) {
   __shared__ float sh[8][33];
   long long rows = p.iv[0], cols = p.iv[1], chunk = p.iv[2];
@@ -271,7 +272,8 @@ extern "C" __global__ void rlx_reduce_rows(const P p) {
     float t = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) t += sh[k][lane];
-    atomicAdd(F(1) + c, t * p.fv[0]);
+    if (chunk >= rows) F(1)[c] = t * p.fv[0];
+    else atomicAdd(F(1) + c, t * p.fv[0]);
   }
 }
 /* ---- softmax / log-softmax: one warp per row; iv[0] len, iv[1] inner, iv[2] log. ---- */
@@ -744,18 +746,31 @@ extern "C" __global__ void rlx_attention_grad(const P p) {
    written by the dQ kernel and read by the dK/dV kernel. ---- */
 #define ATT_BK 32
 #define ATT_LD 36
-/* rows r0..r0+n-1 of tensor x (record slot x, pointer slot ptr) transposed into dst[d * ld + r],
-   zero outside the tensor. */
+/* rows r0..r0+n-1 of tensor x (record slot x, pointer slot ptr) transposed into dst[d * ld + r]
+   (or, with ld 0, copied row-major into dst[r * EM + d]), zero outside the tensor. Each thread
+   has ATT_LOADS global loads in flight before it stores any (a loop that stored each load
+   before issuing the next waited one memory latency per element). */
+#define ATT_LOADS 8
 template <int EM>
 __device__ __forceinline__ void att_load_t(const P& p, int x, int ptr, long long u, long long j,
                                           long long r0, int n, long long R, long long E,
                                           float* dst, int ld) {
   const float* src = (const float*)p.ptr[ptr] + att_at(p, x, u, j, 0);
   long long rs = p.st[x][2];
-  for (int idx = threadIdx.x; idx < n * EM; idx += blockDim.x) {
-    int r = idx / EM, d = idx % EM;
-    long long i = r0 + r;
-    dst[d * ld + r] = (i < R && d < E) ? src[i * rs + d] : 0.0f;
+  int total = n * EM, step = (int)blockDim.x;
+  for (int base = threadIdx.x; base < total; base += ATT_LOADS * step) {
+    float v[ATT_LOADS];
+#pragma unroll
+    for (int q = 0; q < ATT_LOADS; ++q) {
+      int idx = base + q * step, r = idx / EM, d = idx % EM;
+      long long i = r0 + r;
+      v[q] = (idx < total && i < R && d < E) ? __ldg(src + i * rs + d) : 0.0f;
+    }
+#pragma unroll
+    for (int q = 0; q < ATT_LOADS; ++q) {
+      int idx = base + q * step;
+      if (idx < total) dst[ld ? (idx % EM) * ld + idx / EM : idx] = v[q];
+    }
   }
 }
 __device__ __forceinline__ long long att_key_end(const P& p, long long q0, long long rows, long long S) {
@@ -804,11 +819,7 @@ __device__ void att_fwd(const P& p) {
   for (long long k0 = 0; k0 < kend; k0 += ATT_BK) {
     __syncthreads();
     att_load_t<EM>(p, 1, 1, u, j, k0, ATT_BK, S, E, kT, ATT_LD);
-    const float* vsrc = F(2) + att_at(p, 2, u, j, 0);
-    for (int idx = t; idx < ATT_BK * EM; idx += blockDim.x) {
-      int k = idx / EM, d = idx % EM;
-      vs[idx] = (k0 + k < S && d < Ev) ? vsrc[(k0 + k) * p.st[2][2] + d] : 0.0f;
-    }
+    att_load_t<EM>(p, 2, 2, u, j, k0, ATT_BK, S, Ev, vs, 0);
     __syncthreads();
     float s[4][4];
 #pragma unroll

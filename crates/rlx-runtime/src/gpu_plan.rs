@@ -104,9 +104,9 @@ pub const GEMM_ATTENTION_MAX_SCORES: usize = 512 << 20;
 /// Query rows a tiled attention block takes: `most` (the kernel's largest tile), halved down
 /// to 16 while `heads` heads of `rows` rows give fewer blocks than two per multiprocessor of
 /// an H100 (short sequences: smaller blocks keep every multiprocessor busy).
-fn tile_rows(heads: usize, rows: usize, most: usize) -> usize {
+fn tile_rows(heads: usize, rows: usize, most: usize, spread: bool) -> usize {
     let mut per = most;
-    while per > 16 && heads * rows.div_ceil(per) < WIDE_GRID {
+    while spread && per > 16 && heads * rows.div_ceil(per) < WIDE_GRID {
         per /= 2;
     }
     per
@@ -393,6 +393,10 @@ pub struct Target {
     /// every tensor of the update table and ends the run (phase 3) in one launch; without it,
     /// one phase a launch and `rlx_update_finish` for five tensors at a time.
     pub update_end: bool,
+    /// The tiled attention kernels take fewer query rows a block (down to 16) where the
+    /// heads would otherwise give fewer blocks than the GPU has room for (short sequences);
+    /// `false`: always the widest tile.
+    pub attention_spread: bool,
 }
 
 impl Target {
@@ -405,6 +409,7 @@ impl Target {
         gemm_attention_forward: true,
         fused_x4: true,
         update_end: true,
+        attention_spread: true,
     };
 }
 
@@ -1385,7 +1390,7 @@ impl Builder {
                 } else {
                     "rlx_att_fwd_64"
                 };
-                let rows = tile_rows(units * h, l, 64);
+                let rows = tile_rows(units * h, l, 64, self.target.attention_spread);
                 self.launch(
                     Kernel::Library(name),
                     blocks(l, rows)?,
@@ -1409,7 +1414,7 @@ impl Builder {
             } else {
                 ("rlx_att_bwd_q_64", "rlx_att_bwd_kv_64")
             };
-            let rows = tile_rows(units * h, l, 32);
+            let rows = tile_rows(units * h, l, 32, self.target.attention_spread);
             self.launch(
                 Kernel::Library(nq),
                 blocks(l, rows)?,
@@ -1671,21 +1676,28 @@ impl Builder {
         let is_prefix = axes.iter().enumerate().all(|(i, &a)| a == i);
         if is_prefix && r != ReduceOp::Max && count >= 64 {
             // Leading rows summed column-wise: coalesced reads, partial sums added atomically.
-            // Blocks of 32 columns and a chunk of rows; the chunk halves (down to 16 rows, two
-            // a warp) until there are blocks enough for a large GPU.
+            // Blocks of 32 columns and a chunk of rows. Up to 256 rows are one chunk: each
+            // block stores its columns' sums (no zeroing, no atomics). More rows: the chunk
+            // halves (down to 16 rows, two a warp) until there are blocks enough for a large
+            // GPU, and the partial sums are added into the zeroed output.
             let colblocks = n.div_ceil(32);
             let mut chunk = 256;
-            while chunk > 16 && colblocks * count.div_ceil(chunk) < WIDE_GRID {
+            if count <= chunk {
+                chunk = count;
+            }
+            while chunk < count && chunk > 16 && colblocks * count.div_ceil(chunk) < WIDE_GRID {
                 chunk /= 2;
             }
             let blocks = colblocks * count.div_ceil(chunk);
             let blocks = u32::try_from(blocks).map_err(|_| {
                 Error::unsupported("reduce", format!("{count} rows of {n} columns"))
             })?;
-            self.plan.steps.push(Step::Fill {
-                at: at(out),
-                bytes: out.bytes(),
-            });
+            if chunk < count {
+                self.plan.steps.push(Step::Fill {
+                    at: at(out),
+                    bytes: out.bytes(),
+                });
+            }
             let mut p = P::sized(n);
             p.iv[0] = count as i64;
             p.iv[1] = n as i64;
@@ -1892,10 +1904,14 @@ impl Builder {
         let one = |s: &mut Self, name: &'static str, p: P, ops: Vec<(usize, Loc)>| {
             s.launch(Kernel::Library(name), 1, 1, p, ops)
         };
-        self.plan.steps.push(Step::Fill {
-            at: ctrl,
-            bytes: 32,
-        });
+        // The norm's sums of squares are added into the control block: zeroed first. (Every
+        // other field of it is set by phase 0.)
+        if need_norm {
+            self.plan.steps.push(Step::Fill {
+                at: ctrl,
+                bytes: 32,
+            });
+        }
         if u.hyper.is_none() {
             self.plan.steps.push(Step::HyperRow {
                 at: scratch(HYPER_AT),
@@ -2339,6 +2355,7 @@ mod tests {
             gemm_attention_forward: false,
             fused_x4: false,
             update_end: false,
+            attention_spread: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -2444,18 +2461,35 @@ mod tests {
             };
             plan(&prog, &[8192], Target::CUDA).unwrap().steps
         };
+        // 128 rows: one chunk, one block of 32 columns storing its sums (no zeroing).
         let steps = red(vec![0], ReduceOp::Mean, &[6]);
-        assert!(matches!(steps[0], Step::Fill { bytes: 24, .. }));
-        let Step::Launch { kernel, p, .. } = &steps[1] else {
+        let Step::Launch {
+            kernel, p, grid, ..
+        } = &steps[0]
+        else {
             panic!()
         };
         assert_eq!(*kernel, Kernel::Library("rlx_reduce_rows"));
         assert_eq!((p.iv[0], p.iv[1], p.fv[0]), (128, 6, 1.0 / 128.0));
-        // 128 rows of one 32-column block: the smallest chunk, 16 rows, for 8 blocks.
-        let Step::Launch { grid, .. } = &steps[1] else {
+        assert_eq!((p.iv[2], *grid, steps.len()), (128, 1, 1));
+        // 1024 rows of 6 columns: the output zeroed, then chunks of 16 rows (64 blocks).
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Reduce {
+                    op: ReduceOp::Sum,
+                    axes: vec![0],
+                    keepdims: false,
+                },
+                ins: vec![t(0, &[1024, 6])],
+                out: t(32768, &[6]),
+            }],
+        };
+        let steps = plan(&prog, &[65536], Target::CUDA).unwrap().steps;
+        assert!(matches!(steps[0], Step::Fill { bytes: 24, .. }));
+        let Step::Launch { p, grid, .. } = &steps[1] else {
             panic!()
         };
-        assert_eq!((p.iv[2], *grid), (16, 8));
+        assert_eq!((p.iv[0], p.iv[2], *grid), (1024, 16, 64));
         let steps = red(vec![0], ReduceOp::Max, &[6]);
         assert!(matches!(
             &steps[0],
@@ -2594,11 +2628,20 @@ mod tests {
             (*kernel, *grid, *block),
             (Kernel::Library("rlx_att_fwd_32"), 2 * 3, 32)
         );
-        assert_eq!(tile_rows(2 * 3, 8, 64), 16);
-        assert_eq!(tile_rows(64, 64, 64), 16, "tiny GPT: 64 heads of 64 rows");
-        assert_eq!(tile_rows(64, 256, 64), 32);
+        assert_eq!(tile_rows(2 * 3, 8, 64, true), 16);
         assert_eq!(
-            tile_rows(1024, 256, 64),
+            tile_rows(64, 64, 64, true),
+            16,
+            "tiny GPT: 64 heads of 64 rows"
+        );
+        assert_eq!(tile_rows(64, 256, 64, true), 32);
+        assert_eq!(
+            tile_rows(64, 64, 64, false),
+            64,
+            "RLX_CUDA_ATTENTION_SPREAD=0"
+        );
+        assert_eq!(
+            tile_rows(1024, 256, 64, true),
             64,
             "many heads keep the widest tile"
         );
@@ -2612,6 +2655,7 @@ mod tests {
             gemm_attention_forward: false,
             fused_x4: false,
             update_end: false,
+            attention_spread: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
