@@ -132,8 +132,7 @@ fn profile_key(plan: &Plan, i: usize) -> String {
 
 /// The plan target: `RLX_CUDA_ATTENTION=gemm` runs every attention as batched GEMMs,
 /// `=gemm-grad` only gradients, `=fused` none (the register-tiled and warp kernels); unset or
-/// `auto` decides by size (see `Target::gemm_attention`). `RLX_CUDA_ATTENTION_SPREAD=0` keeps
-/// the tiled kernels' widest tiles (see `Target::attention_spread`).
+/// `auto` decides by size (see `Target::gemm_attention`).
 fn target() -> Result<plan::Target> {
     let cuda = plan::Target::CUDA;
     let (gemm_attention, gemm_attention_forward) = match std::env::var("RLX_CUDA_ATTENTION")
@@ -151,12 +150,9 @@ fn target() -> Result<plan::Target> {
             })
         }
     };
-    let attention_spread =
-        std::env::var("RLX_CUDA_ATTENTION_SPREAD").map_or(true, |v| v.trim() != "0");
     Ok(plan::Target {
         gemm_attention,
         gemm_attention_forward,
-        attention_spread,
         ..cuda
     })
 }

@@ -790,14 +790,11 @@ __device__ __forceinline__ float grp_sum(float v, int w) {
   for (int o = 1; o < w; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-/* Forward: a block per (unit, head, BQ query rows), BQ = blockDim / 2 (16, 32 or 64: the plan
-   takes fewer rows a block where that gives the GPU more blocks); thread (rg, cg) =
-   (t / 8, t % 8) owns rows 4rg..4rg+3, keys 4cg..4cg+3 of a score tile and features cg*EM/8..
-   of the output. */
+/* Forward: a block per (unit, head, 64 query rows); thread (rg, cg) = (t / 8, t % 8) owns rows
+   4rg..4rg+3, keys 4cg..4cg+3 of a score tile and features cg*EM/8.. of the output. */
 template <int EM>
 __device__ void att_fwd(const P& p) {
-  const int QLD = 64 + 4, DT = EM / 8;
-  const int BQ = (int)blockDim.x >> 1;
+  const int BQ = 64, QLD = BQ + 4, DT = EM / 8;
   __shared__ __align__(16) float qT[EM * QLD];
   __shared__ __align__(16) float kT[EM * ATT_LD];
   __shared__ __align__(16) float vs[ATT_BK * EM];
@@ -902,13 +899,11 @@ __device__ __forceinline__ void att_tile32(const float* aT, const float* bT, int
     for (int i = 0; i < 4; ++i) { s[i][0] += av[i] * k.x; s[i][1] += av[i] * k.y; }
   }
 }
-/* Gradient, part 1: a block per (unit, head, BQ query rows), BQ = blockDim / 4 (16 or 32, as
-   the forward chooses). Per row: the log-sum-exp (first sweep over the key tiles) and
-   D = g.out, then dQ = dS K (second sweep). */
+/* Gradient, part 1: a block per (unit, head, 32 query rows). Per row: the log-sum-exp (first
+   sweep over the key tiles) and D = g.out, then dQ = dS K (second sweep). */
 template <int EM>
 __device__ void att_bwd_q(const P& p) {
-  const int DT = EM / 16;
-  const int BQ = (int)blockDim.x >> 2;
+  const int BQ = 32, DT = EM / 16;
   __shared__ __align__(16) float qT[EM * ATT_LD];
   __shared__ __align__(16) float gT[EM * ATT_LD];
   __shared__ __align__(16) float kT[EM * ATT_LD];

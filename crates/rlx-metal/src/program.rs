@@ -32,7 +32,6 @@ pub fn target(update: UpdateMode) -> Target {
         gemm_attention_forward: false,
         fused_x4: false,
         update_end: false,
-        attention_spread: false,
     }
 }
 

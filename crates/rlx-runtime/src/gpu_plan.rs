@@ -101,19 +101,8 @@ pub const ROWS_AT: usize = 1024;
 /// materialises; larger attention runs the fused kernels.
 pub const GEMM_ATTENTION_MAX_SCORES: usize = 512 << 20;
 
-/// Query rows a tiled attention block takes: `most` (the kernel's largest tile), halved down
-/// to 16 while `heads` heads of `rows` rows give fewer blocks than two per multiprocessor of
-/// an H100 (short sequences: smaller blocks keep every multiprocessor busy).
-fn tile_rows(heads: usize, rows: usize, most: usize, spread: bool) -> usize {
-    let mut per = most;
-    while spread && per > 16 && heads * rows.div_ceil(per) < WIDE_GRID {
-        per /= 2;
-    }
-    per
-}
-
-/// Blocks a launch of small work should spread over where it can (a column reduction,
-/// attention of short sequences): two per multiprocessor of an H100.
+/// Blocks a column reduction (`rlx_reduce_rows`) should spread over where it can: two per
+/// multiprocessor of an H100.
 const WIDE_GRID: usize = 264;
 
 /// Elements a block of the multi-tensor update takes at a time: the fewest that still give
@@ -393,10 +382,6 @@ pub struct Target {
     /// every tensor of the update table and ends the run (phase 3) in one launch; without it,
     /// one phase a launch and `rlx_update_finish` for five tensors at a time.
     pub update_end: bool,
-    /// The tiled attention kernels take fewer query rows a block (down to 16) where the
-    /// heads would otherwise give fewer blocks than the GPU has room for (short sequences);
-    /// `false`: always the widest tile.
-    pub attention_spread: bool,
 }
 
 impl Target {
@@ -409,7 +394,6 @@ impl Target {
         gemm_attention_forward: true,
         fused_x4: true,
         update_end: true,
-        attention_spread: true,
     };
 }
 
@@ -1390,14 +1374,7 @@ impl Builder {
                 } else {
                     "rlx_att_fwd_64"
                 };
-                let rows = tile_rows(units * h, l, 64, self.target.attention_spread);
-                self.launch(
-                    Kernel::Library(name),
-                    blocks(l, rows)?,
-                    2 * rows as u32,
-                    p,
-                    ops,
-                );
+                self.launch(Kernel::Library(name), blocks(l, 64)?, 128, p, ops);
                 return Ok(());
             }
             let (o, g) = if packed {
@@ -1414,14 +1391,7 @@ impl Builder {
             } else {
                 ("rlx_att_bwd_q_64", "rlx_att_bwd_kv_64")
             };
-            let rows = tile_rows(units * h, l, 32, self.target.attention_spread);
-            self.launch(
-                Kernel::Library(nq),
-                blocks(l, rows)?,
-                4 * rows as u32,
-                p,
-                ops.clone(),
-            );
+            self.launch(Kernel::Library(nq), blocks(l, 32)?, 128, p, ops.clone());
             if s > 0 {
                 self.launch(Kernel::Library(nkv), blocks(s, 32)?, 128, p, ops);
             }
@@ -2355,7 +2325,6 @@ mod tests {
             gemm_attention_forward: false,
             fused_x4: false,
             update_end: false,
-            attention_spread: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -2613,8 +2582,9 @@ mod tests {
         assert_eq!(&p.iv[..8], &[2, 3, 8, 8, 4, 4, 1, 0]);
         assert_eq!(&p.st[1][..4], &[8 * 36, 4, 36, 12]);
         assert_eq!(&p.st[3][..4], &[8 * 12, 4, 12, 0]);
-        // On CUDA: the tiled kernel, one block per (unit, head, 16 query rows): six heads
-        // are few blocks, so the tile is the smallest (32 threads, two a row).
+        // On CUDA: the tiled kernel, one block of 128 threads per (unit, head, 64 query rows).
+        // (Smaller tiles for more blocks were slower on an H100 for the tiny GPT: 20 against
+        // 12.5 us a forward launch.)
         let Step::Launch {
             kernel,
             grid,
@@ -2626,24 +2596,7 @@ mod tests {
         };
         assert_eq!(
             (*kernel, *grid, *block),
-            (Kernel::Library("rlx_att_fwd_32"), 2 * 3, 32)
-        );
-        assert_eq!(tile_rows(2 * 3, 8, 64, true), 16);
-        assert_eq!(
-            tile_rows(64, 64, 64, true),
-            16,
-            "tiny GPT: 64 heads of 64 rows"
-        );
-        assert_eq!(tile_rows(64, 256, 64, true), 32);
-        assert_eq!(
-            tile_rows(64, 64, 64, false),
-            64,
-            "RLX_CUDA_ATTENTION_SPREAD=0"
-        );
-        assert_eq!(
-            tile_rows(1024, 256, 64, true),
-            64,
-            "many heads keep the widest tile"
+            (Kernel::Library("rlx_att_fwd_32"), 2 * 3, 128)
         );
         // Without tiled kernels (Metal): one warp per query row.
         let metal = Target {
@@ -2655,7 +2608,6 @@ mod tests {
             gemm_attention_forward: false,
             fused_x4: false,
             update_end: false,
-            attention_spread: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
@@ -2704,11 +2656,11 @@ mod tests {
                 other => panic!("{other:?}"),
             })
             .collect();
-        // dQ: 16-row tiles (few heads), 4 threads a row; dK/dV: 32 keys a block.
+        // dQ: 32 query rows a block; dK/dV: 32 keys a block.
         assert_eq!(
             names,
             [
-                (Kernel::Library("rlx_att_bwd_q_64"), 2 * 5, 64),
+                (Kernel::Library("rlx_att_bwd_q_64"), 2 * 3, 128),
                 (Kernel::Library("rlx_att_bwd_kv_64"), 2 * 2, 128)
             ]
         );
