@@ -249,13 +249,17 @@ extern "C" __global__ void rlx_reduce(const P p) {
 }
 /* Sums over leading rows (bias gradients): x is [iv[0] rows, iv[1] cols]. A block of 256
    threads takes 32 adjacent columns (a warp reads one row's 32 floats, coalesced) of a chunk of
-   iv[2] rows, its 8 warps taking every 8th row; the warps' sums meet in shared memory and the
-   block stores them, times fv[0] (one chunk of every row), or adds its partial into the zeroed
-   output. */
+   iv[2] rows, its 8 warps taking every 8th row; the warps' sums meet in shared memory. One chunk
+   of every row: the block stores its sums times fv[0]. More chunks: each block writes its
+   partial sums to ptr2 (chunks x cols floats) and counts itself in ptr3 (one u32 a 32-column
+   block, 0 between launches); the block counted last for its columns adds up every chunk's
+   partials in chunk order, stores them times fv[0] and resets the count. No zeroing pass, no
+   float atomics, and the same sum on every run. */
 extern "C" __global__ void rlx_reduce_rows(const P p) {
   __shared__ float sh[8][33];
+  __shared__ bool last;
   long long rows = p.iv[0], cols = p.iv[1], chunk = p.iv[2];
-  long long colblocks = (cols + 31) / 32;
+  long long colblocks = (cols + 31) / 32, chunks = (rows + chunk - 1) / chunk;
   long long cb = blockIdx.x % colblocks, rb = blockIdx.x / colblocks;
   int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   long long c = cb * 32 + lane;
@@ -272,9 +276,28 @@ extern "C" __global__ void rlx_reduce_rows(const P p) {
     float t = 0.0f;
 #pragma unroll
     for (int k = 0; k < 8; ++k) t += sh[k][lane];
-    if (chunk >= rows) F(1)[c] = t * p.fv[0];
-    else atomicAdd(F(1) + c, t * p.fv[0]);
+    if (chunks == 1) F(1)[c] = t * p.fv[0];
+    else F(2)[rb * cols + c] = t;
   }
+  if (chunks == 1) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(U(3) + cb, 1u) == (unsigned int)(chunks - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  acc = 0.0f;
+  if (c < cols)
+    for (long long k = w; k < chunks; k += 8) acc += __ldcg(F(2) + k * cols + c);
+  sh[w][lane] = acc;
+  __syncthreads();
+  if (w == 0 && c < cols) {
+    float t = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) t += sh[k][lane];
+    F(1)[c] = t * p.fv[0];
+  }
+  if (threadIdx.x == 0) U(3)[cb] = 0u;
 }
 /* ---- softmax / log-softmax: one warp per row; iv[0] len, iv[1] inner, iv[2] log. ---- */
 extern "C" __global__ void rlx_softmax(const P p) {

@@ -416,6 +416,7 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
             ..Plan::default()
         },
         target,
+        chunked_sums: (Vec::new(), 0, 0),
     };
     for (i, instr) in program.instrs.iter().enumerate() {
         if matches!(instr, Instr::Update(_)) && i + 1 != program.instrs.len() {
@@ -432,6 +433,7 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
             Instr::Update(u) => b.update(u)?,
         }
     }
+    b.finish();
     Ok(b.plan)
 }
 
@@ -553,9 +555,32 @@ struct AttentionGemm {
 struct Builder {
     plan: Plan,
     target: Target,
+    /// Column sums over several chunks (`rlx_reduce_rows`): the steps, and the largest
+    /// counter and partial-sum areas one needs. One area of each serves them all (each launch
+    /// consumes its partials and resets its counters); `finish` places them past everything
+    /// else in the scratch buffer, where no other kernel writes.
+    chunked_sums: (Vec<usize>, usize, usize),
 }
 
 impl Builder {
+    /// Places the chunked column sums' shared areas (see [`Builder::chunked_sums`]): the
+    /// counters (zero from the start: the scratch buffer is zeroed when it is made), then the
+    /// partial sums.
+    fn finish(&mut self) {
+        let (steps, counter_bytes, partial_bytes) = std::mem::take(&mut self.chunked_sums);
+        if steps.is_empty() {
+            return;
+        }
+        let counters = self.plan.scratch_bytes.div_ceil(256) * 256;
+        let partials = (counters + counter_bytes).div_ceil(256) * 256;
+        self.plan.scratch_bytes = partials + partial_bytes;
+        for i in steps {
+            if let Step::Launch { operands, .. } = &mut self.plan.steps[i] {
+                operands.extend([(2, scratch(partials)), (3, scratch(counters))]);
+            }
+        }
+    }
+
     fn launch(&mut self, kernel: Kernel, grid: u32, block: u32, p: P, operands: Vec<(usize, Loc)>) {
         self.plan.steps.push(Step::Launch {
             kernel,
@@ -1647,9 +1672,10 @@ impl Builder {
         if is_prefix && r != ReduceOp::Max && count >= 64 {
             // Leading rows summed column-wise: coalesced reads, partial sums added atomically.
             // Blocks of 32 columns and a chunk of rows. Up to 256 rows are one chunk: each
-            // block stores its columns' sums (no zeroing, no atomics). More rows: the chunk
-            // halves (down to 16 rows, two a warp) until there are blocks enough for a large
-            // GPU, and the partial sums are added into the zeroed output.
+            // block stores its columns' sums. More rows: the chunk halves (down to 16 rows, two
+            // a warp) until there are blocks enough for a large GPU; the blocks' partial sums
+            // go to a scratch area and the last block of each 32 columns (a counter a column
+            // block, zero between launches) adds them up (areas placed by `finish`).
             let colblocks = n.div_ceil(32);
             let mut chunk = 256;
             if count <= chunk {
@@ -1663,10 +1689,10 @@ impl Builder {
                 Error::unsupported("reduce", format!("{count} rows of {n} columns"))
             })?;
             if chunk < count {
-                self.plan.steps.push(Step::Fill {
-                    at: at(out),
-                    bytes: out.bytes(),
-                });
+                let c = &mut self.chunked_sums;
+                c.0.push(self.plan.steps.len());
+                c.1 = c.1.max(colblocks * 4);
+                c.2 = c.2.max(count.div_ceil(chunk) * n * 4);
             }
             let mut p = P::sized(n);
             p.iv[0] = count as i64;
@@ -1677,13 +1703,8 @@ impl Builder {
             } else {
                 1.0
             };
-            self.launch(
-                Kernel::Library("rlx_reduce_rows"),
-                blocks,
-                THREADS,
-                p,
-                vec![(0, xl), (1, at(out))],
-            );
+            let ops = vec![(0, xl), (1, at(out))];
+            self.launch(Kernel::Library("rlx_reduce_rows"), blocks, THREADS, p, ops);
             return Ok(());
         }
         let xs = contiguous(xd);
@@ -2441,7 +2462,8 @@ mod tests {
         assert_eq!(*kernel, Kernel::Library("rlx_reduce_rows"));
         assert_eq!((p.iv[0], p.iv[1], p.fv[0]), (128, 6, 1.0 / 128.0));
         assert_eq!((p.iv[2], *grid, steps.len()), (128, 1, 1));
-        // 1024 rows of 6 columns: the output zeroed, then chunks of 16 rows (64 blocks).
+        // 1024 rows of 6 columns: chunks of 16 rows (64 blocks), their partial sums and the
+        // column block's counter in scratch areas of their own (no zeroing pass).
         let prog = Program {
             instrs: vec![Instr::Op {
                 op: Op::Reduce {
@@ -2453,12 +2475,26 @@ mod tests {
                 out: t(32768, &[6]),
             }],
         };
-        let steps = plan(&prog, &[65536], Target::CUDA).unwrap().steps;
-        assert!(matches!(steps[0], Step::Fill { bytes: 24, .. }));
-        let Step::Launch { p, grid, .. } = &steps[1] else {
+        let pl = plan(&prog, &[65536], Target::CUDA).unwrap();
+        assert_eq!(pl.steps.len(), 1);
+        let Step::Launch {
+            p, grid, operands, ..
+        } = &pl.steps[0]
+        else {
             panic!()
         };
         assert_eq!((p.iv[0], p.iv[2], *grid), (1024, 16, 64));
+        let (partials, counters) = (operands[2].1, operands[3].1);
+        assert_eq!((partials.buf, counters.buf), (SCRATCH, SCRATCH));
+        assert!(
+            counters.offset + 4 <= partials.offset,
+            "one counter, then the partials"
+        );
+        assert!(pl.scratch_bytes >= partials.offset + 64 * 6 * 4);
+        assert!(
+            pl.tables.is_empty(),
+            "counters start at zero: the scratch is zeroed"
+        );
         let steps = red(vec![0], ReduceOp::Max, &[6]);
         assert!(matches!(
             &steps[0],
