@@ -1183,7 +1183,7 @@ extern "C" __global__ void rlx_copy_unless_skipped(const P p) {
 }
 /* The update rules (0 sgd, 1 adam, 2 adamw, 3 rmsprop, 4 adagrad) of one parameter tensor: its
    settings from the hyper row `h` (14 floats) and the run's control block, then one element. The
-   step count is read here and incremented by rlx_update_finish. */
+   step count is read here and incremented by rlx_update_end. */
 struct Upd {
   float lr, wd, mom, nesterov, b1, b2, eps, alpha, c_alpha, c_damp, c1, c2, scale, bc1, ibc2, clr;
   int rule; bool first;

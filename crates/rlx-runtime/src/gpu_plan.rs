@@ -1670,7 +1670,7 @@ impl Builder {
         let count: usize = axes.iter().map(|&a| xd[a]).product();
         let is_prefix = axes.iter().enumerate().all(|(i, &a)| a == i);
         if is_prefix && r != ReduceOp::Max && count >= 64 {
-            // Leading rows summed column-wise: coalesced reads, partial sums added atomically.
+            // Leading rows summed column-wise: coalesced reads.
             // Blocks of 32 columns and a chunk of rows. Up to 256 rows are one chunk: each
             // block stores its columns' sums. More rows: the chunk halves (down to 16 rows, two
             // a warp) until there are blocks enough for a large GPU; the blocks' partial sums

@@ -156,8 +156,8 @@ kernel void rlx_reduce(constant P& p [[buffer(0)]], uint o [[thread_position_in_
     }
     F(1)[o] = mx ? best : rx_total(acc) * p.fv[0];
 }
-// Sums over leading rows: x is [iv[0] rows, iv[1] cols]; one thread per column, times fv[0],
-// into the (zeroed) output.
+// Sums over leading rows: x is [iv[0] rows, iv[1] cols]; one thread per column stores its sum
+// times fv[0] (operands 2 and 3, the CUDA kernel's partial sums and counters, go unused).
 kernel void rlx_reduce_rows(constant P& p [[buffer(0)]], uint c [[thread_position_in_grid]]) {
     long rows = p.iv[0];
     long cols = p.iv[1];
@@ -542,8 +542,8 @@ kernel void rlx_attention_grad(constant P& p [[buffer(0)]], uint row [[thread_po
 }
 
 // ---- the training update on the device (the plan's multi-tensor update; the host update is
-// the alternative, crate::UpdateMode). The control block (ptr to RxCtrl, 32 zeroed bytes at
-// the plan's CTRL_AT) carries the decisions between the kernels. MSL has no double, so a sum of
+// the alternative, crate::UpdateMode). The control block (ptr to RxCtrl, 32 bytes at the plan's
+// CTRL_AT, zeroed by the plan where a norm adds into it; phase 0 sets the rest) carries the decisions between the kernels. MSL has no double, so a sum of
 // squares is two floats: sq[2s] sums the squares of elements below 2^32 in magnitude, sq[2s+1]
 // those of the others scaled by 2^-64 (so a norm overflows only where float32 does).
 #define RX_SUMSQ_CHUNK 1024
