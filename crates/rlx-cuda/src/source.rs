@@ -255,6 +255,17 @@ extern "C" __global__ void rlx_reduce(const P p) {
    block, 0 between launches); the block counted last for its columns adds up every chunk's
    partials in chunk order, stores them times fv[0] and resets the count. No zeroing pass, no
    float atomics, and the same sum on every run. */
+/* The 8 warps' sums of column `lane` (warp 0's result; every thread passes the barrier). */
+__device__ __forceinline__ float rows_meet(float (*sh)[33], float acc, int w, int lane) {
+  sh[w][lane] = acc;
+  __syncthreads();
+  float t = 0.0f;
+  if (w == 0) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) t += sh[k][lane];
+  }
+  return t;
+}
 extern "C" __global__ void rlx_reduce_rows(const P p) {
   __shared__ float sh[8][33];
   __shared__ bool last;
@@ -270,12 +281,8 @@ extern "C" __global__ void rlx_reduce_rows(const P p) {
 #pragma unroll 4
     for (long long r = r0 + w; r < r1; r += 8) acc += x[r * cols];
   }
-  sh[w][lane] = acc;
-  __syncthreads();
+  float t = rows_meet(sh, acc, w, lane);
   if (w == 0 && c < cols) {
-    float t = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) t += sh[k][lane];
     if (chunks == 1) F(1)[c] = t * p.fv[0];
     else F(2)[rb * cols + c] = t;
   }
@@ -289,14 +296,8 @@ extern "C" __global__ void rlx_reduce_rows(const P p) {
   acc = 0.0f;
   if (c < cols)
     for (long long k = w; k < chunks; k += 8) acc += __ldcg(F(2) + k * cols + c);
-  sh[w][lane] = acc;
-  __syncthreads();
-  if (w == 0 && c < cols) {
-    float t = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) t += sh[k][lane];
-    F(1)[c] = t * p.fv[0];
-  }
+  t = rows_meet(sh, acc, w, lane);
+  if (w == 0 && c < cols) F(1)[c] = t * p.fv[0];
   if (threadIdx.x == 0) U(3)[cb] = 0u;
 }
 /* ---- softmax / log-softmax: one warp per row; iv[0] len, iv[1] inner, iv[2] log. ---- */

@@ -131,35 +131,33 @@ fn down(v: View, r: usize) -> View {
     }
 }
 
+/// `(start, end)` of the blocks over `n` rows or keys: [`CAUSAL_BLOCK`] each under a causal
+/// mask, else one block of all.
+fn blocks(g: &Geometry, n: usize) -> impl Iterator<Item = (usize, usize)> {
+    let step = if g.causal.is_some() {
+        CAUSAL_BLOCK
+    } else {
+        n.max(1)
+    };
+    (0..n).step_by(step).map(move |a| (a, (a + step).min(n)))
+}
+
 /// Rows `r0..r1` of a block and the keys `0..kb` they may see (at least one where there are
 /// keys, so that rows that see none still meet their NaN probabilities in the products);
 /// one block of every row without a causal mask.
 fn row_blocks(g: &Geometry) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
-    let step = if g.causal.is_some() {
-        CAUSAL_BLOCK
-    } else {
-        g.l.max(1)
-    };
-    (0..g.l).step_by(step).map(move |r0| {
-        let r1 = (r0 + step).min(g.l);
-        (r0, r1, g.visible(r1 - 1).max(1).min(g.s))
-    })
+    blocks(g, g.l).map(move |(r0, r1)| (r0, r1, g.visible(r1 - 1).max(1).min(g.s)))
 }
 
 /// Keys `c0..c1` of a block and the first query row that sees any of them (the products over
 /// queries start there: earlier rows' probabilities and score gradients are 0 for these keys).
 fn key_blocks(g: &Geometry) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
-    let step = if g.causal.is_some() {
-        CAUSAL_BLOCK
-    } else {
-        g.s.max(1)
-    };
-    (0..g.s).step_by(step).map(move |c0| {
+    blocks(g, g.s).map(move |(c0, c1)| {
         let first = match g.causal {
             None => 0,
             Some(off) => (c0 as i64 - off).clamp(0, g.l as i64) as usize,
         };
-        (c0, (c0 + step).min(g.s), first)
+        (c0, c1, first)
     })
 }
 
