@@ -276,10 +276,12 @@ def test_ops_without_kernels_raise_dtype_errors_naming_op_and_dtypes():
                                                      r"with \.astype\('float32'\)$"),
         (lambda: rlx.tanh(d), r"^\[tanh\] float64 is not supported yet; cast to float32"),
         (lambda: h + d, r"^\[add\] float16 x float64 is not supported yet"),
-        (lambda: i * i, r"^\[mul\] int64 x int64 is not supported yet; cast to int32 with \.astype\('int32'\)$"),
+        (lambda: i.reshape(1, 2) @ i.reshape(2, 1), r"^\[matmul\] int64 x int64 is not supported yet; cast to float32 "
+                                                     r"with \.astype\('float32'\)$"),
+        (lambda: d * 2, r"^\[mul\] float64 x int32 is not supported yet"),
         (lambda: d.sum(), r"^\[sum\] float64 is not supported yet"),
         (lambda: rlx.softmax(d, -1), r"^\[softmax\] float64 is not supported yet"),
-        (lambda: m > 0, r"^\[greater\] bool x int32 is not supported yet"),
+        (lambda: rlx.softmax(m, -1), r"^\[softmax\] bool is not supported yet"),
         (lambda: rlx.concat([h, d.reshape(1, 2)]), r"^\[concat\] float16 x float64 is not supported yet"),
     ]
     for fn, msg in cases:
@@ -292,6 +294,181 @@ def test_ops_without_kernels_raise_dtype_errors_naming_op_and_dtypes():
     assert (h @ h).dtype == "float32"
     with pytest.raises(rlx.DTypeError, match=r"\[astype\] unsupported dtype 'complex64'"):
         h.astype("complex64")
+
+
+# ---------------------------------------------------------------------------------------------
+# int64 and bool compute
+# ---------------------------------------------------------------------------------------------
+I64_EDGES = np.array([0, 1, -1, 7, -7, 2**40, -(2**40) - 3, 2**62, np.iinfo(np.int64).max, np.iinfo(np.int64).min],
+                     np.int64)
+
+
+def int64_operands(seed):
+    rng = np.random.default_rng(seed)
+    a = rng.integers(-(2**62), 2**62, (4, 10), dtype=np.int64)
+    a[0] = I64_EDGES
+    b = rng.integers(-50, 50, (10,), dtype=np.int64)
+    b[b == 0] = 3
+    b[:4] = [1, -1, 2**33 + 1, -(2**35)]
+    return a, b
+
+
+def test_int64_arithmetic_and_comparisons_match_numpy_with_wrapping():
+    a, b = int64_operands(0)
+    names = ("add", "sub", "mul", "floordiv", "mod", "div", "lt", "le", "gt", "ge", "eq", "ne")
+    ops = [lambda x, y: x + y, lambda x, y: x - y, lambda x, y: x * y, lambda x, y: x // y, lambda x, y: x % y,
+           lambda x, y: x / y, lambda x, y: x < y, lambda x, y: x <= y, lambda x, y: x > y, lambda x, y: x >= y,
+           lambda x, y: x == y, lambda x, y: x != y]
+    def build(g):
+        x, y = g.input("a", a.shape, "int64"), g.input("b", b.shape, "int64")
+        return [op(x, y) for op in ops]
+
+    outs = run_graph(build, {"a": a, "b": b})
+    with np.errstate(over="ignore"):
+        for name, op, got in zip(names, ops, outs):
+            want = op(a, b)
+            if name == "div":
+                np.testing.assert_allclose(got, want.astype(np.float32), rtol=1e-7, err_msg=name)
+                assert got.dtype == np.float32
+            elif want.dtype == np.bool_:
+                np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=name)  # float32 masks
+            else:
+                assert got.dtype == np.int64, name
+                np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_int64_python_numbers_and_promotion_follow_pytorch():
+    a, _ = int64_operands(1)
+    i32 = np.arange(10, dtype=np.int32) - 5
+    x = np.linspace(-2, 2, 10, dtype=np.float32)
+
+    def build(g):
+        i, j, f = g.input("i", a.shape, "int64"), g.input("j", (10,), "int32"), g.input("x", (10,), "float32")
+        outs = [i + 2**40, 3 * i, i + j, j - i, i * f, i // 3, -i, abs(i), i ** 2, rlx.where(i > 0, i, j)]
+        assert [o.dtype for o in outs] == ["int64"] * 4 + ["float32"] + ["int64"] * 5
+        return outs
+
+    got = run_graph(build, {"i": a, "j": i32, "x": x})
+    with np.errstate(over="ignore"):
+        wants = [a + 2**40, 3 * a, a + i32, i32 - a, (a.astype(np.float32) * x), a // 3, -a, np.abs(a), a ** 2,
+                 np.where(a > 0, a, i32)]
+    for k, (g_, w) in enumerate(zip(got, wants)):
+        np.testing.assert_array_equal(g_, w, err_msg=str(k))
+    g = rlx.Graph()
+    with pytest.raises(rlx.DTypeError, match=r"\[constant\] 9223372036854775808 does not fit in int64"):
+        g.input("i", (2,), "int64") + 2**63
+
+
+def test_integer_division_by_zero_names_the_int64_divisor():
+    g = rlx.Graph()
+    g.output(g.input("a", (3,), "int64") // g.input("b", (3,), "int64"))
+    exe = g.compile("cpu")
+    with pytest.raises(rlx.RlxError, match=r"\[floor_divide\] integer division by zero \(the int64 divisor \(3,\) holds a 0\)"):
+        exe.run(a=np.ones(3, np.int64), b=np.array([1, 0, 2], np.int64))
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "bool"])
+def test_integer_and_bool_reductions_follow_pytorch(dtype):
+    rng = np.random.default_rng(3)
+    if dtype == "bool":
+        v = rng.random((3, 4, 5)) > 0.5
+    else:
+        info = np.iinfo(dtype)
+        v = rng.integers(info.min, info.max, (3, 4, 5), dtype=dtype, endpoint=True)
+        v[0, 0, :2] = [info.min, info.max]
+    axes = [None, 0, 2, (0, 2), (1, 2)]
+
+    def build(g):
+        t = g.input("v", v.shape, dtype)
+        outs = []
+        for ax in axes:
+            for keep in (False, True):
+                outs += [t.sum(ax, keepdims=keep), t.max(ax, keepdims=keep), t.min(ax, keepdims=keep),
+                         t.mean(ax, keepdims=keep)]
+        return outs
+
+    got = iter(run_graph(build, {"v": v}))
+    with np.errstate(over="ignore"):
+        for ax in axes:
+            for keep in (False, True):
+                s, mx, mn, mean = (next(got) for _ in range(4))
+                np.testing.assert_array_equal(s, v.astype(np.int64).sum(ax, keepdims=keep))
+                assert s.dtype == np.int64  # PyTorch sums integers and bools to int64
+                np.testing.assert_array_equal(mx, v.max(ax, keepdims=keep))
+                np.testing.assert_array_equal(mn, v.min(ax, keepdims=keep))
+                assert mx.dtype == mn.dtype == v.dtype
+                # float32 sums: within a few roundings of the largest value's size
+                np.testing.assert_allclose(mean, v.astype(np.float64).mean(ax, keepdims=keep), rtol=1e-6,
+                                           atol=1e-6 * np.abs(v.astype(np.float64)).max())
+                assert mean.dtype == np.float32
+
+
+def test_bool_masks_promote_and_combine_with_logical_ops():
+    rng = np.random.default_rng(4)
+    m, n = rng.random((3, 4)) > 0.5, rng.random((4,)) > 0.3
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    i = rng.integers(-5, 5, (3, 4)).astype(np.int64)
+
+    def build(g):
+        bm, bn = g.input("m", m.shape, "bool"), g.input("n", n.shape, "bool")
+        f, k = g.input("x", x.shape, "float32"), g.input("i", i.shape, "int64")
+        outs = [bm & bn, bm | bn, bm ^ bn, ~bm, bm + bn, bm * bn, bm & True, rlx.logical_and(f > 0, bm),
+                rlx.logical_or(k, bn), rlx.logical_xor(f, 0.0), rlx.logical_not(k), f * bm, k + bm, bm + 1, bm == bn,
+                rlx.where(bm, f, -f)]
+        assert [o.dtype for o in outs] == ["bool"] * 11 + ["float32", "int64", "int32", "float32", "float32"]
+        return outs
+
+    got = run_graph(build, {"m": m, "n": n, "x": x, "i": i})
+    wants = [m & n, m | n, m ^ n, ~m, m | n, m & n, m, (x > 0) & m, (i != 0) | n, x != 0, i == 0, x * m, i + m,
+             m.astype(np.int32) + 1, (m == n).astype(np.float32), np.where(m, x, -x)]
+    for k, (g_, w) in enumerate(zip(got, wants)):
+        np.testing.assert_array_equal(g_, w, err_msg=str(k))
+        assert g_.dtype == w.dtype, (k, g_.dtype, w.dtype)
+
+
+def test_bitwise_operators_take_bools_only_and_bool_subtraction_is_refused():
+    g = rlx.Graph()
+    m, i, x = g.input("m", (2,), "bool"), g.input("i", (2,), "int32"), g.input("x", (2,), "float32")
+    with pytest.raises(rlx.DTypeError, match=r"^\[bitwise_and\] & \| \^ take bool tensors, got int32; use rlx.logical_and"):
+        m & i
+    with pytest.raises(rlx.DTypeError, match=r"^\[bitwise_or\] .* got float32"):
+        x | m
+    with pytest.raises(rlx.DTypeError, match=r"^\[bitwise_not\] ~ takes a bool tensor, got float32"):
+        ~x
+    with pytest.raises(rlx.DTypeError, match=r"^\[sub\] bool - bool is not supported \(as in PyTorch\)"):
+        m - m
+
+
+def test_a_model_masks_with_bools_and_counts_with_int64_while_training():
+    """Masked mean loss over int64 ids, the mask a bool input; the count is an int64 sum."""
+    rlx.seed(0)
+
+    class Net(rlx.nn.Module):
+        def __init__(self):
+            self.fc = rlx.nn.Linear(4, 1)
+
+        def __call__(self, x):
+            return self.fc(x).reshape(-1)
+
+    def loss(m, x, y, valid, ids):
+        keep = valid & (ids % 2 == 0).astype("bool")
+        err = rlx.where(keep, (m(x) - y) ** 2, 0.0)
+        return err.sum() / keep.sum().astype("float32"), {"count": keep.sum()}
+
+    model = Net()
+    step = rlx.compile_train_step(loss, model, rlx.optim.SGD(0.1), {
+        "x": ((8, 4), "float32"), "y": ((8,), "float32"), "valid": ((8,), "bool"), "ids": ((8,), "int64")})
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((8, 4)).astype(np.float32), rng.standard_normal(8).astype(np.float32)
+    valid, ids = rng.random(8) > 0.2, np.arange(8, dtype=np.int64) + 2**40
+    w, b = model.fc.weight.numpy().copy(), model.fc.bias.numpy().copy()
+    value, aux = step(x=x, y=y, valid=valid, ids=ids)
+    keep = valid & (ids % 2 == 0)
+    assert aux["count"] == keep.sum() and aux["count"].dtype == np.int64
+    pred = x @ w.T[:, 0] + b[0]
+    np.testing.assert_allclose(value, np.mean((pred - y)[keep] ** 2), rtol=1e-5)
+    grad_w = 2 * ((pred - y) * keep) @ x / keep.sum()
+    np.testing.assert_allclose(model.fc.weight.numpy()[0], w[0] - 0.1 * grad_w, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,11 +42,11 @@ class Trace:
             if dtype is None:
                 is_int = isinstance(value, (int, np.integer))
                 dtype = "int32" if (like is not None and like.dtype == "int32" and is_int) else "float32"
-            key = (dtype, float(value))
+            key = (dtype, int(value) if dtype == "int64" else float(value))
             if key not in self._consts:
-                if dtype == "int32" and not -(2**31) <= int(value) < 2**31:
-                    raise DTypeError(f"[constant] {value} does not fit in int32")
-                arr = np.asarray(value, dtype=np.float32 if dtype == "float32" else np.int32)
+                if dtype in _INTS and not -_INT_BOUND[dtype] <= int(value) < _INT_BOUND[dtype]:
+                    raise DTypeError(f"[constant] {value} does not fit in {dtype}")
+                arr = np.asarray(value, dtype={"float32": np.float32, "int32": np.int32, "int64": np.int64}[dtype])
                 self._consts[key] = self.graph.constant(arr.reshape(-1), [], dtype)
             return Tensor(self, self._consts[key])
         arr = np.asarray(value)
@@ -55,6 +55,8 @@ class Trace:
         if arr.dtype.kind == "f":
             arr = arr.astype(np.float32)
             dtype = "float32"
+        elif arr.dtype.kind in "iub" and dtype == "int64":
+            arr = arr.astype(np.int64)
         elif arr.dtype.kind in "iub":
             if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
                 raise DTypeError(f"[constant] integer values do not fit in int32 (range {arr.min()}..{arr.max()})")
@@ -91,7 +93,7 @@ def _as_tensor(x: Any, trace: Trace, like: "Tensor | None" = None, dtype: str | 
 def _kind(x: Any) -> str:
     """``"int"`` or ``"float"``: the kind an operand brings to numpy's promotion rules."""
     if isinstance(x, Tensor):
-        return "int" if x.dtype == "int32" else "float"
+        return "int" if x.dtype in _INTS + ("bool",) else "float"
     if isinstance(x, (bool, int, np.integer, np.bool_)):
         return "int"
     if isinstance(x, np.ndarray) and x.dtype.kind in "iub":
@@ -102,13 +104,14 @@ def _kind(x: Any) -> str:
 
 
 def _not_supported(op: str, dtypes: Sequence[str]) -> DTypeError:
-    """The error for an op whose kernels do not exist for these dtypes yet (rlx computes in
-    float32 and int32 so far), naming the op and the dtypes and saying how to cast."""
-    to = "int32" if "int64" in dtypes and not any(d in _FLOATS for d in dtypes) else "float32"
-    return DTypeError(f"[{op}] {' x '.join(dtypes)} is not supported yet; cast to {to} with .astype('{to}')")
+    """The error for an op whose kernels do not exist for these dtypes yet (float64 so far),
+    naming the op and the dtypes and saying how to cast."""
+    return DTypeError(f"[{op}] {' x '.join(dtypes)} is not supported yet; cast to float32 with .astype('float32')")
 
 
 _FLOATS = ("float32", "float16", "bfloat16", "float64")
+_INTS = ("int32", "int64")
+_INT_BOUND = {"int32": 2**31, "int64": 2**63}
 
 
 def _dtype_of(x: Any) -> str | None:
@@ -124,26 +127,28 @@ _LOW = ("bfloat16", "float16")
 def _low_target(xs: Sequence[Any]) -> str | None:
     """The low dtype (bfloat16 / float16) an arithmetic op of ``xs`` returns: the one low dtype
     among its tensors when no float32 tensor is there (numbers and int32 do not promote it)."""
-    held = {_dtype_of(x) for x in xs} - {None, "int32"}
+    held = {_dtype_of(x) for x in xs} - {None, "int32", "int64", "bool"}
     return next(iter(held)) if len(held) == 1 and next(iter(held)) in _LOW else None
 
 
 def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False,
               exact_numbers: bool = False) -> list["Tensor"]:
-    """The operands as tensors of one dtype, by numpy's rules with float32 as the float type:
-    all integer -> int32; any float (a Python float scalar included) -> float32, casting int32
-    tensors and integer constants up. bfloat16 and float16 tensors follow PyTorch: with int32
+    """The operands as tensors of one dtype, by PyTorch's rules with float32 as the float type
+    and int32 as the type of integer numbers: bool operands only -> bool; else integers only ->
+    int64 if an int64 tensor is there, else int32 (bool tensors and Python ints follow); any
+    float (a Python float scalar included) -> float32, casting integer and bool tensors and
+    integer constants up. bfloat16 and float16 tensors follow PyTorch: with integer or bool
     tensors and Python numbers they keep their dtype (the op computes in float32 and rounds
-    back); beside a float32 tensor or the other low dtype they are cast to float32. Operands of
-    the other dtypes (float64, int64, bool) are never cast silently: ``moves`` ops (data
-    movement: concat, where) accept them when every operand is a tensor of that one dtype;
-    anything else raises DTypeError. With ``exact_numbers`` a Python number beside a low dtype
-    stays a float32 constant (arithmetic uses it unrounded, as PyTorch's kernels do; the
-    caller rounds the result, see ``_low_target``)."""
+    back); beside a float32 tensor or the other low dtype they are cast to float32. float64
+    operands are never cast silently (there are no float64 kernels yet): ``moves`` ops (data
+    movement: concat, where) accept them when every operand is a float64 tensor; anything else
+    raises DTypeError. With ``exact_numbers`` a Python number beside a low dtype stays a float32
+    constant (arithmetic uses it unrounded, as PyTorch's kernels do; the caller rounds the
+    result, see ``_low_target``)."""
     held = [_dtype_of(x) for x in xs]
     if moves and held and held[0] is not None and len(set(held)) == 1:
         return [_as_tensor(x, t) for x in xs]
-    if any(d is not None and d not in ("float32", "int32") + _LOW for d in held):
+    if "float64" in held:
         shown = [d if d is not None else ("int32" if _kind(x) == "int" else "float32") for d, x in zip(held, xs)]
         raise _not_supported(op, shown)
     lows = {d for d in held if d in _LOW}
@@ -156,10 +161,14 @@ def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False,
             x = _as_tensor(x, t, dtype="float32" if number else None)
             out.append(x if x.dtype == dtype or (number and exact_numbers) else x.astype(dtype))
         return out
-    dtype = "int32" if all(_kind(x) == "int" for x in xs) else "float32"
+    if all(_kind(x) == "int" for x in xs):
+        bools = all(d == "bool" or (d is None and isinstance(x, (bool, np.bool_))) for d, x in zip(held, xs))
+        dtype = "bool" if bools else "int64" if "int64" in held else "int32"
+    else:
+        dtype = "float32"
     out = []
     for x in xs:
-        x = _as_tensor(x, t, dtype=dtype)
+        x = _as_tensor(x, t, dtype="int32" if dtype == "bool" else dtype)
         if x.dtype != dtype:
             x = x.astype(dtype)
         out.append(x)
@@ -174,7 +183,19 @@ _BINARY_NAMES = {"floordiv": "floor_divide", "mod": "remainder", "lt": "less", "
 def _binary(kind: str, a: Any, b: Any) -> "Tensor":
     t = _trace_of(a, b)
     low = _low_target((a, b))
-    a, b = _promoted(t, a, b, op=_BINARY_NAMES.get(kind, kind), exact_numbers=True)
+    name = _BINARY_NAMES.get(kind, kind)
+    a, b = _promoted(t, a, b, op=name, exact_numbers=True)
+    if a.dtype == "bool":
+        # bool arithmetic as PyTorch's: + is or, * is and, - is refused; the others compute on
+        # the 0/1 values as int32 (comparisons give float32 masks as usual).
+        if kind == "add":
+            return logical_or(a, b)
+        if kind == "mul":
+            return logical_and(a, b)
+        if kind == "sub":
+            raise DTypeError(f"[{name}] bool - bool is not supported (as in PyTorch); use rlx.logical_xor, or cast "
+                             "with .astype('int32')")
+        a, b = a.astype("int32"), b.astype("int32")
     out = Tensor(t, t.graph.binary(kind, a._id, b._id))
     # A low-precision operand beside an unrounded number computed in float32: round the result
     # (comparisons give float32 masks, as for float32 operands).
@@ -194,7 +215,9 @@ _FLOAT_VALUED = {"tanh", "sigmoid", "exp", "log", "sqrt", "gelu", "gelu_tanh", "
 def _unary(kind: str, x: Any) -> "Tensor":
     t = _trace_of(x)
     x = _as_tensor(x, t)
-    if x.dtype == "int32":
+    if x.dtype == "bool":
+        x = x.astype("int32") if kind in ("neg", "relu") else x.astype("float32")
+    if x.dtype in _INTS:
         if kind in _FLOAT_VALUED:
             x = x.astype("float32")
         elif kind == "relu":
@@ -307,7 +330,9 @@ class Tensor:
         if not isinstance(p, (int, float, np.number)):
             raise DTypeError(f"[pow] the exponent must be a Python scalar, got {type(p).__name__}")
         x = self
-        if x.dtype == "int32":
+        if x.dtype == "bool":
+            x = x.astype("int32")
+        if x.dtype in _INTS:
             if isinstance(p, (int, np.integer)):
                 return _int_pow(x, int(p))
             x = x.astype("float32")
@@ -330,6 +355,34 @@ class Tensor:
 
     def __ne__(self, o: Any) -> "Tensor":  # type: ignore[override]
         return _binary("ne", self, o)
+
+    def __and__(self, o: Any) -> "Tensor":
+        """``&`` of bool tensors (masks): ``rlx.logical_and``. Other dtypes raise DTypeError
+        (rlx has no bitwise integer ops)."""
+        return _logical("and", self, o)
+
+    def __rand__(self, o: Any) -> "Tensor":
+        return _logical("and", o, self)
+
+    def __or__(self, o: Any) -> "Tensor":
+        """``|`` of bool tensors: ``rlx.logical_or``."""
+        return _logical("or", self, o)
+
+    def __ror__(self, o: Any) -> "Tensor":
+        return _logical("or", o, self)
+
+    def __xor__(self, o: Any) -> "Tensor":
+        """``^`` of bool tensors: ``rlx.logical_xor``."""
+        return _logical("xor", self, o)
+
+    def __rxor__(self, o: Any) -> "Tensor":
+        return _logical("xor", o, self)
+
+    def __invert__(self) -> "Tensor":
+        """``~`` of a bool tensor: ``rlx.logical_not``."""
+        if self.dtype != "bool":
+            raise DTypeError(f"[bitwise_not] ~ takes a bool tensor, got {self.dtype}; use rlx.logical_not for truth values")
+        return logical_not(self)
 
     __hash__ = object.__hash__
 
@@ -360,7 +413,17 @@ class Tensor:
         return self.transpose()
 
     def _reduce(self, kind: str, axis: Any, keepdims: bool) -> "Tensor":
-        return Tensor(self._trace, self._trace.graph.reduce(kind, self._id, _axes(axis, kind), bool(keepdims)))
+        """Integer and bool tensors as PyTorch reduces them: sums are int64, means float32,
+        maxima keep the dtype (of bools: whether any is true)."""
+        x = self
+        if x.dtype in _INTS + ("bool",):
+            if kind == "mean":
+                x = x.astype("float32")
+            elif kind == "sum" and x.dtype != "int64":
+                x = x.astype("int64")
+            elif kind == "max" and x.dtype == "bool":
+                return x.astype("int32")._reduce(kind, axis, keepdims).astype("bool")
+        return Tensor(x._trace, x._trace.graph.reduce(kind, x._id, _axes(axis, kind), bool(keepdims)))
 
     def sum(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
         """Sum over ``axis`` (all axes when None)."""
@@ -376,6 +439,11 @@ class Tensor:
 
     def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
         """Minimum over ``axis`` (all axes when None)."""
+        if self.dtype == "bool":
+            return self.astype("int32").min(axis, keepdims).astype("bool")
+        if self.dtype in _INTS:
+            # -1 - x reverses the order of integers without overflow (unlike -x at INT_MIN).
+            return -1 - (-1 - self)._reduce("max", axis, keepdims)
         return -((-self)._reduce("max", axis, keepdims))
 
     def var(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, ddof: int = 0) -> "Tensor":
@@ -492,9 +560,9 @@ class Tensor:
 
 
 def _int_pow(x: Tensor, p: int) -> Tensor:
-    """``x ** p`` on int32 by repeated squaring (products wrap, as numpy's)."""
+    """``x ** p`` on int32 / int64 by repeated squaring (products wrap, as numpy's)."""
     if p < 0:
-        raise DTypeError(f"[pow] an int32 tensor to a negative int power ({p}) is not an integer; use a float exponent")
+        raise DTypeError(f"[pow] an {x.dtype} tensor to a negative int power ({p}) is not an integer; use a float exponent")
     result: Tensor | None = None
     square = x
     while True:
@@ -795,6 +863,50 @@ def _sdpa_composed(q: Tensor, k: Tensor, v: Tensor, offset: int | None) -> Tenso
     return matmul(softmax(scores, axis=-1), v)
 
 
+def _truth(x: Any, t: Trace) -> Tensor:
+    """``x != 0`` as a float32 0/1 mask (a bool tensor's values as they are)."""
+    x = _as_tensor(x, t, dtype="int32" if isinstance(x, (bool, np.bool_)) else None)
+    return x.astype("float32") if x.dtype == "bool" else (x != 0)
+
+
+def _logical(kind: str, a: Any, b: Any) -> Tensor:
+    """The operator form (``&``, ``|``, ``^``): bool operands only (Python bools included)."""
+    for x in (a, b):
+        d = _dtype_of(x) or ("bool" if isinstance(x, (bool, np.bool_)) else type(x).__name__)
+        if d != "bool":
+            raise DTypeError(f"[bitwise_{kind}] & | ^ take bool tensors, got {d}; use rlx.logical_{kind} for truth values")
+    return {"and": logical_and, "or": logical_or, "xor": logical_xor}[kind](a, b)
+
+
+def logical_and(a: Any, b: Any) -> Tensor:
+    """Elementwise ``a and b`` of truth values (non-zero is true), broadcast; a bool tensor.
+
+    Example:
+        >>> def forward(model, x, valid):
+        ...     return rlx.where(rlx.logical_and(x > 0, valid), x, 0.0)
+    """
+    t = _trace_of(a, b)
+    return (_truth(a, t) * _truth(b, t)).astype("bool")
+
+
+def logical_or(a: Any, b: Any) -> Tensor:
+    """Elementwise ``a or b`` of truth values (non-zero is true), broadcast; a bool tensor."""
+    t = _trace_of(a, b)
+    return (_truth(a, t) + _truth(b, t)).astype("bool")
+
+
+def logical_xor(a: Any, b: Any) -> Tensor:
+    """Elementwise ``a != b`` of truth values (non-zero is true), broadcast; a bool tensor."""
+    t = _trace_of(a, b)
+    return (_truth(a, t) != _truth(b, t)).astype("bool")
+
+
+def logical_not(x: Any) -> Tensor:
+    """Elementwise ``not x`` (zero is false); a bool tensor."""
+    t = _trace_of(x)
+    return (_truth(x, t) == 0).astype("bool")
+
+
 def abs_(x: Any) -> Tensor:
     """``|x|`` elementwise (gradient ``sign(x)``, 0 at 0, as PyTorch's).
 
@@ -804,7 +916,9 @@ def abs_(x: Any) -> Tensor:
     """
     t = _trace_of(x)
     x = _as_tensor(x, t)
-    if x.dtype == "int32":
+    if x.dtype == "bool":
+        return x
+    if x.dtype in _INTS:
         return where(x < 0, 0 - x, x)
     sign = (x > 0) - (x < 0)  # comparisons carry no gradient
     if x.dtype in _LOW:

@@ -240,6 +240,45 @@ fn last(dims: &[usize]) -> usize {
     dims.last().copied().unwrap_or(1)
 }
 
+/// A binary op of two integer tensors of type `T`: wrapping arithmetic, floor division and
+/// remainder (a zero divisor is an error), a float32 quotient for `/`, float32 masks for
+/// comparisons.
+///
+/// # Safety
+/// As [`run_op`].
+unsafe fn int_binary<T: kernels::elementwise::Int + crate::mem::Elem>(
+    b: &Bases,
+    op: &Op,
+    bop: BinaryOp,
+    ins: &[TRef],
+    out: &TRef,
+) -> Result<()> {
+    use kernels::elementwise;
+    let (a, c) = (&ins[0], &ins[1]);
+    let (ash, csh, od) = (a.shape.dims(), c.shape.dims(), out.shape.dims());
+    // SAFETY: the contract of `run_op` (inputs read, `out` disjoint from them).
+    unsafe {
+        let (x, y) = (b.get::<T>(a), b.get::<T>(c));
+        if bop == BinaryOp::Div {
+            elementwise::int_true_div(x, ash, y, csh, od, b.get_mut::<f32>(out));
+        } else if bop.is_comparison() {
+            elementwise::compare_into(bop, x, ash, y, csh, od, b.get_mut::<f32>(out));
+        } else {
+            let divides = matches!(bop, BinaryOp::FloorDiv | BinaryOp::Mod);
+            if divides && out.numel() > 0 && elementwise::has_zero(y) {
+                return Err(Error::Graph(format!(
+                    "[{}] integer division by zero (the {} divisor {} holds a 0)",
+                    op.name(),
+                    c.dtype,
+                    c.shape
+                )));
+            }
+            elementwise::binary(bop, x, ash, y, csh, od, b.get_mut::<T>(out));
+        }
+    }
+    Ok(())
+}
+
 /// # Safety
 /// `out` must not overlap any of `ins` (checked by `CpuProgram::new`).
 unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
@@ -324,47 +363,12 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             }
         }
         Op::Binary(bop) => unsafe {
-            let (a, c) = (&ins[0], &ins[1]);
-            match (a.dtype, bop.is_comparison()) {
+            match (ins[0].dtype, bop.is_comparison()) {
                 (DType::F32, _) => {
                     elementwise::binary(*bop, f(0), sh(0), f(1), sh(1), od, b.get_mut(out))
                 }
-                (DType::I32, false) if *bop == BinaryOp::Div => elementwise::int_true_div(
-                    b.get::<i32>(a),
-                    sh(0),
-                    b.get::<i32>(c),
-                    sh(1),
-                    od,
-                    b.get_mut::<f32>(out),
-                ),
-                (DType::I32, false) => {
-                    let divides = matches!(bop, BinaryOp::FloorDiv | BinaryOp::Mod);
-                    if divides && out.numel() > 0 && elementwise::has_zero(b.get::<i32>(c)) {
-                        return Err(Error::Graph(format!(
-                            "[{}] integer division by zero (the int32 divisor {} holds a 0)",
-                            op.name(),
-                            c.shape
-                        )));
-                    }
-                    elementwise::binary(
-                        *bop,
-                        b.get::<i32>(a),
-                        sh(0),
-                        b.get::<i32>(c),
-                        sh(1),
-                        od,
-                        b.get_mut(out),
-                    )
-                }
-                (DType::I32, true) => elementwise::compare_into(
-                    *bop,
-                    b.get::<i32>(a),
-                    sh(0),
-                    b.get::<i32>(c),
-                    sh(1),
-                    od,
-                    b.get_mut::<f32>(out),
-                ),
+                (DType::I32, _) => int_binary::<i32>(b, op, *bop, ins, out)?,
+                (DType::I64, _) => int_binary::<i64>(b, op, *bop, ins, out)?,
                 (dt, _) => {
                     return Err(Error::Internal(format!(
                         "[{}] reached the cpu kernel with {dt} operands",
@@ -395,9 +399,15 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                 od,
             ),
         },
-        Op::Reduce { op: r, axes, .. } => {
-            reduce::reduce(*r, f(0), sh(0), axes, unsafe { b.get_mut(out) })
-        }
+        Op::Reduce { op: r, axes, .. } => match ins[0].dtype {
+            DType::I32 => unsafe {
+                reduce::reduce_int(*r, b.get::<i32>(&ins[0]), sh(0), axes, b.get_mut(out))
+            },
+            DType::I64 => unsafe {
+                reduce::reduce_int(*r, b.get::<i64>(&ins[0]), sh(0), axes, b.get_mut(out))
+            },
+            _ => reduce::reduce(*r, f(0), sh(0), axes, unsafe { b.get_mut(out) }),
+        },
         Op::SumTo { .. } => reduce::sum_to(f(0), sh(0), unsafe { b.get_mut(out) }, od),
         Op::Transpose { perm } if out.dtype == DType::F32 && layout::swaps_last_two(perm) => {
             let d = sh(0);
@@ -432,6 +442,13 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                 DType::F32 => f(0),
                 DType::I32 => {
                     cond = unsafe { b.get::<i32>(&ins[0]) }
+                        .iter()
+                        .map(|&v| (v != 0) as i32 as f32)
+                        .collect();
+                    &cond
+                }
+                DType::I64 => {
+                    cond = unsafe { b.get::<i64>(&ins[0]) }
                         .iter()
                         .map(|&v| (v != 0) as i32 as f32)
                         .collect();

@@ -2,8 +2,10 @@
 use std::fmt;
 
 /// The element type of a tensor. Every dtype can be stored, fed, read back, moved (reshape,
-/// transpose, slice, ...) and cast; arithmetic kernels exist for `F32` (and some for `I32`)
-/// only so far, and shape inference refuses the rest with a `DTypeError` naming the op.
+/// transpose, slice, ...) and cast; arithmetic kernels exist for `F32`, for `I32` and `I64`
+/// (binary ops, comparisons, sums and maxima), and `Bool` is a `where` condition (the front
+/// end casts it for arithmetic); shape inference refuses the rest with a `DTypeError` naming
+/// the op. bfloat16/float16 operands of other ops are widened (see `Graph::add`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
@@ -82,16 +84,12 @@ impl DType {
 
     /// The message (after the `[op]` prefix) for an op whose kernels do not exist for these
     /// operand dtypes yet, e.g. `float16 x float16 is not supported yet; cast to float32 with
-    /// .astype('float32')`.
+    /// .astype('float32')` (integers have only elementwise ops, sums and maxima: everything
+    /// else wants floats).
     pub fn not_supported(dtypes: &[DType]) -> String {
         let names: Vec<&str> = dtypes.iter().map(|d| d.name()).collect();
-        let to = if dtypes.iter().all(|d| !d.is_float()) && dtypes.contains(&DType::I64) {
-            "int32"
-        } else {
-            "float32"
-        };
         format!(
-            "{} is not supported yet; cast to {to} with .astype('{to}')",
+            "{} is not supported yet; cast to float32 with .astype('float32')",
             names.join(" x ")
         )
     }
@@ -120,6 +118,6 @@ mod tests {
             msg,
             "float16 x float16 is not supported yet; cast to float32 with .astype('float32')"
         );
-        assert!(DType::not_supported(&[DType::I64]).ends_with(".astype('int32')"));
+        assert!(DType::not_supported(&[DType::I64]).ends_with(".astype('float32')"));
     }
 }

@@ -84,6 +84,18 @@ impl Graph {
         )
     }
 
+    /// Adds an i64 constant of the given shape (two little-endian words a value).
+    pub fn constant_i64(&mut self, values: &[i64], shape: Shape) -> Result<NodeId> {
+        self.constant_bits(
+            values
+                .iter()
+                .flat_map(|&v| [v as u32, (v >> 32) as u32])
+                .collect(),
+            shape,
+            DType::I64,
+        )
+    }
+
     /// A scalar f32 constant.
     pub fn scalar(&mut self, v: f32) -> NodeId {
         self.push(
@@ -97,10 +109,11 @@ impl Graph {
     }
 
     fn constant_bits(&mut self, bits: Vec<u32>, shape: Shape, dtype: DType) -> Result<NodeId> {
-        if bits.len() != shape.numel() {
+        let words = dtype.size() / 4;
+        if bits.len() != shape.numel() * words {
             return Err(Error::shape(
                 "constant",
-                format!("{} values given for shape {shape}", bits.len()),
+                format!("{} values given for shape {shape}", bits.len() / words),
             ));
         }
         Ok(self.push(

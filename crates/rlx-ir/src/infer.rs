@@ -27,7 +27,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
         Op::Binary(b) => {
             if ins
                 .iter()
-                .any(|x| !matches!(x.dtype, DType::F32 | DType::I32))
+                .any(|x| !matches!(x.dtype, DType::F32 | DType::I32 | DType::I64))
             {
                 return Err(unsupported(name, ins));
             }
@@ -55,7 +55,11 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             axes,
             keepdims,
         } => {
-            float(0)?;
+            // Integers sum and take maxima in their own dtype (no mean: it is not an integer).
+            let int = matches!(ins[0].dtype, DType::I32 | DType::I64) && *r != ReduceOp::Mean;
+            if !int {
+                float(0)?;
+            }
             let s = &ins[0].shape;
             check_axes(name, s, axes)?;
             if *r == ReduceOp::Max && axes.iter().any(|&a| s.0[a] == 0) {
@@ -64,7 +68,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                     format!("cannot take the max over an empty axis of {s}"),
                 ));
             }
-            Ok((reduced_shape(s, axes, *keepdims), DType::F32))
+            Ok((reduced_shape(s, axes, *keepdims), ins[0].dtype))
         }
         Op::BroadcastTo { shape } => {
             let b = broadcast(name, &ins[0].shape, shape)?;
@@ -242,7 +246,10 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((out, DType::F32))
         }
         Op::Where => {
-            if !matches!(ins[0].dtype, DType::F32 | DType::I32 | DType::Bool) {
+            if !matches!(
+                ins[0].dtype,
+                DType::F32 | DType::I32 | DType::I64 | DType::Bool
+            ) {
                 return Err(unsupported(name, ins));
             }
             if ins[1].dtype != ins[2].dtype {
@@ -770,10 +777,28 @@ mod tests {
         );
         assert_eq!(g.nodes().len(), n, "no stray casts");
         let i = g.input("i", Shape::new([2]), DType::I64).unwrap();
-        let e = g.add(Op::Binary(BinaryOp::Mul), &[i, i]).unwrap_err();
+        // int64 has elementwise kernels (wrapping, as int32's) and sums; not float ops.
+        let p = g.add(Op::Binary(BinaryOp::Mul), &[i, i]).unwrap();
+        assert_eq!(g.node(p).dtype, DType::I64);
+        let q = g.add(Op::Binary(BinaryOp::Div), &[i, i]).unwrap();
+        assert_eq!(g.node(q).dtype, DType::F32);
+        let sum = Op::Reduce {
+            op: crate::ReduceOp::Sum,
+            axes: vec![0],
+            keepdims: false,
+        };
+        let total = g.add(sum, &[i]).unwrap();
+        assert_eq!(g.node(total).dtype, DType::I64);
+        let mean = Op::Reduce {
+            op: crate::ReduceOp::Mean,
+            axes: vec![0],
+            keepdims: false,
+        };
+        assert!(g.add(mean, &[i]).is_err());
+        let e = g.add(Op::Unary(crate::UnaryOp::Exp), &[i]).unwrap_err();
         assert!(
             e.to_string()
-                .ends_with("cast to int32 with .astype('int32')"),
+                .ends_with("cast to float32 with .astype('float32')"),
             "{e}"
         );
         let x = g.input("x", Shape::new([2, 3]), DType::F32).unwrap();

@@ -79,7 +79,8 @@ pub enum Op {
     Param {
         name: String,
     },
-    /// Constant data baked into the graph (little-endian f32 or i32 values).
+    /// Constant data baked into the graph (little-endian f32, i32 or i64 values, the last as
+    /// two words each).
     Const {
         data: Arc<Vec<u32>>,
     },

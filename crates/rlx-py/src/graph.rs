@@ -118,10 +118,17 @@ impl PyGraph {
                 &words.iter().map(|&w| w as i32).collect::<Vec<_>>(),
                 Shape(shape),
             ),
+            DType::I64 => self.graph.constant_i64(
+                &words
+                    .chunks_exact(2)
+                    .map(|w| (w[0] as u64 | (w[1] as u64) << 32) as i64)
+                    .collect::<Vec<_>>(),
+                Shape(shape),
+            ),
             other => Err(Error::dtype(
                 "constant",
                 format!(
-                    "constants are float32 or int32, got {other}; cast one with .astype('{other}')"
+                    "constants are float32, int32 or int64, got {other}; cast one with .astype('{other}')"
                 ),
             )),
         };

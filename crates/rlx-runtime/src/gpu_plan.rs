@@ -841,6 +841,14 @@ impl Builder {
                 Ok(())
             }
             Op::MatMul { trans_a, trans_b } => self.matmul(ins, out, *trans_a, *trans_b),
+            Op::Reduce { .. } if ins[0].dtype != DType::F32 => Err(Error::unsupported(
+                op.name(),
+                format!(
+                    "the {} backend reduces only float32 tensors so far, got {} {}; \
+                     run it on the cpu or cast with .astype('float32')",
+                    self.target.backend, ins[0].dtype, ins[0].shape
+                ),
+            )),
             Op::Reduce { op: r, axes, .. } => self.reduce(*r, &ins[0], axes, out),
             Op::SumTo { .. } => {
                 let xd = sh(0);
@@ -2307,6 +2315,27 @@ mod tests {
         assert!(plan(&neg(t(0, &[8]), t(240, &[8])), &[256], Target::CUDA).is_err());
         assert!(plan(&neg(t(0, &[8]), t(16, &[8])), &[256], Target::CUDA).is_err());
         assert!(plan(&neg(t(0, &[8]), t(64, &[8])), &[256], Target::CUDA).is_ok());
+        // Integer reductions (CPU kernels only) are refused by name, never run as floats.
+        let int = |offset: usize, dims: &[usize]| TRef {
+            dtype: DType::I32,
+            ..t(offset, dims)
+        };
+        let max = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Reduce {
+                    op: ReduceOp::Max,
+                    axes: vec![0],
+                    keepdims: false,
+                },
+                ins: vec![int(0, &[8])],
+                out: int(64, &[]),
+            }],
+        };
+        let e = plan(&max, &[256], Target::CUDA).unwrap_err().to_string();
+        assert!(
+            e.contains("[max] the cuda backend reduces only float32"),
+            "{e}"
+        );
     }
 
     #[test]

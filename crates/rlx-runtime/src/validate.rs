@@ -51,9 +51,11 @@ impl Instr {
 /// Whether the kernel set (the same on every backend) has `op` for these operand dtypes.
 pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
     let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
-    let classic = |t: &TRef| matches!(t.dtype, DType::F32 | DType::I32);
+    let int = |t: &TRef| matches!(t.dtype, DType::I32 | DType::I64);
     match op {
-        Op::Binary(_) => ins.iter().all(classic),
+        Op::Binary(_) => ins.iter().all(|t| t.dtype == DType::F32 || int(t)),
+        // Integer sums and maxima keep the dtype (a GPU plan refuses them by name).
+        Op::Reduce { .. } if int(&ins[0]) => out.dtype == ins[0].dtype,
         // Data movement works on every dtype (by element size).
         Op::BroadcastTo { .. }
         | Op::Transpose { .. }
@@ -64,7 +66,7 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
         Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
         Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
         Op::Where => {
-            matches!(ins[0].dtype, DType::F32 | DType::I32 | DType::Bool)
+            (matches!(ins[0].dtype, DType::F32 | DType::Bool) || int(&ins[0]))
                 && ins[1].dtype == out.dtype
         }
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,

@@ -125,57 +125,82 @@ impl Num for f32 {
     }
 }
 
-impl Num for i32 {
-    #[inline(always)]
-    fn add(a: i32, b: i32) -> i32 {
-        a.wrapping_add(b)
-    }
-    #[inline(always)]
-    fn sub(a: i32, b: i32) -> i32 {
-        a.wrapping_sub(b)
-    }
-    #[inline(always)]
-    fn mul(a: i32, b: i32) -> i32 {
-        a.wrapping_mul(b)
-    }
-    /// Truncating division, for the trait only: an int32 `Div` node computes a float32 quotient
-    /// (`int_true_div`). Callers check divisors for zero first (`has_zero`); 0 if one slips by.
-    #[inline(always)]
-    fn div(a: i32, b: i32) -> i32 {
-        a.checked_div(b).unwrap_or(0)
-    }
-    /// Rounds toward -inf; `i32::MIN // -1` wraps to `i32::MIN` as numpy's does. Callers check
-    /// divisors for zero first (`has_zero`); 0 if one slips by.
-    #[inline(always)]
-    fn floor_div(a: i32, b: i32) -> i32 {
-        if b == 0 {
-            return 0;
+/// Integer arithmetic as numpy's: wrapping `+ - *`, floor division and the divisor-signed
+/// remainder (callers check divisors for zero first, `has_zero`; 0 if one slips by).
+macro_rules! int_num {
+    ($t:ty) => {
+        impl Num for $t {
+            #[inline(always)]
+            fn add(a: $t, b: $t) -> $t {
+                a.wrapping_add(b)
+            }
+            #[inline(always)]
+            fn sub(a: $t, b: $t) -> $t {
+                a.wrapping_sub(b)
+            }
+            #[inline(always)]
+            fn mul(a: $t, b: $t) -> $t {
+                a.wrapping_mul(b)
+            }
+            /// Truncating division, for the trait only: an integer `Div` node computes a
+            /// float32 quotient (`int_true_div`).
+            #[inline(always)]
+            fn div(a: $t, b: $t) -> $t {
+                a.checked_div(b).unwrap_or(0)
+            }
+            /// Rounds toward -inf; `MIN // -1` wraps to `MIN` as numpy's does.
+            #[inline(always)]
+            fn floor_div(a: $t, b: $t) -> $t {
+                if b == 0 {
+                    return 0;
+                }
+                let (q, r) = (a.wrapping_div(b), a.wrapping_rem(b));
+                if r != 0 && (r < 0) != (b < 0) {
+                    q - 1
+                } else {
+                    q
+                }
+            }
+            /// The remainder with the divisor's sign; `MIN % -1` is 0.
+            #[inline(always)]
+            fn rem(a: $t, b: $t) -> $t {
+                if b == 0 {
+                    return 0;
+                }
+                let r = a.wrapping_rem(b);
+                if r != 0 && (r < 0) != (b < 0) {
+                    r + b
+                } else {
+                    r
+                }
+            }
+            #[inline(always)]
+            fn from_bool(v: bool) -> $t {
+                v as $t
+            }
         }
-        let (q, r) = (a.wrapping_div(b), a.wrapping_rem(b));
-        if r != 0 && (r < 0) != (b < 0) {
-            q - 1
-        } else {
-            q
+
+        impl Int for $t {
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            const ZERO: $t = 0;
+            const MIN: $t = <$t>::MIN;
         }
-    }
-    /// The remainder with the divisor's sign; `i32::MIN % -1` is 0.
-    #[inline(always)]
-    fn rem(a: i32, b: i32) -> i32 {
-        if b == 0 {
-            return 0;
-        }
-        let r = a.wrapping_rem(b);
-        if r != 0 && (r < 0) != (b < 0) {
-            r + b
-        } else {
-            r
-        }
-    }
-    #[inline(always)]
-    fn from_bool(v: bool) -> i32 {
-        v as i32
-    }
+    };
 }
+
+/// The integer dtypes' extras: an exact-enough float for true division, zero and the minimum
+/// (a max reduction's start).
+pub trait Int: Num + Eq + Ord {
+    fn to_f64(self) -> f64;
+    const ZERO: Self;
+    const MIN: Self;
+}
+
+int_num!(i32);
+int_num!(i64);
 
 /// `out = a (op) b` with numpy broadcasting. Each op is its own monomorphic loop so the
 /// compiler can vectorise it; comparisons give 0/1 in the operand type.
@@ -201,23 +226,25 @@ pub fn binary<T: Num>(
     }
 }
 
-/// True division of int32 tensors: a float32 quotient (computed in f64, rounded once), as numpy
-/// and PyTorch give a float for `/` on integers; by zero, +-inf or NaN.
-pub fn int_true_div(
-    a: &[i32],
+/// True division of integer tensors: a float32 quotient (computed in f64, rounded once), as
+/// numpy and PyTorch give a float for `/` on integers; by zero, +-inf or NaN.
+pub fn int_true_div<T: Int>(
+    a: &[T],
     ash: &[usize],
-    b: &[i32],
+    b: &[T],
     bsh: &[usize],
     od: &[usize],
     out: &mut [f32],
 ) {
-    zip_with(a, ash, b, bsh, od, out, |x, y| (x as f64 / y as f64) as f32)
+    zip_with(a, ash, b, bsh, od, out, |x, y| {
+        (x.to_f64() / y.to_f64()) as f32
+    })
 }
 
 /// Whether an integer divisor holds a zero (every element of a broadcast operand is read when
 /// the output is not empty, so any zero would be divided by).
-pub fn has_zero(x: &[i32]) -> bool {
-    x.iter().fold(false, |z, &v| z | (v == 0))
+pub fn has_zero<T: Int>(x: &[T]) -> bool {
+    x.iter().fold(false, |z, &v| z | (v == T::ZERO))
 }
 
 /// Comparisons as 0/1 masks of type `O` (float32 masks from int32 operands, for instance).
@@ -373,7 +400,10 @@ mod tests {
         assert_eq!(i32::rem(i32::MIN, -1), 0);
         assert_eq!(i32::floor_div(i32::MAX, i32::MIN), -1);
         assert_eq!(i32::rem(i32::MAX, i32::MIN), -1);
-        assert!(has_zero(&[3, 0, 1]) && !has_zero(&[3, -1]) && !has_zero(&[]));
+        assert!(has_zero(&[3, 0, 1]) && !has_zero(&[3, -1]) && !has_zero::<i64>(&[]));
+        assert_eq!(i64::floor_div(i64::MIN, -1), i64::MIN);
+        assert_eq!((i64::floor_div(-7, 2), i64::rem(-7, 2)), (-4, 1));
+        assert_eq!(i64::add(i64::MAX, 1), i64::MIN);
     }
 
     #[test]

@@ -1,4 +1,6 @@
-//! Reductions (sum, mean, max over any axes) and `sum_to`, the VJP of broadcasting.
+//! Reductions (sum, mean, max over any axes; integer sums and maxima) and `sum_to`, the VJP of
+//! broadcasting.
+use super::elementwise::Int;
 use super::PAR_MIN;
 use rayon::prelude::*;
 use rlx_ir::ReduceOp;
@@ -15,6 +17,43 @@ pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [
         // An empty axis gives 0 * inf = NaN, as numpy's mean does.
         let scale = 1.0 / count as f32;
         out.iter_mut().for_each(|v| *v *= scale);
+    }
+}
+
+/// Sums (wrapping, as numpy's) or maxima of an integer tensor over the sorted `axes`; `out`
+/// holds the kept dims in order. Integer reductions are rare and small (counts of masks,
+/// ids), so this is one plain pass over the input.
+pub fn reduce_int<T: Int>(op: ReduceOp, x: &[T], xd: &[usize], axes: &[usize], out: &mut [T]) {
+    let init = if op == ReduceOp::Max { T::MIN } else { T::ZERO };
+    out.iter_mut().for_each(|o| *o = init);
+    // The output index of every input element: kept dims in order, reduced dims dropped.
+    let mut kept_stride = vec![0usize; xd.len()];
+    let mut s = 1;
+    for d in (0..xd.len()).rev() {
+        if !axes.contains(&d) {
+            kept_stride[d] = s;
+            s *= xd[d];
+        }
+    }
+    let mut idx = vec![0usize; xd.len()];
+    for &v in x {
+        let o = idx
+            .iter()
+            .zip(&kept_stride)
+            .map(|(i, s)| i * s)
+            .sum::<usize>();
+        out[o] = if op == ReduceOp::Max {
+            out[o].max(v)
+        } else {
+            T::add(out[o], v)
+        };
+        for d in (0..xd.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < xd[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
     }
 }
 
