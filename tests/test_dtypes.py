@@ -426,17 +426,57 @@ def test_bool_masks_promote_and_combine_with_logical_ops():
         assert g_.dtype == w.dtype, (k, g_.dtype, w.dtype)
 
 
-def test_bitwise_operators_take_bools_only_and_bool_subtraction_is_refused():
+def test_bitwise_operators_take_masks_only_and_bool_subtraction_is_refused():
     g = rlx.Graph()
-    m, i, x = g.input("m", (2,), "bool"), g.input("i", (2,), "int32"), g.input("x", (2,), "float32")
-    with pytest.raises(rlx.DTypeError, match=r"^\[bitwise_and\] & \| \^ take bool tensors, got int32; use rlx.logical_and"):
+    m, i, d = g.input("m", (2,), "bool"), g.input("i", (2,), "int32"), g.input("d", (2,), "float64")
+    with pytest.raises(rlx.DTypeError, match=r"^\[bitwise_and\] & \| \^ take bool tensors or comparison masks, got int32; "
+                                             r"use rlx.logical_and"):
         m & i
-    with pytest.raises(rlx.DTypeError, match=r"^\[bitwise_or\] .* got float32"):
-        x | m
-    with pytest.raises(rlx.DTypeError, match=r"^\[bitwise_not\] ~ takes a bool tensor, got float32"):
-        ~x
+    with pytest.raises(rlx.DTypeError, match=r"^\[bitwise_or\] .* got int64"):
+        np.array([1], np.int64) | m
+    with pytest.raises(rlx.DTypeError, match=r"^\[bitwise_not\] ~ takes a bool tensor or a comparison mask, got int32"):
+        ~i
     with pytest.raises(rlx.DTypeError, match=r"^\[sub\] bool - bool is not supported \(as in PyTorch\)"):
         m - m
+    with pytest.raises(rlx.DTypeError, match=r"^\[neg\] negating a bool tensor is not supported"):
+        -m
+    with pytest.raises(rlx.DTypeError, match=r"^\[logical_or\] float64 is not supported yet"):
+        rlx.logical_or(d, m)
+
+
+def test_comparison_masks_combine_with_operators_and_extrema_keep_integer_dtypes():
+    x = np.array([-2.0, 0.5, 3.0, np.nan], np.float32)
+    ids = np.array([2**40 + 1, 7, -3, 2**62], np.int64)
+    other = np.array([2**40, 9, -4, -1], np.int64)
+    m = np.array([True, False, True, True])
+
+    def build(g):
+        f, i, j, b = (g.input("x", (4,), "float32"), g.input("ids", (4,), "int64"), g.input("other", (4,), "int64"),
+                      g.input("m", (4,), "bool"))
+        outs = [(f > 0) & b, ~(f > 0), (i > 5) | (f < 0), b & np.array([True, True, False, True]),
+                b + np.array([True, False, False, False]), rlx.maximum(i, j), rlx.minimum(i, j), rlx.maximum(b, ~b)]
+        assert [o.dtype for o in outs] == ["bool"] * 5 + ["int64", "int64", "bool"]
+        return outs
+
+    got = run_graph(build, {"x": x, "ids": ids, "other": other, "m": m})
+    with np.errstate(invalid="ignore"):
+        wants = [(x > 0) & m, ~(x > 0), (ids > 5) | (x < 0), m & [True, True, False, True], m | [True, False, False, False],
+                 np.maximum(ids, other), np.minimum(ids, other), np.ones(4, bool)]
+    for k, (g_, w) in enumerate(zip(got, wants)):
+        np.testing.assert_array_equal(g_, w, err_msg=str(k))
+        assert g_.dtype == w.dtype, k
+
+
+def test_integer_array_constants_widen_to_int64_only_when_needed():
+    g = rlx.Graph()
+    assert g.constant(np.array([1, 2], np.int64)).dtype == "int32"  # numpy's default ints stay int32
+    big = g.constant(np.array([2**40, -1]))
+    assert big.dtype == "int64"
+    g.output(big + 1)
+    np.testing.assert_array_equal(g.compile("cpu").run()[0], [2**40 + 1, 0])
+    i = rlx.Graph().input("i", (3,), "int64")
+    with pytest.raises(rlx.DTypeError, match=r"\[constant\] integer values do not fit in int64"):
+        i + np.array([2**64 - 1, 0, 0], np.uint64)
 
 
 def test_a_model_masks_with_bools_and_counts_with_int64_while_training():
@@ -451,7 +491,7 @@ def test_a_model_masks_with_bools_and_counts_with_int64_while_training():
             return self.fc(x).reshape(-1)
 
     def loss(m, x, y, valid, ids):
-        keep = valid & (ids % 2 == 0).astype("bool")
+        keep = valid & (ids % 2 == 0)
         err = rlx.where(keep, (m(x) - y) ** 2, 0.0)
         return err.sum() / keep.sum().astype("float32"), {"count": keep.sum()}
 

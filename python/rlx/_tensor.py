@@ -37,7 +37,8 @@ class Trace:
     def constant(self, value: Any, like: "Tensor | None" = None, dtype: str | None = None) -> "Tensor":
         """A constant node from a Python scalar or numpy array. A scalar's dtype is ``dtype`` when
         given, else int32 for an int next to an int32 ``like``, else float32; an array's follows
-        its kind (floats become float32, integers int32) unless ``dtype`` says otherwise."""
+        its kind (floats become float32, integers int32, or int64 where a value needs it) unless
+        ``dtype`` says otherwise."""
         if isinstance(value, (bool, int, float, np.number)) and not isinstance(value, np.ndarray):
             if dtype is None:
                 is_int = isinstance(value, (int, np.integer))
@@ -55,8 +56,12 @@ class Trace:
         if arr.dtype.kind == "f":
             arr = arr.astype(np.float32)
             dtype = "float32"
-        elif arr.dtype.kind in "iub" and dtype == "int64":
+        elif arr.dtype.kind in "iub" and (dtype == "int64" or (
+                dtype is None and arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31))):
+            if arr.size and (int(arr.min()) < -(2**63) or int(arr.max()) >= 2**63):
+                raise DTypeError(f"[constant] integer values do not fit in int64 (range {arr.min()}..{arr.max()})")
             arr = arr.astype(np.int64)
+            dtype = "int64"
         elif arr.dtype.kind in "iub":
             if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
                 raise DTypeError(f"[constant] integer values do not fit in int32 (range {arr.min()}..{arr.max()})")
@@ -162,7 +167,7 @@ def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False,
             out.append(x if x.dtype == dtype or (number and exact_numbers) else x.astype(dtype))
         return out
     if all(_kind(x) == "int" for x in xs):
-        bools = all(d == "bool" or (d is None and isinstance(x, (bool, np.bool_))) for d, x in zip(held, xs))
+        bools = all(d == "bool" or (d is None and _is_bool_value(x)) for d, x in zip(held, xs))
         dtype = "bool" if bools else "int64" if "int64" in held else "int32"
     else:
         dtype = "float32"
@@ -216,7 +221,9 @@ def _unary(kind: str, x: Any) -> "Tensor":
     t = _trace_of(x)
     x = _as_tensor(x, t)
     if x.dtype == "bool":
-        x = x.astype("int32") if kind in ("neg", "relu") else x.astype("float32")
+        if kind == "neg":
+            raise DTypeError("[neg] negating a bool tensor is not supported (as in PyTorch); use ~ or rlx.logical_not")
+        x = x.astype("int32") if kind == "relu" else x.astype("float32")
     if x.dtype in _INTS:
         if kind in _FLOAT_VALUED:
             x = x.astype("float32")
@@ -291,24 +298,24 @@ class Tensor:
         return _binary("mul", o, self)
 
     def __truediv__(self, o: Any) -> "Tensor":
-        """True division; int32 operands give a float32 quotient (as numpy/PyTorch give a float)."""
+        """True division; integer operands give a float32 quotient (as numpy/PyTorch give a float)."""
         return _binary("div", self, o)
 
     def __rtruediv__(self, o: Any) -> "Tensor":
         return _binary("div", o, self)
 
     def __floordiv__(self, o: Any) -> "Tensor":
-        """Floor division (rounds toward -inf). On int32, division by zero raises ``RlxError`` when
-        the function runs and ``INT_MIN // -1`` wraps to ``INT_MIN``; on floats, x // 0 is +-inf
-        or NaN. Gradient zero (piecewise constant)."""
+        """Floor division (rounds toward -inf). On int32 / int64, division by zero raises
+        ``RlxError`` when the function runs and ``INT_MIN // -1`` wraps to ``INT_MIN``; on floats,
+        x // 0 is +-inf or NaN. Gradient zero (piecewise constant)."""
         return _binary("floordiv", self, o)
 
     def __rfloordiv__(self, o: Any) -> "Tensor":
         return _binary("floordiv", o, self)
 
     def __mod__(self, o: Any) -> "Tensor":
-        """Remainder with the divisor's sign (Python's rule, PyTorch's ``remainder``). On int32,
-        modulo zero raises ``RlxError`` when the function runs; on floats, x % 0 is NaN."""
+        """Remainder with the divisor's sign (Python's rule, PyTorch's ``remainder``). On int32 /
+        int64, modulo zero raises ``RlxError`` when the function runs; on floats, x % 0 is NaN."""
         return _binary("mod", self, o)
 
     def __rmod__(self, o: Any) -> "Tensor":
@@ -325,8 +332,8 @@ class Tensor:
 
     def __pow__(self, p: float) -> "Tensor":
         """``x ** p`` for a Python scalar ``p`` (C's ``pow``: ``(-inf) ** -0.5`` is 0, as numpy).
-        An int32 tensor to a non-negative int power stays int32 (wrapping, as numpy); to a float
-        power it is cast to float32 first."""
+        An int32 / int64 tensor to a non-negative int power keeps its dtype (wrapping, as numpy);
+        to a float power it is cast to float32 first."""
         if not isinstance(p, (int, float, np.number)):
             raise DTypeError(f"[pow] the exponent must be a Python scalar, got {type(p).__name__}")
         x = self
@@ -357,8 +364,9 @@ class Tensor:
         return _binary("ne", self, o)
 
     def __and__(self, o: Any) -> "Tensor":
-        """``&`` of bool tensors (masks): ``rlx.logical_and``. Other dtypes raise DTypeError
-        (rlx has no bitwise integer ops)."""
+        """``&`` of masks (bool tensors, or the float32 0/1 masks comparisons give):
+        ``rlx.logical_and``, a bool tensor. Integer tensors raise DTypeError (rlx has no
+        bitwise integer ops)."""
         return _logical("and", self, o)
 
     def __rand__(self, o: Any) -> "Tensor":
@@ -379,9 +387,10 @@ class Tensor:
         return _logical("xor", o, self)
 
     def __invert__(self) -> "Tensor":
-        """``~`` of a bool tensor: ``rlx.logical_not``."""
-        if self.dtype != "bool":
-            raise DTypeError(f"[bitwise_not] ~ takes a bool tensor, got {self.dtype}; use rlx.logical_not for truth values")
+        """``~`` of a mask (bool, or a comparison's float32 0/1 mask): ``rlx.logical_not``."""
+        if self.dtype not in ("bool", "float32"):
+            raise DTypeError(f"[bitwise_not] ~ takes a bool tensor or a comparison mask, got {self.dtype}; "
+                             "use rlx.logical_not for truth values")
         return logical_not(self)
 
     __hash__ = object.__hash__
@@ -863,18 +872,28 @@ def _sdpa_composed(q: Tensor, k: Tensor, v: Tensor, offset: int | None) -> Tenso
     return matmul(softmax(scores, axis=-1), v)
 
 
-def _truth(x: Any, t: Trace) -> Tensor:
+def _is_bool_value(x: Any) -> bool:
+    """A Python / numpy bool or a bool array (constants that promote as bools)."""
+    return isinstance(x, (bool, np.bool_)) or (isinstance(x, np.ndarray) and x.dtype == np.bool_)
+
+
+def _truth(x: Any, t: Trace, op: str) -> Tensor:
     """``x != 0`` as a float32 0/1 mask (a bool tensor's values as they are)."""
-    x = _as_tensor(x, t, dtype="int32" if isinstance(x, (bool, np.bool_)) else None)
+    x = _as_tensor(x, t, dtype="int32" if _is_bool_value(x) else None)
+    if x.dtype == "float64":
+        raise _not_supported(op, ["float64"])
     return x.astype("float32") if x.dtype == "bool" else (x != 0)
 
 
 def _logical(kind: str, a: Any, b: Any) -> Tensor:
-    """The operator form (``&``, ``|``, ``^``): bool operands only (Python bools included)."""
+    """The operator form (``&``, ``|``, ``^``): bool masks, and the float32 0/1 masks that
+    comparisons give (Python and numpy bools included); integers are refused (rlx has no
+    bitwise integer ops)."""
     for x in (a, b):
-        d = _dtype_of(x) or ("bool" if isinstance(x, (bool, np.bool_)) else type(x).__name__)
-        if d != "bool":
-            raise DTypeError(f"[bitwise_{kind}] & | ^ take bool tensors, got {d}; use rlx.logical_{kind} for truth values")
+        d = _dtype_of(x) or ("bool" if _is_bool_value(x) else getattr(x, "dtype", type(x).__name__))
+        if d not in ("bool", "float32"):
+            raise DTypeError(f"[bitwise_{kind}] & | ^ take bool tensors or comparison masks, got {d}; "
+                             f"use rlx.logical_{kind} for truth values")
     return {"and": logical_and, "or": logical_or, "xor": logical_xor}[kind](a, b)
 
 
@@ -886,25 +905,25 @@ def logical_and(a: Any, b: Any) -> Tensor:
         ...     return rlx.where(rlx.logical_and(x > 0, valid), x, 0.0)
     """
     t = _trace_of(a, b)
-    return (_truth(a, t) * _truth(b, t)).astype("bool")
+    return (_truth(a, t, "logical_and") * _truth(b, t, "logical_and")).astype("bool")
 
 
 def logical_or(a: Any, b: Any) -> Tensor:
     """Elementwise ``a or b`` of truth values (non-zero is true), broadcast; a bool tensor."""
     t = _trace_of(a, b)
-    return (_truth(a, t) + _truth(b, t)).astype("bool")
+    return (_truth(a, t, "logical_or") + _truth(b, t, "logical_or")).astype("bool")
 
 
 def logical_xor(a: Any, b: Any) -> Tensor:
     """Elementwise ``a != b`` of truth values (non-zero is true), broadcast; a bool tensor."""
     t = _trace_of(a, b)
-    return (_truth(a, t) != _truth(b, t)).astype("bool")
+    return (_truth(a, t, "logical_xor") != _truth(b, t, "logical_xor")).astype("bool")
 
 
 def logical_not(x: Any) -> Tensor:
     """Elementwise ``not x`` (zero is false); a bool tensor."""
     t = _trace_of(x)
-    return (_truth(x, t) == 0).astype("bool")
+    return (_truth(x, t, "logical_not") == 0).astype("bool")
 
 
 def abs_(x: Any) -> Tensor:
@@ -950,7 +969,7 @@ def _extremum(a: Any, b: Any, is_max: bool) -> Tensor:
     t = _trace_of(a, b)
     a, b = _promoted(t, a, b, op="maximum" if is_max else "minimum")
     first, second = (a > b, a < b) if is_max else (a < b, a > b)
-    if a.dtype == "int32":
+    if a.dtype in _INTS + ("bool",):
         return where(first, a, b)
     # Ties (and NaN, where no comparison holds) take the mean: the value is unchanged for ties,
     # NaN stays NaN, and each side gets half the gradient.

@@ -226,8 +226,9 @@ pub fn binary<T: Num>(
     }
 }
 
-/// True division of integer tensors: a float32 quotient (computed in f64, rounded once), as
-/// numpy and PyTorch give a float for `/` on integers; by zero, +-inf or NaN.
+/// True division of integer tensors: a float32 quotient (computed in f64: int32 operands
+/// exactly, so it is rounded once; int64 ones beyond 2^53 are rounded to f64 first), as numpy
+/// and PyTorch give a float for `/` on integers; by zero, +-inf or NaN.
 pub fn int_true_div<T: Int>(
     a: &[T],
     ash: &[usize],
