@@ -197,11 +197,10 @@ def test_a_bfloat16_model_matches_torch():
     np.testing.assert_allclose(got.astype(np.float32), ref, rtol=0.05, atol=0.05)
 
 
-def test_float64_compute_is_still_refused():
+def test_float64_beside_a_low_dtype_computes_in_float64():
     g = rlx.Graph()
-    x = g.input("x", (2, 2), "float64")
-    with pytest.raises(rlx.DTypeError, match=r"^\[exp\] float64 is not supported yet; cast to float32"):
-        rlx.exp(x)
+    x, h = g.input("x", (2, 2), "float64"), g.input("h", (2, 2), "bfloat16")
+    assert (rlx.exp(x) * h).dtype == "float64"  # float64 wins, as PyTorch's promotion
 
 
 def test_a_bfloat16_gpt_generates_with_its_kv_caches():

@@ -75,16 +75,16 @@ def _specs(inputs: Mapping[str, Any]) -> dict[str, InputSpec]:
 
 
 def _check_compute_dtypes(where: str, model: Module) -> None:
-    """Refuses a model rlx cannot compute with: float64 parameters or buffers anywhere (no
-    float64 kernels yet), and bfloat16 / float16 ones in training (the optimizers update
-    float32 weights; inference computes with low-precision weights in float32 and rounds back,
-    as PyTorch's CPU kernels do). Storing, loading and saving every dtype works."""
+    """Refuses a model rlx cannot compute with: float64, bfloat16 or float16 parameters in
+    training (the optimizers update float32 weights; inference computes with float64 weights
+    in float64 on the CPU, and with low-precision weights in float32, rounding back as
+    PyTorch's CPU kernels do). Storing, loading and saving every dtype works."""
     for name, p in model._tensors().items():
-        if p.dtype == "float64":
+        if p.dtype == "float64" and where == "compile_train_step":
             raise DTypeError(
-                f"[{where}] parameter '{name}' is float64: computing in float64 is not supported yet; "
-                "convert the model with model.to('float32') (float64 checkpoints still load into float32 "
-                "models by casting)")
+                f"[{where}] parameter '{name}' is float64: training float64 weights is not supported yet "
+                "(the optimizers update float32 weights; rlx.compile and rlx.grad compute in float64 on the "
+                "cpu); convert the model with model.to('float32')")
         if p.dtype in ("float16", "bfloat16") and where == "compile_train_step":
             raise DTypeError(
                 f"[{where}] parameter '{name}' is {p.dtype}: training {p.dtype} weights is not supported yet; "

@@ -34,8 +34,8 @@ def _class_inputs(op: str, logits: Any, labels: Any) -> tuple[Tensor, Tensor]:
         raise DTypeError(f"[{op}] labels must be int32 or int64 class ids, got {lb.dtype}")
     if lg.dtype in ("bfloat16", "float16"):
         lg = lg.astype("float32")  # losses compute and return float32, as under autocast
-    if lg.dtype != "float32":
-        raise DTypeError(f"[{op}] expects float32, bfloat16 or float16 scores, got {lg.dtype}")
+    if lg.dtype not in ("float32", "float64"):
+        raise DTypeError(f"[{op}] expects float32, float64, bfloat16 or float16 scores, got {lg.dtype}")
     if lg.ndim != 2 or lb.ndim != 1 or lg.shape[0] != lb.shape[0]:
         raise ShapeError(f"[{op}] expects scores (N, C) and labels (N,), got scores {lg.shape} and labels {lb.shape}")
     return lg, lb

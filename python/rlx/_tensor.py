@@ -47,13 +47,16 @@ class Trace:
             if key not in self._consts:
                 if dtype in _INTS and not -_INT_BOUND[dtype] <= int(value) < _INT_BOUND[dtype]:
                     raise DTypeError(f"[constant] {value} does not fit in {dtype}")
-                arr = np.asarray(value, dtype={"float32": np.float32, "int32": np.int32, "int64": np.int64}[dtype])
+                arr = np.asarray(value, dtype={"float32": np.float32, "float64": np.float64, "int32": np.int32,
+                                               "int64": np.int64}[dtype])
                 self._consts[key] = self.graph.constant(arr.reshape(-1), [], dtype)
             return Tensor(self, self._consts[key])
         arr = np.asarray(value)
-        if dtype == "float32" and arr.dtype.kind in "iubf":
-            arr = arr.astype(np.float32)
-        if arr.dtype.kind == "f":
+        if dtype in ("float32", "float64") and arr.dtype.kind in "iubf":
+            arr = arr.astype(dtype)
+        if arr.dtype.kind == "f" and dtype == "float64":
+            pass
+        elif arr.dtype.kind == "f":
             arr = arr.astype(np.float32)
             dtype = "float32"
         elif arr.dtype.kind in "iub" and (dtype == "int64" or (
@@ -109,8 +112,8 @@ def _kind(x: Any) -> str:
 
 
 def _not_supported(op: str, dtypes: Sequence[str]) -> DTypeError:
-    """The error for an op whose kernels do not exist for these dtypes yet (float64 so far),
-    naming the op and the dtypes and saying how to cast."""
+    """The error for an op whose kernels do not exist for these dtypes yet, naming the op and
+    the dtypes and saying how to cast."""
     return DTypeError(f"[{op}] {' x '.join(dtypes)} is not supported yet; cast to float32 with .astype('float32')")
 
 
@@ -144,18 +147,22 @@ def _promoted(t: Trace, *xs: Any, op: str = "binary", moves: bool = False,
     float (a Python float scalar included) -> float32, casting integer and bool tensors and
     integer constants up. bfloat16 and float16 tensors follow PyTorch: with integer or bool
     tensors and Python numbers they keep their dtype (the op computes in float32 and rounds
-    back); beside a float32 tensor or the other low dtype they are cast to float32. float64
-    operands are never cast silently (there are no float64 kernels yet): ``moves`` ops (data
-    movement: concat, where) accept them when every operand is a float64 tensor; anything else
-    raises DTypeError. With ``exact_numbers`` a Python number beside a low dtype stays a float32
+    back); beside a float32 tensor or the other low dtype they are cast to float32. A float64
+    tensor makes everything float64 (the CPU computes in float64; numbers become float64
+    constants). ``moves`` ops (data movement: concat, where) take tensors of any one dtype as
+    they are. With ``exact_numbers`` a Python number beside a low dtype stays a float32
     constant (arithmetic uses it unrounded, as PyTorch's kernels do; the caller rounds the
     result, see ``_low_target``)."""
     held = [_dtype_of(x) for x in xs]
     if moves and held and held[0] is not None and len(set(held)) == 1:
         return [_as_tensor(x, t) for x in xs]
     if "float64" in held:
-        shown = [d if d is not None else ("int32" if _kind(x) == "int" else "float32") for d, x in zip(held, xs)]
-        raise _not_supported(op, shown)
+        # float64 wins over every other dtype (numbers become float64 constants, unrounded).
+        out = []
+        for x in xs:
+            x = _as_tensor(x, t, dtype="float64")
+            out.append(x if x.dtype == "float64" else x.astype("float64"))
+        return out
     lows = {d for d in held if d in _LOW}
     if lows:
         dtype = next(iter(lows)) if len(lows) == 1 and "float32" not in held else "float32"
@@ -592,8 +599,15 @@ def matmul(a: Any, b: Any) -> Tensor:
         ...     return rlx.matmul(x, x.T)
     """
     t = _trace_of(a, b)
-    a, b = _as_tensor(a, t), _as_tensor(b, t)
+    a, b = _wide_pair(_as_tensor(a, t), _as_tensor(b, t))
     return Tensor(t, t.graph.matmul(a._id, b._id))
+
+
+def _wide_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """A matmul's operands, both float64 where either is (float64 wins, as in elementwise ops)."""
+    if (a.dtype == "float64") != (b.dtype == "float64"):
+        a, b = a.astype("float64"), b.astype("float64")
+    return a, b
 
 
 def relu(x: Any) -> Tensor:
@@ -799,6 +813,7 @@ def split(x: Any, sections: int | Sequence[int], axis: int = -1) -> list[Tensor]
 
 def _matmul_nt(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b^T`` over the last two dims, without materialising the transpose."""
+    a, b = _wide_pair(a, b)
     return Tensor(a._trace, a._trace.graph.matmul(a._id, b._id, False, True))
 
 
@@ -877,11 +892,9 @@ def _is_bool_value(x: Any) -> bool:
     return isinstance(x, (bool, np.bool_)) or (isinstance(x, np.ndarray) and x.dtype == np.bool_)
 
 
-def _truth(x: Any, t: Trace, op: str) -> Tensor:
+def _truth(x: Any, t: Trace) -> Tensor:
     """``x != 0`` as a float32 0/1 mask (a bool tensor's values as they are)."""
     x = _as_tensor(x, t, dtype="int32" if _is_bool_value(x) else None)
-    if x.dtype == "float64":
-        raise _not_supported(op, ["float64"])
     return x.astype("float32") if x.dtype == "bool" else (x != 0)
 
 
@@ -905,25 +918,40 @@ def logical_and(a: Any, b: Any) -> Tensor:
         ...     return rlx.where(rlx.logical_and(x > 0, valid), x, 0.0)
     """
     t = _trace_of(a, b)
-    return (_truth(a, t, "logical_and") * _truth(b, t, "logical_and")).astype("bool")
+    return (_truth(a, t) * _truth(b, t)).astype("bool")
 
 
 def logical_or(a: Any, b: Any) -> Tensor:
-    """Elementwise ``a or b`` of truth values (non-zero is true), broadcast; a bool tensor."""
+    """Elementwise ``a or b`` of truth values (non-zero is true), broadcast; a bool tensor.
+
+    Example:
+        >>> def forward(model, x, mask):
+        ...     return rlx.where(rlx.logical_or(x > 1, x < -1), x, 0.0)
+    """
     t = _trace_of(a, b)
-    return (_truth(a, t, "logical_or") + _truth(b, t, "logical_or")).astype("bool")
+    return (_truth(a, t) + _truth(b, t)).astype("bool")
 
 
 def logical_xor(a: Any, b: Any) -> Tensor:
-    """Elementwise ``a != b`` of truth values (non-zero is true), broadcast; a bool tensor."""
+    """Elementwise ``a != b`` of truth values (non-zero is true), broadcast; a bool tensor.
+
+    Example:
+        >>> def forward(model, x, mask):
+        ...     return rlx.where(rlx.logical_xor(x > 0, mask), x, 0.0)
+    """
     t = _trace_of(a, b)
-    return (_truth(a, t, "logical_xor") != _truth(b, t, "logical_xor")).astype("bool")
+    return (_truth(a, t) != _truth(b, t)).astype("bool")
 
 
 def logical_not(x: Any) -> Tensor:
-    """Elementwise ``not x`` (zero is false); a bool tensor."""
+    """Elementwise ``not x`` (zero is false); a bool tensor.
+
+    Example:
+        >>> def forward(model, x, mask):
+        ...     return rlx.where(rlx.logical_not(mask), x, 0.0)
+    """
     t = _trace_of(x)
-    return (_truth(x, t, "logical_not") == 0).astype("bool")
+    return (_truth(x, t) == 0).astype("bool")
 
 
 def abs_(x: Any) -> Tensor:

@@ -279,10 +279,78 @@ unsafe fn int_binary<T: kernels::elementwise::Int + crate::mem::Elem>(
     Ok(())
 }
 
+/// The ops that compute in float64 (`kernels::wide` and the generic binary and reduction
+/// kernels); `None` for any other op or dtype, which `run_op` runs.
+///
+/// # Safety
+/// As [`run_op`].
+unsafe fn run_f64(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Option<Result<()>> {
+    use kernels::{elementwise, reduce, wide};
+    if ins.first()?.dtype != DType::F64 {
+        return None;
+    }
+    // SAFETY: inputs are only read, and `out` overlaps none of them (the caller's contract).
+    let x: Vec<&[f64]> = ins
+        .iter()
+        .map(|t| match t.dtype {
+            DType::F64 => unsafe { b.get::<f64>(t) },
+            _ => &[],
+        })
+        .collect();
+    let sh = |i: usize| ins[i].shape.dims();
+    let od = out.shape.dims();
+    // SAFETY: as above; `out` is written once, by one kernel.
+    let o = || unsafe { b.get_mut::<f64>(out) };
+    let labels = || unsafe { b.get::<i32>(&ins[1]) };
+    let width = |d: &[usize]| d.last().copied().unwrap_or(1);
+    match op {
+        Op::Unary(u) => wide::unary(*u, x[0], o()),
+        Op::Binary(bop) if bop.is_comparison() => {
+            // SAFETY: as above (the mask is float32).
+            let mask = unsafe { b.get_mut::<f32>(out) };
+            elementwise::compare_into(*bop, x[0], sh(0), x[1], sh(1), od, mask)
+        }
+        Op::Binary(bop) => elementwise::binary(*bop, x[0], sh(0), x[1], sh(1), od, o()),
+        Op::MatMul { trans_a, trans_b } => {
+            wide::matmul(x[0], sh(0), *trans_a, x[1], sh(1), *trans_b, o(), od)
+        }
+        Op::Reduce { op: r, axes, .. } => reduce::reduce_f64(*r, x[0], sh(0), axes, o()),
+        Op::SumTo { .. } => reduce::sum_to_f64(x[0], sh(0), o(), od),
+        Op::Softmax { axis } => wide::softmax(x[0], sh(0), *axis, false, o()),
+        Op::LogSoftmax { axis } => wide::softmax(x[0], sh(0), *axis, true, o()),
+        Op::SoftmaxCrossEntropy => match wide::cross_entropy(x[0], sh(0), labels()) {
+            Ok(v) => o()[0] = v,
+            Err(e) => return Some(Err(e)),
+        },
+        Op::SoftmaxCrossEntropyGrad => {
+            let g = x[2][0];
+            if let Err(e) = wide::cross_entropy_grad(x[0], sh(0), labels(), g, o()) {
+                return Some(Err(e));
+            }
+        }
+        Op::Mse => o()[0] = wide::mse(x[0], x[1]),
+        Op::Log1p => o().iter_mut().zip(x[0]).for_each(|(o, v)| *o = v.ln_1p()),
+        Op::StopGradient => o().copy_from_slice(x[0]),
+        Op::Normalize { eps } => wide::normalize(x[0], width(sh(0)), *eps as f64, o()),
+        Op::NormalizeGrad { eps } => {
+            wide::normalize_grad_add(x[0], x[1], None, width(sh(0)), *eps as f64, o())
+        }
+        Op::NormalizeGradAdd { eps } => {
+            wide::normalize_grad_add(x[0], x[1], Some(x[2]), width(sh(0)), *eps as f64, o())
+        }
+        _ => return None,
+    }
+    Some(Ok(()))
+}
+
 /// # Safety
 /// `out` must not overlap any of `ins` (checked by `CpuProgram::new`).
 unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
     use kernels::*;
+    // SAFETY: the contract of `run_op`.
+    if let Some(done) = unsafe { run_f64(b, op, ins, out) } {
+        return done;
+    }
     // The float32 inputs, taken once, read-only. (No closure that hides a `get`: the one
     // unsafe step is here, and `f(i)` only indexes slices already taken.)
     let floats: Vec<&[f32]> = ins
@@ -444,6 +512,13 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
                     cond = unsafe { b.get::<i32>(&ins[0]) }
                         .iter()
                         .map(|&v| (v != 0) as i32 as f32)
+                        .collect();
+                    &cond
+                }
+                DType::F64 => {
+                    cond = unsafe { b.get::<f64>(&ins[0]) }
+                        .iter()
+                        .map(|&v| (v != 0.0) as i32 as f32)
                         .collect();
                     &cond
                 }

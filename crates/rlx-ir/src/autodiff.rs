@@ -30,11 +30,11 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
         .nodes()
         .get(loss)
         .ok_or_else(|| Error::Bounds(format!("loss node {loss} does not exist")))?;
-    if l.shape.rank() != 0 || l.dtype != DType::F32 {
+    if l.shape.rank() != 0 || !matches!(l.dtype, DType::F32 | DType::F64) {
         return Err(Error::shape(
             "grad",
             format!(
-                "the loss must be a float32 scalar, got {} {}",
+                "the loss must be a float32 (or float64) scalar, got {} {}",
                 l.dtype, l.shape
             ),
         ));
@@ -44,7 +44,7 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
             .nodes()
             .get(w)
             .ok_or_else(|| Error::Bounds(format!("wrt node {w} does not exist")))?;
-        if n.dtype != DType::F32 {
+        if !matches!(n.dtype, DType::F32 | DType::F64) {
             return Err(Error::dtype(
                 "grad",
                 format!("cannot differentiate w.r.t. {} node {w}", n.dtype),
@@ -67,7 +67,7 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
     // Gradients arriving through slices of a node, joined once into one concat (instead of a
     // zero-padded copy per slice summed together) when the node is reached.
     let mut sliced: Vec<Vec<(usize, usize, NodeId)>> = vec![Vec::new(); n];
-    grads[loss] = Some(g.scalar(1.0));
+    grads[loss] = Some(lit(&mut g, 1.0, l.dtype));
     for id in (0..=loss).rev() {
         let parts = std::mem::take(&mut sliced[id]);
         if !parts.is_empty() {
@@ -105,7 +105,7 @@ pub fn grad(graph: &Graph, loss: NodeId, wrt: &[NodeId]) -> Result<Graph> {
         let gw = match grads[w] {
             Some(gw) => gw,
             None => {
-                let z = g.scalar(0.0);
+                let z = lit(&mut g, 0.0, graph.node(w).dtype);
                 g.add(
                     Op::BroadcastTo {
                         shape: graph.node(w).shape.clone(),
@@ -156,10 +156,11 @@ fn join_slices(
     }
     let mut pieces = Vec::new();
     let mut at = 0;
+    let dtype = g.node(parts[0].2).dtype;
     let zeros = |g: &mut Graph, n: usize| -> Result<NodeId> {
         let mut s = shape.clone();
         s.0[axis] = n;
-        let z = g.scalar(0.0);
+        let z = lit(g, 0.0, dtype);
         g.add(Op::BroadcastTo { shape: s }, &[z])
     };
     for (_, start, gi) in parts {
@@ -199,6 +200,8 @@ fn vjp(
 ) -> Result<Vec<Option<NodeId>>> {
     use BinaryOp::*;
     let shape = |g: &Graph, id: NodeId| g.node(id).shape.clone();
+    // Constants take the gradient's float dtype (float32, or float64).
+    let dt = g.node(gy).dtype;
     Ok(match op {
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => vec![],
         Op::Fused(_)
@@ -218,18 +221,18 @@ fn vjp(
                     // Zero where the output is <= 0, else `gy`: at NaN (neither) the gradient
                     // passes through, as PyTorch's `threshold_backward`; a mask product would
                     // give 0.
-                    let zero = g.scalar(0.0);
+                    let zero = lit(g, 0.0, dt);
                     let off = g.add(Op::Binary(Le), &[y, zero])?;
                     g.add(Op::Where, &[off, zero, gy])?
                 }
                 UnaryOp::Tanh => {
-                    let one = g.scalar(1.0);
+                    let one = lit(g, 1.0, dt);
                     let y2 = g.add(Op::Binary(Mul), &[y, y])?;
                     let d = g.add(Op::Binary(Sub), &[one, y2])?;
                     g.add(Op::Binary(Mul), &[gy, d])?
                 }
                 UnaryOp::Sigmoid => {
-                    let one = g.scalar(1.0);
+                    let one = lit(g, 1.0, dt);
                     let om = g.add(Op::Binary(Sub), &[one, y])?;
                     let d = g.add(Op::Binary(Mul), &[y, om])?;
                     g.add(Op::Binary(Mul), &[gy, d])?
@@ -237,12 +240,12 @@ fn vjp(
                 UnaryOp::Exp => g.add(Op::Binary(Mul), &[gy, y])?,
                 UnaryOp::Log => g.add(Op::Binary(Div), &[gy, x])?,
                 UnaryOp::Sqrt => {
-                    let half = g.scalar(0.5);
+                    let half = lit(g, 0.5, dt);
                     let h = g.add(Op::Binary(Div), &[half, y])?;
                     g.add(Op::Binary(Mul), &[gy, h])?
                 }
                 UnaryOp::PowScalar(p) => {
-                    let c = g.scalar(*p);
+                    let c = lit(g, *p as f64, dt);
                     // x ** 1 is x itself (a power kernel per element costs a `powf` call).
                     let xp = if *p == 2.0 {
                         x
@@ -362,14 +365,18 @@ fn vjp(
                 ReduceOp::Sum => g.add(Op::BroadcastTo { shape: xs.clone() }, &[gk])?,
                 ReduceOp::Mean => {
                     let count: usize = axes.iter().map(|&a| xs.0[a]).product();
-                    let c = g.scalar(1.0 / count.max(1) as f32);
+                    let c = lit(g, 1.0 / count.max(1) as f64, dt);
                     let s = g.add(Op::Binary(Mul), &[gk, c])?;
                     g.add(Op::BroadcastTo { shape: xs.clone() }, &[s])?
                 }
                 ReduceOp::Max => {
                     // Ties share the gradient equally.
                     let yk = reshape(g, y, &kept, *keepdims)?;
-                    let mask = g.add(Op::Binary(Eq), &[x, yk])?;
+                    let mut mask = g.add(Op::Binary(Eq), &[x, yk])?;
+                    if dt == DType::F64 {
+                        // Comparisons give float32 masks.
+                        mask = g.add(Op::Cast { to: DType::F64 }, &[mask])?;
+                    }
                     let count = g.add(
                         Op::Reduce {
                             op: ReduceOp::Sum,
@@ -437,7 +444,7 @@ fn vjp(
         }
         Op::Mse => {
             let n = shape(g, ins[0]).numel().max(1);
-            let c = g.scalar(2.0 / n as f32);
+            let c = lit(g, 2.0 / n as f64, dt);
             let scale = g.add(Op::Binary(Mul), &[gy, c])?;
             let d = g.add(Op::Binary(Sub), &[ins[0], ins[1]])?;
             let dp = g.add(Op::Binary(Mul), &[d, scale])?;
@@ -445,7 +452,7 @@ fn vjp(
             vec![Some(dp), Some(dt)]
         }
         Op::Where => {
-            let zero = g.scalar(0.0);
+            let zero = lit(g, 0.0, dt);
             let da = g.add(Op::Where, &[ins[0], gy, zero])?;
             let db = g.add(Op::Where, &[ins[0], zero, gy])?;
             let (sa, sb) = (shape(g, ins[1]), shape(g, ins[2]));
@@ -597,12 +604,23 @@ fn vjp(
         // The mask depends only on the seed: dropout is linear in x, its own adjoint.
         Op::Dropout { p } => vec![Some(g.add(Op::Dropout { p: *p }, &[gy, ins[1]])?), None],
         Op::Log1p => {
-            let one = g.scalar(1.0);
+            let one = lit(g, 1.0, dt);
             let d = g.add(Op::Binary(Add), &[ins[0], one])?;
             vec![Some(g.add(Op::Binary(Div), &[gy, d])?)]
         }
         Op::StopGradient => vec![None],
     })
+}
+
+/// A scalar constant `v` of float dtype `dtype` (float64 for float64 gradients, else
+/// float32: low-precision gradients are widened by `Graph::add` as any operand is).
+fn lit(g: &mut Graph, v: f64, dtype: DType) -> NodeId {
+    if dtype == DType::F64 {
+        g.constant_f64(&[v], Shape::scalar())
+            .expect("one value for a scalar")
+    } else {
+        g.scalar(v as f32)
+    }
 }
 
 fn sum_to(g: &mut Graph, x: NodeId, shape: &Shape) -> Result<NodeId> {

@@ -96,6 +96,18 @@ impl Graph {
         )
     }
 
+    /// Adds an f64 constant of the given shape (two little-endian words a value).
+    pub fn constant_f64(&mut self, values: &[f64], shape: Shape) -> Result<NodeId> {
+        self.constant_bits(
+            values
+                .iter()
+                .flat_map(|v| [v.to_bits() as u32, (v.to_bits() >> 32) as u32])
+                .collect(),
+            shape,
+            DType::F64,
+        )
+    }
+
     /// A scalar f32 constant.
     pub fn scalar(&mut self, v: f32) -> NodeId {
         self.push(

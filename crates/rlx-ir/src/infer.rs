@@ -16,18 +16,24 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             _ => Err(unsupported(name, ins)),
         }
     };
+    // Operand `i` of an op with float64 kernels (CPU): float32, or float64 beside a float64
+    // operand 0; the op's float dtype is returned.
+    let real = |i: usize| -> Result<DType> {
+        match (ins[i].dtype, ins[0].dtype) {
+            (DType::F64, DType::F64) => Ok(DType::F64),
+            (DType::F64, _) | (_, DType::F64) => Err(unsupported(name, ins)),
+            _ => float(i).map(|()| DType::F32),
+        }
+    };
     match op {
         Op::Input { .. } | Op::Param { .. } | Op::Const { .. } => Err(Error::Graph(format!(
             "[{name}] has no inputs to infer from"
         ))),
-        Op::Unary(_) => {
-            float(0)?;
-            Ok((ins[0].shape.clone(), DType::F32))
-        }
+        Op::Unary(_) => Ok((ins[0].shape.clone(), real(0)?)),
         Op::Binary(b) => {
             if ins
                 .iter()
-                .any(|x| !matches!(x.dtype, DType::F32 | DType::I32 | DType::I64))
+                .any(|x| !matches!(x.dtype, DType::F32 | DType::F64 | DType::I32 | DType::I64))
             {
                 return Err(unsupported(name, ins));
             }
@@ -42,7 +48,8 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             }
             let shape = broadcast(name, &ins[0].shape, &ins[1].shape)?;
             // Comparisons give masks; true division of integers gives a float quotient.
-            let dtype = if b.is_comparison() || *b == BinaryOp::Div {
+            let int_div = *b == BinaryOp::Div && !ins[0].dtype.is_float();
+            let dtype = if b.is_comparison() || int_div {
                 DType::F32
             } else {
                 ins[0].dtype
@@ -58,7 +65,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             // Integers sum and take maxima in their own dtype (no mean: it is not an integer).
             let int = matches!(ins[0].dtype, DType::I32 | DType::I64) && *r != ReduceOp::Mean;
             if !int {
-                float(0)?;
+                real(0)?;
             }
             let s = &ins[0].shape;
             check_axes(name, s, axes)?;
@@ -81,7 +88,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((shape.clone(), ins[0].dtype))
         }
         Op::SumTo { shape } => {
-            float(0)?;
+            let dtype = real(0)?;
             let b = broadcast(name, &ins[0].shape, shape)?;
             if b != ins[0].shape {
                 return Err(Error::shape(
@@ -89,7 +96,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                     format!("cannot sum {} down to {shape}", ins[0].shape),
                 ));
             }
-            Ok((shape.clone(), DType::F32))
+            Ok((shape.clone(), dtype))
         }
         Op::Reshape { shape } => {
             if shape.numel() != ins[0].shape.numel() {
@@ -120,12 +127,12 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((Shape(perm.iter().map(|&p| s.0[p]).collect()), ins[0].dtype))
         }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
-            float(0)?;
+            let dtype = real(0)?;
             check_axes(name, &ins[0].shape, &[*axis])?;
-            Ok((ins[0].shape.clone(), DType::F32))
+            Ok((ins[0].shape.clone(), dtype))
         }
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => {
-            float(0)?;
+            let dtype = real(0)?;
             let (l, y) = (&ins[0].shape, &ins[1].shape);
             if ins[1].dtype == DType::I64 {
                 return Err(Error::dtype(
@@ -150,20 +157,20 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                 return Err(Error::shape(name, format!("logits {l} have no classes")));
             }
             if matches!(op, Op::SoftmaxCrossEntropyGrad) {
-                float(2)?;
+                real(2)?;
                 if ins[2].shape.rank() != 0 {
                     return Err(Error::shape(
                         name,
                         format!("upstream gradient must be a scalar, got {}", ins[2].shape),
                     ));
                 }
-                return Ok((l.clone(), DType::F32));
+                return Ok((l.clone(), dtype));
             }
-            Ok((Shape::scalar(), DType::F32))
+            Ok((Shape::scalar(), dtype))
         }
         Op::Mse => {
-            float(0)?;
-            float(1)?;
+            let dtype = real(0)?;
+            real(1)?;
             if ins[0].shape != ins[1].shape {
                 return Err(Error::shape(
                     name,
@@ -173,7 +180,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                     ),
                 ));
             }
-            Ok((Shape::scalar(), DType::F32))
+            Ok((Shape::scalar(), dtype))
         }
         Op::Fused(f) => {
             let shapes: Vec<&Shape> = ins.iter().map(|x| &x.shape).collect();
@@ -248,7 +255,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
         Op::Where => {
             if !matches!(
                 ins[0].dtype,
-                DType::F32 | DType::I32 | DType::I64 | DType::Bool
+                DType::F32 | DType::F64 | DType::I32 | DType::I64 | DType::Bool
             ) {
                 return Err(unsupported(name, ins));
             }
@@ -310,7 +317,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((Shape(out), DType::F32))
         }
         Op::Normalize { .. } | Op::NormalizeGrad { .. } | Op::NormalizeGradAdd { .. } => {
-            float(0)?;
+            let dtype = real(0)?;
             let s = &ins[0].shape;
             if s.rank() < 1 || s.0[s.rank() - 1] == 0 {
                 return Err(Error::shape(
@@ -319,7 +326,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                 ));
             }
             for (i, x) in ins.iter().enumerate().skip(1) {
-                float(i)?;
+                real(i)?;
                 if x.shape != *s {
                     let what = if i == 1 { "gradient" } else { "addend" };
                     return Err(Error::shape(
@@ -328,7 +335,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                     ));
                 }
             }
-            Ok((s.clone(), DType::F32))
+            Ok((s.clone(), dtype))
         }
         Op::Slice { axis, start, end } => {
             let s = &ins[0].shape;
@@ -465,10 +472,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             }
             Ok((ins[0].shape.clone(), DType::F32))
         }
-        Op::Log1p | Op::StopGradient => {
-            float(0)?;
-            Ok((ins[0].shape.clone(), DType::F32))
-        }
+        Op::Log1p | Op::StopGradient => Ok((ins[0].shape.clone(), real(0)?)),
     }
 }
 
@@ -614,14 +618,17 @@ fn matmul(a: &Node, b: &Node, ta: bool, tb: bool) -> Result<(Shape, DType)> {
     // bfloat16 and float16 pairs are the mixed-precision matmul: low-precision products summed
     // in float32, with a float32 result (see `DType::is_low_precision`).
     let lowp = a.dtype == b.dtype && a.dtype.is_low_precision();
+    // float64 pairs multiply in float64 (CPU).
+    let wide = a.dtype == DType::F64 && b.dtype == DType::F64;
     if !lowp
+        && !wide
         && [a.dtype, b.dtype]
             .iter()
             .any(|d| !matches!(d, DType::F32 | DType::I32))
     {
         return Err(unsupported("matmul", &[a, b]));
     }
-    if !lowp && (a.dtype != DType::F32 || b.dtype != DType::F32) {
+    if !lowp && !wide && (a.dtype != DType::F32 || b.dtype != DType::F32) {
         return Err(Error::dtype(
             "matmul",
             format!("expects float32 operands, got {} and {}", a.dtype, b.dtype),
@@ -651,7 +658,7 @@ fn matmul(a: &Node, b: &Node, ta: bool, tb: bool) -> Result<(Shape, DType)> {
     })?;
     let mut out = batch.0;
     out.extend([m, n]);
-    Ok((Shape(out), DType::F32))
+    Ok((Shape(out), if wide { DType::F64 } else { DType::F32 }))
 }
 
 /// (rows, cols) of the matrix part of `s`, after an optional transpose.

@@ -125,10 +125,17 @@ impl PyGraph {
                     .collect::<Vec<_>>(),
                 Shape(shape),
             ),
+            DType::F64 => self.graph.constant_f64(
+                &words
+                    .chunks_exact(2)
+                    .map(|w| f64::from_bits(w[0] as u64 | (w[1] as u64) << 32))
+                    .collect::<Vec<_>>(),
+                Shape(shape),
+            ),
             other => Err(Error::dtype(
                 "constant",
                 format!(
-                    "constants are float32, int32 or int64, got {other}; cast one with .astype('{other}')"
+                    "constants are float32, float64, int32 or int64, got {other}; cast one with .astype('{other}')"
                 ),
             )),
         };

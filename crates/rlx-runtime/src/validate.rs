@@ -52,6 +52,40 @@ impl Instr {
 pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
     let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
     let int = |t: &TRef| matches!(t.dtype, DType::I32 | DType::I64);
+    // The CPU's float64 kernels (a GPU plan refuses float64 tensors before this).
+    let f64_op = matches!(
+        op,
+        Op::Unary(_)
+            | Op::MatMul { .. }
+            | Op::Reduce { .. }
+            | Op::SumTo { .. }
+            | Op::Softmax { .. }
+            | Op::LogSoftmax { .. }
+            | Op::Mse
+            | Op::Log1p
+            | Op::StopGradient
+            | Op::Normalize { .. }
+            | Op::NormalizeGrad { .. }
+            | Op::NormalizeGradAdd { .. }
+    );
+    if ins.first().is_some_and(|t| t.dtype == DType::F64) {
+        let all = ins.iter().chain([out]).all(|t| t.dtype == DType::F64);
+        return match op {
+            Op::Binary(b) if b.is_comparison() => ins.iter().all(|t| t.dtype == DType::F64),
+            Op::Binary(_) => all,
+            Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => {
+                ins[1].dtype == DType::I32
+                    && ins
+                        .iter()
+                        .chain([out])
+                        .filter(|t| t.dtype != DType::I32)
+                        .all(|t| t.dtype == DType::F64)
+            }
+            Op::Where | Op::BroadcastTo { .. } | Op::Transpose { .. } | Op::Cast { .. } => true,
+            Op::Slice { .. } | Op::Pad { .. } | Op::Concat { .. } => true,
+            _ => f64_op && all,
+        };
+    }
     match op {
         Op::Binary(_) => ins.iter().all(|t| t.dtype == DType::F32 || int(t)),
         // Integer sums and maxima keep the dtype (a GPU plan refuses them by name).
@@ -66,7 +100,7 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
         Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
         Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
         Op::Where => {
-            (matches!(ins[0].dtype, DType::F32 | DType::Bool) || int(&ins[0]))
+            (matches!(ins[0].dtype, DType::F32 | DType::F64 | DType::Bool) || int(&ins[0]))
                 && ins[1].dtype == out.dtype
         }
         Op::SoftmaxCrossEntropy | Op::SoftmaxCrossEntropyGrad => ins[1].dtype == DType::I32,

@@ -70,60 +70,67 @@ pub trait Num: Copy + Send + Sync + PartialOrd + 'static {
     fn from_bool(v: bool) -> Self;
 }
 
-impl Num for f32 {
-    #[inline(always)]
-    fn add(a: f32, b: f32) -> f32 {
-        a + b
-    }
-    #[inline(always)]
-    fn sub(a: f32, b: f32) -> f32 {
-        a - b
-    }
-    #[inline(always)]
-    fn mul(a: f32, b: f32) -> f32 {
-        a * b
-    }
-    #[inline(always)]
-    fn div(a: f32, b: f32) -> f32 {
-        a / b
-    }
-    /// Python's algorithm (PyTorch's `div_floor_floating`): the quotient of `a - fmod(a, b)`,
-    /// corrected so it is exact for representable results; by zero, `a / b` (inf or NaN).
-    #[inline(always)]
-    fn floor_div(a: f32, b: f32) -> f32 {
-        if b == 0.0 {
-            return a / b;
+macro_rules! float_num {
+    ($t:ty) => {
+        impl Num for $t {
+            #[inline(always)]
+            fn add(a: $t, b: $t) -> $t {
+                a + b
+            }
+            #[inline(always)]
+            fn sub(a: $t, b: $t) -> $t {
+                a - b
+            }
+            #[inline(always)]
+            fn mul(a: $t, b: $t) -> $t {
+                a * b
+            }
+            #[inline(always)]
+            fn div(a: $t, b: $t) -> $t {
+                a / b
+            }
+            /// Python's algorithm (PyTorch's `div_floor_floating`): the quotient of `a - fmod(a, b)`,
+            /// corrected so it is exact for representable results; by zero, `a / b` (inf or NaN).
+            #[inline(always)]
+            fn floor_div(a: $t, b: $t) -> $t {
+                if b == 0.0 {
+                    return a / b;
+                }
+                let m = a % b;
+                let mut div = (a - m) / b;
+                if m != 0.0 && (b < 0.0) != (m < 0.0) {
+                    div -= 1.0;
+                }
+                if div == 0.0 {
+                    return (0.0 as $t).copysign(a / b);
+                }
+                let f = div.floor();
+                if div - f > 0.5 {
+                    f + 1.0
+                } else {
+                    f
+                }
+            }
+            /// `fmod` moved to the divisor's sign; NaN by zero.
+            #[inline(always)]
+            fn rem(a: $t, b: $t) -> $t {
+                let m = a % b;
+                if m != 0.0 && (b < 0.0) != (m < 0.0) {
+                    m + b
+                } else {
+                    m
+                }
+            }
+            #[inline(always)]
+            fn from_bool(v: bool) -> $t {
+                v as i32 as $t
+            }
         }
-        let m = a % b;
-        let mut div = (a - m) / b;
-        if m != 0.0 && (b < 0.0) != (m < 0.0) {
-            div -= 1.0;
-        }
-        if div == 0.0 {
-            return 0.0f32.copysign(a / b);
-        }
-        let f = div.floor();
-        if div - f > 0.5 {
-            f + 1.0
-        } else {
-            f
-        }
-    }
-    /// `fmod` moved to the divisor's sign; NaN by zero.
-    #[inline(always)]
-    fn rem(a: f32, b: f32) -> f32 {
-        let m = a % b;
-        if m != 0.0 && (b < 0.0) != (m < 0.0) {
-            m + b
-        } else {
-            m
-        }
-    }
-    #[inline(always)]
-    fn from_bool(v: bool) -> f32 {
-        v as i32 as f32
-    }
+    };
 }
+
+float_num!(f32);
+float_num!(f64);
 
 /// Integer arithmetic as numpy's: wrapping `+ - *`, floor division and the divisor-signed
 /// remainder (callers check divisors for zero first, `has_zero`; 0 if one slips by).

@@ -12,6 +12,7 @@ pub mod matmul;
 pub mod nn;
 pub mod optim;
 pub mod reduce;
+pub mod wide;
 
 use rayon::prelude::*;
 

@@ -101,7 +101,7 @@ fn check_label(y: i32, classes: usize) -> Result<usize> {
 }
 
 /// The rows counted by the mean: labels in range; ignored rows skipped; others an error.
-fn counted(labels: &[i32], classes: usize) -> Result<usize> {
+pub(super) fn counted(labels: &[i32], classes: usize) -> Result<usize> {
     let mut n = 0;
     for &y in labels {
         if y != IGNORE_LABEL {

@@ -21,12 +21,56 @@ pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [
 }
 
 /// Sums (wrapping, as numpy's) or maxima of an integer tensor over the sorted `axes`; `out`
-/// holds the kept dims in order. Integer reductions are rare and small (counts of masks,
-/// ids), so this is one plain pass over the input.
+/// holds the kept dims in order.
 pub fn reduce_int<T: Int>(op: ReduceOp, x: &[T], xd: &[usize], axes: &[usize], out: &mut [T]) {
-    let init = if op == ReduceOp::Max { T::MIN } else { T::ZERO };
+    if op == ReduceOp::Max {
+        walk(x, xd, axes, out, T::MIN, |a, b| a.max(b));
+    } else {
+        walk(x, xd, axes, out, T::ZERO, T::add);
+    }
+}
+
+/// Sum, mean or max (NaN propagating) of a float64 tensor over the sorted `axes`.
+pub fn reduce_f64(op: ReduceOp, x: &[f64], xd: &[usize], axes: &[usize], out: &mut [f64]) {
+    if op == ReduceOp::Max {
+        walk(x, xd, axes, out, f64::NEG_INFINITY, |a, b| {
+            if a > b || a.is_nan() {
+                a
+            } else {
+                b
+            }
+        });
+        return;
+    }
+    walk(x, xd, axes, out, 0.0, |a, b| a + b);
+    if op == ReduceOp::Mean {
+        let count: usize = axes.iter().map(|&a| xd[a]).product();
+        let scale = 1.0 / count as f64; // an empty axis gives NaN, as numpy's mean does
+        out.iter_mut().for_each(|v| *v *= scale);
+    }
+}
+
+/// `x` (shape `xd`) summed down to `od` (the VJP of broadcasting), in float64.
+pub fn sum_to_f64(x: &[f64], xd: &[usize], out: &mut [f64], od: &[usize]) {
+    let lead = xd.len() - od.len();
+    let axes: Vec<usize> = (0..xd.len())
+        .filter(|&d| d < lead || (od[d - lead] == 1 && xd[d] != 1))
+        .collect();
+    walk(x, xd, &axes, out, 0.0, |a, b| a + b);
+}
+
+/// Folds every element of `x` into the output element of its kept dims (the reduced ones
+/// dropped), in one plain pass: the reductions of the dtypes with no vectorised kernels
+/// (integers, float64).
+fn walk<T: Copy>(
+    x: &[T],
+    xd: &[usize],
+    axes: &[usize],
+    out: &mut [T],
+    init: T,
+    combine: impl Fn(T, T) -> T,
+) {
     out.iter_mut().for_each(|o| *o = init);
-    // The output index of every input element: kept dims in order, reduced dims dropped.
     let mut kept_stride = vec![0usize; xd.len()];
     let mut s = 1;
     for d in (0..xd.len()).rev() {
@@ -42,11 +86,7 @@ pub fn reduce_int<T: Int>(op: ReduceOp, x: &[T], xd: &[usize], axes: &[usize], o
             .zip(&kept_stride)
             .map(|(i, s)| i * s)
             .sum::<usize>();
-        out[o] = if op == ReduceOp::Max {
-            out[o].max(v)
-        } else {
-            T::add(out[o], v)
-        };
+        out[o] = combine(out[o], v);
         for d in (0..xd.len()).rev() {
             idx[d] += 1;
             if idx[d] < xd[d] {

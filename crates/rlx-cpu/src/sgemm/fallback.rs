@@ -1,21 +1,36 @@
-//! The `gemm` crate path of the float32 GEMM: what CPUs without AVX2 + FMA run, what
-//! `RLX_CPU_GEMM=crate` selects, and the reference the tests compare rlx's kernels with.
+//! The `gemm` crate path: the float32 GEMM of CPUs without AVX2 + FMA, what
+//! `RLX_CPU_GEMM=crate` selects, the reference the tests compare rlx's kernels with, and the
+//! float64 GEMM.
 use super::View;
 use gemm::Parallelism;
+
+/// Element types the `gemm` crate multiplies here.
+pub trait Real: Copy + PartialEq + 'static {
+    const ZERO: Self;
+    const ONE: Self;
+}
+impl Real for f32 {
+    const ZERO: f32 = 0.0;
+    const ONE: f32 = 1.0;
+}
+impl Real for f64 {
+    const ZERO: f64 = 0.0;
+    const ONE: f64 = 1.0;
+}
 
 /// `c[cv] = beta * c[cv] + a[av] @ b[bv]` through `gemm::gemm`; the caller checked that every
 /// view lies inside its slice and that `m, n, k > 0`.
 #[allow(clippy::too_many_arguments)]
-pub fn gemm(
+pub fn gemm<T: Real>(
     m: usize,
     n: usize,
     k: usize,
-    c: &mut [f32],
+    c: &mut [T],
     cv: View,
-    beta: f32,
-    a: &[f32],
+    beta: T,
+    a: &[T],
     av: View,
-    b: &[f32],
+    b: &[T],
     bv: View,
     parallel: bool,
 ) {
@@ -36,7 +51,7 @@ pub fn gemm(
             c.as_mut_ptr().add(cv.off),
             cv.cs as isize,
             cv.rs as isize,
-            beta != 0.0,
+            beta != T::ZERO,
             a.as_ptr().add(av.off),
             av.cs as isize,
             av.rs as isize,
@@ -44,7 +59,7 @@ pub fn gemm(
             bv.cs as isize,
             bv.rs as isize,
             beta,
-            1.0,
+            T::ONE,
             false,
             false,
             false,

@@ -11,7 +11,7 @@
 //! per-thread buffers (`pack.rs`) and the split over the rayon pool.
 mod avx2;
 mod avx512;
-mod fallback;
+pub(crate) mod fallback;
 mod pack;
 
 /// The 8 x 8 register transpose, for the layout kernels' batched transposes.

@@ -1,0 +1,193 @@
+"""float64 compute on the CPU: every op with float64 kernels against numpy in float64, gradients
+of float64 graphs against central finite differences (float64 makes them tight), float64
+models through rlx.compile, promotion, and the clear errors where float64 stops (training,
+GPU backends, ops without float64 kernels)."""
+
+import math
+
+import numpy as np
+import pytest
+
+import rlx
+
+ERF = np.vectorize(math.erf)
+
+
+def softmax(a, axis):
+    e = np.exp(a - a.max(axis, keepdims=True))
+    return e / e.sum(axis, keepdims=True)
+
+
+def run(build, feeds):
+    g = rlx.Graph()
+    g.output(*build(g))
+    return g.compile("cpu").run(**feeds)
+
+
+rng = np.random.default_rng(0)
+X = rng.standard_normal((4, 6))
+W = rng.standard_normal((6, 3))
+Y = np.array([0, 2, 1, 2], np.int32)
+
+# name -> (rlx builder of x (4, 6) float64 and w (6, 3) float64, numpy reference)
+CASES = {
+    "matmul": (lambda x, w: x @ w, lambda: X @ W),
+    "matmul_t": (lambda x, w: rlx.matmul(w.reshape(3, 6), x.reshape(6, 4)), lambda: W.reshape(3, 6) @ X.reshape(6, 4)),
+    "batched": (lambda x, w: rlx.matmul(x.reshape(2, 2, 6), w), lambda: X.reshape(2, 2, 6) @ W),
+    "tanh": (lambda x, w: rlx.tanh(x), lambda: np.tanh(X)),
+    "sigmoid": (lambda x, w: rlx.sigmoid(x), lambda: 1 / (1 + np.exp(-X))),
+    "gelu": (lambda x, w: rlx.gelu(x), lambda: 0.5 * X * (1 + ERF(X / np.sqrt(2)))),
+    "gelu_tanh": (lambda x, w: rlx.gelu(x, approximate="tanh"),
+                  lambda: 0.5 * X * (1 + np.tanh(np.sqrt(2 / np.pi) * (X + 0.044715 * X**3)))),
+    "exp_log_sqrt": (lambda x, w: rlx.log(rlx.exp(x) + 1.0) + rlx.sqrt(abs(x)), lambda: np.log(np.exp(X) + 1) + np.sqrt(np.abs(X))),
+    "pow": (lambda x, w: x**3 - x**2, lambda: X**3 - X**2),
+    "relu_silu": (lambda x, w: rlx.relu(x) + rlx.silu(x), lambda: np.maximum(X, 0) + X / (1 + np.exp(-X))),
+    "softplus_log1p": (lambda x, w: rlx.softplus(x) + rlx.log1p(abs(x)), lambda: np.log1p(np.exp(X)) + np.log1p(np.abs(X))),
+    "arith": (lambda x, w: (x * 0.1 - 1 / (abs(x) + 1.5)) // 0.3 + x % 0.7, lambda: (X * 0.1 - 1 / (np.abs(X) + 1.5)) // 0.3 + X % 0.7),
+    "broadcast": (lambda x, w: x + w.sum(axis=1).reshape(6), lambda: X + W.sum(1)),
+    "sums": (lambda x, w: x.sum(axis=0) + x.mean(axis=0) + x.max(axis=0) + x.min(axis=0),
+             lambda: X.sum(0) + X.mean(0) + X.max(0) + X.min(0)),
+    "var": (lambda x, w: x.var(axis=1, ddof=1), lambda: X.var(1, ddof=1)),
+    "softmax": (lambda x, w: rlx.softmax(x, -1) + rlx.log_softmax(x, 0), lambda: softmax(X, -1) + np.log(softmax(X, 0))),
+    "where_clip": (lambda x, w: rlx.where(x > 0, x, -2 * x) + rlx.clip(x, -0.5, 0.5) + rlx.maximum(x, 0.2),
+                   lambda: np.where(X > 0, X, -2 * X) + np.clip(X, -0.5, 0.5) + np.maximum(X, 0.2)),
+    "layer_norm": (lambda x, w: rlx.layer_norm(x, eps=1e-5),
+                   lambda: (X - X.mean(1, keepdims=True)) / np.sqrt(X.var(1, keepdims=True) + 1e-5)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_float64_ops_match_numpy_in_float64(name):
+    build, ref = CASES[name]
+    got = run(lambda g: [build(g.input("x", X.shape, "float64"), g.input("w", W.shape, "float64"))], {"x": X, "w": W})[0]
+    assert got.dtype == np.float64
+    # The graph keeps a norm's eps as a float32 attribute (1e-5 is 1e-5 * (1 - 2.5e-9) there).
+    tol = 1e-10 if name == "layer_norm" else 1e-13
+    np.testing.assert_allclose(got, ref(), rtol=tol, atol=tol)
+
+
+def test_float64_losses_and_comparisons():
+    def build(g):
+        x = g.input("x", X.shape, "float64")
+        y = g.input("y", Y.shape, "int32")
+        return [rlx.cross_entropy(x, y), rlx.cross_entropy(x, y, label_smoothing=0.1, reduction="sum"),
+                rlx.mse_loss(x, x * 0.5), x > 0.25]
+
+    ce, ce_sum, mse, mask = run(build, {"x": X, "y": Y})
+    logp = np.log(softmax(X, -1))
+    np.testing.assert_allclose(ce, -logp[np.arange(4), Y].mean(), rtol=1e-14)
+    want = (-(logp[np.arange(4), Y]) * 0.9 - logp.mean(1) * 0.1).sum()
+    np.testing.assert_allclose(ce_sum, want, rtol=1e-13)
+    assert ce.dtype == ce_sum.dtype == mse.dtype == np.float64
+    np.testing.assert_allclose(mse, np.mean((0.5 * X) ** 2), rtol=1e-14)
+    np.testing.assert_array_equal(mask, (X > 0.25).astype(np.float32))  # comparisons give float32 masks
+
+
+def test_float64_promotes_every_other_dtype_and_numbers_stay_unrounded():
+    def build(g):
+        d = g.input("d", (3,), "float64")
+        outs = [d + g.input("f", (3,), "float32"), d * g.input("h", (3,), "bfloat16"), d + g.input("i", (3,), "int64"),
+                d * g.input("m", (3,), "bool"), d + 0.1, 0.1 * g.input("f2", (3,), "float32").astype("float64")]
+        assert all(o.dtype == "float64" for o in outs)
+        return outs
+
+    import ml_dtypes
+    d = np.array([1e-17, 1.0, -2.5])
+    f = np.array([0.1, 0.2, 0.3], np.float32)
+    got = run(build, {"d": d, "f": f, "h": np.ones(3, ml_dtypes.bfloat16), "i": np.array([2**60, 1, 2], np.int64),
+                      "m": np.array([True, False, True]), "f2": f})
+    np.testing.assert_array_equal(got[0], d + f.astype(np.float64))
+    np.testing.assert_array_equal(got[2], d + np.array([2**60, 1, 2], np.float64))
+    np.testing.assert_array_equal(got[3], d * [1, 0, 1])
+    np.testing.assert_array_equal(got[4], d + 0.1)  # 1e-17 + 0.1 in float64, not a float32 0.1
+    np.testing.assert_array_equal(got[5], 0.1 * f.astype(np.float64))
+
+
+def numeric_grad(f, x, eps=1e-6):
+    """Central differences of the scalar function ``f`` at ``x`` (float64)."""
+    out = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        hi, lo = x.copy(), x.copy()
+        hi[i] += eps
+        lo[i] -= eps
+        out[i] = (f(hi) - f(lo)) / (2 * eps)
+    return out
+
+
+@pytest.mark.parametrize("name", ["mlp", "softmax_ce", "layer_norm", "reductions", "elementwise"])
+def test_float64_gradients_match_finite_differences(name):
+    x0 = rng.standard_normal((3, 4))
+    w0 = rng.standard_normal((4, 5)) * 0.5
+    labels = np.array([0, 4, 2], np.int32)
+
+    def model(x, w, y):
+        if name == "mlp":
+            return (rlx.tanh(x @ w) ** 2).sum() + rlx.gelu(x @ w).mean()
+        if name == "softmax_ce":
+            return rlx.cross_entropy(x @ w, y) + rlx.log_softmax(x @ w, 0).mean()
+        if name == "layer_norm":
+            return (rlx.layer_norm(x @ w, eps=1e-5) * rlx.sigmoid(x @ w)).sum()
+        if name == "reductions":
+            h = x @ w
+            return h.max(axis=1).sum() + h.var(axis=0).sum() + rlx.softmax(h, -1).max()
+        h = x @ w
+        return (rlx.where(h > 0, h, 0.1 * h) / (1.0 + abs(h)) + rlx.softplus(h) + rlx.clip(h, -0.3, 0.3)).mean()
+
+    g = rlx.Graph()
+    x, w, y = g.input("x", x0.shape, "float64"), g.input("w", w0.shape, "float64"), g.input("y", (3,), "int32")
+    g.output(model(x, w, y))
+    exe = rlx.grad(g, ["x", "w"]).compile("cpu")
+    loss, dx, dw = exe.run(x=x0, w=w0, y=labels)
+    assert loss.dtype == dx.dtype == dw.dtype == np.float64
+    fwd = g.compile("cpu")
+    value = lambda xv, wv: float(fwd.run(x=xv, w=wv, y=labels)[0])  # noqa: E731
+    np.testing.assert_allclose(dx, numeric_grad(lambda v: value(v, w0), x0), rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(dw, numeric_grad(lambda v: value(x0, v), w0), rtol=1e-6, atol=1e-8)
+
+
+def test_float64_models_compile_for_inference_and_refuse_training():
+    rlx.seed(0)
+
+    class Net(rlx.nn.Module):
+        def __init__(self):
+            self.fc1 = rlx.nn.Linear(6, 8, dtype="float64")
+            self.norm = rlx.nn.LayerNorm(8, dtype="float64")
+            self.fc2 = rlx.nn.Linear(8, 3, dtype="float64")
+
+        def __call__(self, x):
+            return self.fc2(self.norm(rlx.gelu(self.fc1(x))))
+
+    net = Net()
+    fn = rlx.compile(lambda m, x: rlx.softmax(m(x), -1), net, {"x": ((4, 6), "float64")})
+    out = fn(x=X)
+    assert out.dtype == np.float64
+    w1, b1, w2, b2 = (np.asarray(p) for p in (net.fc1.weight, net.fc1.bias, net.fc2.weight, net.fc2.bias))
+    h = X @ w1.T + b1
+    h = 0.5 * h * (1 + ERF(h / np.sqrt(2)))
+    h = (h - h.mean(1, keepdims=True)) / np.sqrt(h.var(1, keepdims=True) + 1e-5) * np.asarray(net.norm.weight) \
+        + np.asarray(net.norm.bias)
+    np.testing.assert_allclose(out, softmax(h @ w2.T + b2, -1), rtol=1e-10, atol=1e-12)  # float32 eps, as above
+    with pytest.raises(rlx.DTypeError, match=r"\[compile_train_step\] parameter 'fc1.weight' is float64: training float64 "
+                                             r"weights is not supported yet"):
+        rlx.compile_train_step(lambda m, x: m(x).sum(), net, rlx.optim.SGD(0.1), {"x": ((4, 6), "float64")})
+
+
+def test_float64_causal_attention_matches_numpy():
+    q, k, v = (rng.standard_normal((2, 3, 5, 4)) for _ in range(3))
+    got = run(lambda g: [rlx.scaled_dot_product_attention(*(g.input(n, q.shape, "float64") for n in "qkv"), causal=True)],
+              {"q": q, "k": k, "v": v})[0]
+    s = np.where(np.tril(np.ones((5, 5))) > 0, q @ k.swapaxes(-1, -2) / 2.0, -np.inf)
+    np.testing.assert_allclose(got, softmax(s, -1) @ v, rtol=1e-13, atol=1e-14)
+    assert got.dtype == np.float64
+
+
+def test_float64_stops_with_clear_errors_where_kernels_end():
+    g = rlx.Graph()
+    d = g.input("d", (1, 2, 4, 4), "float64")
+    with pytest.raises(rlx.DTypeError, match=r"^\[max_pool2d\] x must be float32, bfloat16 or float16, got float64"):
+        rlx.max_pool2d(d, 2)
+    g = rlx.Graph()
+    g.output(g.input("x", (2,), "float64") * 2.0)
+    if "cuda" in rlx.devices():
+        with pytest.raises(rlx.DTypeError, match=r"holds a float64 tensor"):
+            g.compile("cuda")
