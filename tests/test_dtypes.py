@@ -398,6 +398,14 @@ def test_integer_and_bool_reductions_follow_pytorch(dtype):
                 assert mean.dtype == np.float32
 
 
+@pytest.mark.parametrize("dtype", ["float32", "int64", "bool"])
+def test_min_over_an_empty_axis_names_min(dtype):
+    x = rlx.Graph().input("x", (0, 3), dtype)
+    with pytest.raises(rlx.ShapeError, match=r"^\[min\] cannot take the min over an empty axis of \(0, 3\)"):
+        x.min(axis=0)
+    assert x.min(axis=1).shape == (0,)
+
+
 def test_bool_masks_promote_and_combine_with_logical_ops():
     rng = np.random.default_rng(4)
     m, n = rng.random((3, 4)) > 0.5, rng.random((4,)) > 0.3

@@ -455,8 +455,14 @@ class Tensor:
 
     def min(self, axis: int | Sequence[int] | None = None, keepdims: bool = False) -> "Tensor":
         """Minimum over ``axis`` (all axes when None)."""
+        try:
+            return self._min(axis, keepdims)
+        except ShapeError as e:  # the max it is made of names itself: name the min instead
+            raise ShapeError(str(e).replace("[max] cannot take the max", "[min] cannot take the min")) from None
+
+    def _min(self, axis: Any, keepdims: bool) -> "Tensor":
         if self.dtype == "bool":
-            return self.astype("int32").min(axis, keepdims).astype("bool")
+            return self.astype("int32")._min(axis, keepdims).astype("bool")
         if self.dtype in _INTS:
             # -1 - x reverses the order of integers without overflow (unlike -x at INT_MIN).
             return -1 - (-1 - self)._reduce("max", axis, keepdims)
