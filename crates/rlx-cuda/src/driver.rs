@@ -1,6 +1,6 @@
 //! Every call into the CUDA driver, NVRTC and cuBLAS (through cudarc's dynamically loaded
 //! bindings): finding the libraries, the per-device context and stream, device memory, module
-//! loading, launches, events and GEMMs. All of the crate's `unsafe` lives in this file.
+//! loading, launches, events and GEMMs. The crate's other FFI: `lt.rs` (cuBLASLt) and `nccl.rs`.
 //!
 //! cudarc panics when a library it needs cannot be loaded, so [`probe`] finds (and loads) every
 //! library with a plain `dlopen` first; nothing here touches a cudarc function before it passed.
@@ -187,6 +187,8 @@ pub struct Device {
     ctx: sys::CUcontext,
     stream: sys::CUstream,
     blas: Mutex<blas::cublasHandle_t>,
+    /// cuBLASLt, where libcublasLt loaded (fused-epilogue products; see `lt.rs`).
+    lt: Option<crate::lt::Handle>,
     /// `sm_XY` of the device.
     pub arch: String,
     pub name: String,
@@ -263,11 +265,21 @@ impl Device {
                 "cublasSetWorkspace",
             )?;
         }
+        // cuBLASLt (it ships beside cuBLAS) with a workspace of its own, kept for the process.
+        let lt = if preload(&["libcublasLt.so.13", "libcublasLt.so"]) {
+            // SAFETY: a plain device allocation, kept for the process as the device is.
+            let ws = unsafe { cu::malloc_sync(crate::lt::WORKSPACE) }
+                .map_err(|e| dev_err("cuBLASLt workspace", e))?;
+            crate::lt::Handle::new(ws)
+        } else {
+            None
+        };
         Ok(Device {
             ordinal,
             ctx,
             stream,
             blas: Mutex::new(handle),
+            lt,
             arch: format!("sm_{major}{minor}"),
             name,
             modules: Mutex::new(HashMap::new()),
@@ -278,6 +290,20 @@ impl Device {
     /// The compute stream (for collectives ordered with the runs).
     pub(crate) fn stream(&self) -> sys::CUstream {
         self.stream
+    }
+
+    /// The device's cuBLASLt handle, `None` where the library did not load.
+    pub fn lt(&self) -> Option<&crate::lt::Handle> {
+        self.lt.as_ref()
+    }
+
+    /// Queues the cuBLASLt product `m` on the compute stream (see `lt::Handle::run`).
+    pub fn lt_matmul(&self, m: &crate::lt::Matmul, ops: [u64; 4], bias: u64) -> Result<()> {
+        let h = self
+            .lt
+            .as_ref()
+            .ok_or_else(|| Error::Internal("a cuBLASLt product without cuBLASLt".into()))?;
+        h.run(m, ops, bias, self.stream)
     }
 
     /// Makes this device's context current on the calling thread.

@@ -2,6 +2,8 @@
 //! device's stream, waits, and reports the first error a kernel flagged (bad label, id, integer
 //! division by zero) as the CPU backend would.
 use crate::driver::{Device, Event, Func, GraphExec, Pinned};
+use crate::epilogue::{self, LtMode, LtStep};
+use crate::lt::Matmul;
 use crate::mem::CudaBuffer;
 use crate::plan::{self, Kernel, Plan, Step};
 use crate::source;
@@ -13,6 +15,9 @@ use std::sync::Arc;
 pub struct CudaProgram {
     dev: Arc<Device>,
     plan: Plan,
+    /// What a run queues, in order: plan steps, and cuBLASLt products standing for a GEMM and
+    /// the steps it absorbed (see `epilogue.rs`).
+    units: Vec<Unit>,
     /// The function of each launch step (None for other steps), resolved at compile time.
     funcs: Vec<Option<Func>>,
     lens: Vec<usize>,
@@ -39,6 +44,12 @@ pub struct CudaProgram {
     /// With `RLX_PROFILE=step`: per run, the device milliseconds between events around the
     /// submission and the host milliseconds of the whole `run_io` call, printed when dropped.
     step_times: Option<Vec<(f64, f64)>>,
+}
+
+/// One piece of a run's work.
+enum Unit {
+    Step(usize),
+    Lt(Box<(LtStep, Matmul)>),
 }
 
 /// One host copy of a run: `len` bytes between byte `pos` of the pinned memory and the device
@@ -89,7 +100,7 @@ impl Drop for CudaProgram {
             let mut host: Vec<f64> = t[2..].iter().map(|r| r.1).collect();
             eprintln!(
                 "rlx cuda step profile: {} steps, {runs} runs ({}); device {}; host call {}",
-                self.plan.steps.len(),
+                self.units.len(),
                 if self.graph.is_some() {
                     "graph replay"
                 } else {
@@ -102,8 +113,26 @@ impl Drop for CudaProgram {
     }
 }
 
-/// The profile row of step `i`: the kernel (or GEMM shape) it runs.
-fn profile_key(plan: &Plan, i: usize) -> String {
+/// The profile row of a unit: the kernel (or GEMM shape and epilogue) it runs.
+fn profile_key(plan: &Plan, unit: &Unit) -> String {
+    let i = match unit {
+        Unit::Step(i) => *i,
+        Unit::Lt(l) => {
+            let g = &l.0.spec.g;
+            return format!(
+                "lt gemm {} {}{} m{} n{} k{} x{} {:?}{}",
+                g.dtype,
+                if g.ta { "T" } else { "N" },
+                if g.tb { "T" } else { "N" },
+                g.m,
+                g.n,
+                g.k,
+                g.batch,
+                l.0.spec.epi,
+                if l.0.spec.residual { " +C" } else { "" }
+            );
+        }
+    };
     match &plan.steps[i] {
         Step::Launch {
             kernel,
@@ -157,6 +186,50 @@ fn target() -> Result<plan::Target> {
     })
 }
 
+/// The run's units: every plan step in order, except that each cuBLASLt candidate
+/// (`RLX_CUDA_LT`, see `epilogue.rs`) cuBLASLt has an algorithm for replaces its steps, queued
+/// where its GEMM was. `RLX_CUDA_DEBUG=1` says which candidates kept their steps.
+fn lt_units(dev: &Device, plan: &Plan) -> Result<Vec<Unit>> {
+    let mode = LtMode::from_env().map_err(|msg| Error::Input {
+        name: "RLX_CUDA_LT".into(),
+        msg,
+    })?;
+    let n = plan.steps.len();
+    let mut at: Vec<Option<Unit>> = (0..n).map(|_| None).collect();
+    let mut skip = vec![false; n];
+    if let (Some(lt), false) = (dev.lt(), mode == LtMode::Off) {
+        dev.bind()?;
+        let tf32 = std::env::var("RLX_CUDA_TF32").is_ok_and(|v| v == "1");
+        for c in epilogue::candidates(plan, mode) {
+            match lt.plan(&c.spec, tf32)? {
+                Some(m) => {
+                    for &s in &c.steps {
+                        skip[s] = true;
+                    }
+                    let first = c.steps[0];
+                    at[first] = Some(Unit::Lt(Box::new((c, m))));
+                }
+                None if std::env::var("RLX_CUDA_DEBUG").is_ok_and(|v| v == "1") => {
+                    eprintln!(
+                        "rlx cuda: no cuBLASLt algorithm for {:?}; steps {:?} stay",
+                        c.spec, c.steps
+                    )
+                }
+                None => {}
+            }
+        }
+    }
+    Ok(at
+        .into_iter()
+        .enumerate()
+        .filter_map(|(i, u)| match u {
+            Some(u) => Some(u),
+            None if skip[i] => None,
+            None => Some(Unit::Step(i)),
+        })
+        .collect())
+}
+
 fn graphs_enabled() -> bool {
     std::env::var("RLX_CUDA_GRAPHS").map_or(true, |v| v.trim() != "0")
 }
@@ -190,6 +263,7 @@ impl CudaProgram {
                 _ => Ok(None),
             })
             .collect::<Result<Vec<_>>>()?;
+        let units = lt_units(&dev, &plan)?;
         let scratch = CudaBuffer::zeroed(dev.clone(), plan.scratch_bytes)?;
         for (off, bytes) in &plan.tables {
             scratch.write(*off, bytes)?;
@@ -212,6 +286,7 @@ impl CudaProgram {
         Ok(CudaProgram {
             dev,
             plan,
+            units,
             funcs,
             lens: lens.to_vec(),
             scratch,
@@ -244,8 +319,11 @@ impl CudaProgram {
         if self.profile.is_some() {
             marks.push(self.dev.timing()?);
         }
-        for (step, func) in self.plan.steps.iter().zip(&self.funcs) {
-            self.enqueue_step(step, *func, bases)?;
+        for unit in &self.units {
+            match unit {
+                Unit::Step(i) => self.enqueue_step(&self.plan.steps[*i], self.funcs[*i], bases)?,
+                Unit::Lt(l) => self.enqueue_lt(&l.0, &l.1, bases)?,
+            }
             if self.profile.is_some() {
                 marks.push(self.dev.timing()?);
             }
@@ -286,15 +364,31 @@ impl CudaProgram {
         }
     }
 
+    /// Queues a cuBLASLt product at this run's addresses.
+    fn enqueue_lt(&self, l: &LtStep, m: &Matmul, bases: &[u64; 6]) -> Result<()> {
+        let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
+        let ops = l.ops.each_ref().map(addr);
+        if ops
+            .iter()
+            .zip(l.spec.align)
+            .any(|(a, align)| a % align as u64 != 0)
+        {
+            return Err(Error::Internal(
+                "a cuBLASLt operand is less aligned than its algorithm was chosen for".into(),
+            ));
+        }
+        self.dev.lt_matmul(m, ops, l.bias.as_ref().map_or(0, addr))
+    }
+
     /// Adds the finished run's per-step times to the profile (after the stream synchronised).
     fn take_marks(&mut self) -> Result<()> {
         let (Some(profile), marks) = (self.profile.as_mut(), std::mem::take(&mut self.marks))
         else {
             return Ok(());
         };
-        for (i, w) in marks.windows(2).enumerate() {
+        for (unit, w) in self.units.iter().zip(marks.windows(2)) {
             let ms = w[1].ms_since(&w[0])? as f64;
-            profile::add(profile, profile_key(&self.plan, i), ms);
+            profile::add(profile, profile_key(&self.plan, unit), ms);
         }
         Ok(())
     }

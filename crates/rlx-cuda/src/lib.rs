@@ -1,24 +1,30 @@
 //! rlx-cuda: the CUDA backend. Device memory is plain allocations (never managed memory), every
 //! instruction is a CUDA C kernel compiled by NVRTC for the device's architecture (cached in the
-//! process and on disk), matmuls go through cuBLAS at fixed arena offsets, and copies run on a
-//! stream of their own.
+//! process and on disk), matmuls go through cuBLAS at fixed arena offsets (through cuBLASLt
+//! where a bias, activation, residual or bias gradient joins the product: `epilogue.rs`), and
+//! copies run on a stream of their own.
 //!
 //! The CUDA libraries are loaded at run time (no CUDA SDK is needed to build): [`available`]
 //! says why CUDA cannot be used where it cannot, and [`CudaBackend::new`] fails with that reason
-//! instead of panicking. Where `unsafe` lives: `driver.rs` and `nccl.rs` (every FFI call, each
+//! instead of panicking. Where `unsafe` lives: `driver.rs`, `lt.rs` and `nccl.rs` (every FFI call, each
 //! with a `// SAFETY:` note), plus `exec.rs` implementing the `unsafe` `Compiled::run` and `copy.rs`
 //! keeping a host source alive for an asynchronous copy.
 //!
 //! Environment: `RLX_CUDA_LIB_DIR` adds folders searched for `libnvrtc.so.13` and
 //! `libcublas.so.13` (the toolkit and the `nvidia-*` pip packages are searched already);
 //! `RLX_CUDA_CACHE` sets (or with `0` turns off) the PTX disk cache; `RLX_CUDA_TF32=1` lets
-//! cuBLAS use TF32 tensor cores for float32 matmuls (off by default: float32 stays exact).
+//! cuBLAS use TF32 tensor cores for float32 matmuls (off by default: float32 stays exact);
+//! `RLX_CUDA_LT=epilogue` runs a product with its bias / activation / residual / bias-gradient
+//! neighbours as one cuBLASLt call, `=all` sends every other product through cuBLASLt too
+//! (default `0`: plain cuBLAS, each epilogue a launch of its own).
 #![warn(unsafe_op_in_unsafe_fn)]
 
 mod cache;
 mod copy;
 mod driver;
+pub mod epilogue;
 mod exec;
+mod lt;
 mod mem;
 pub mod nccl;
 /// The lowering, shared with the Metal backend.

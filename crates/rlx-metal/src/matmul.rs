@@ -8,7 +8,7 @@
 //! each engine matmul through the MSL GEMM kernel rebuilt from the key alone.
 use crate::kernels::Gemm;
 use rlx_ir::{BinaryOp, Error, Fused, FusedStep, Result, UnaryOp};
-use rlx_runtime::gpu_plan::P;
+use rlx_runtime::gpu_plan::{self, P};
 use std::ops::Range;
 
 /// A matmul as the engine compiles it, in row-major terms: `C[z] = op(A[z]) op(B[z])` for
@@ -109,23 +109,10 @@ pub fn epilogue_of(f: &Fused, p: &P, n: usize) -> std::result::Result<Epilogue, 
     if p.mode[0] != 1 || p.mode[o] != 1 {
         return Err("the epilogue's product or result is not contiguous".into());
     }
-    if bias {
-        // The bias must read element i % n at element i: packed trailing dims spanning n, the
-        // leading ones broadcast (stride 0).
-        let rank = usize::try_from(p.rank).unwrap_or(0);
-        let (mut tail, mut d) = (1usize, rank);
-        while d > 0 && tail < n {
-            d -= 1;
-            if p.st[1][d] != tail as i64 {
-                return Err(format!("the epilogue's bias is not a packed vector of {n}"));
-            }
-            tail *= usize::try_from(p.dims[d]).unwrap_or(0);
-        }
-        if tail != n || p.st[1][..d].iter().any(|&s| s != 0) {
-            return Err(format!(
-                "the epilogue's bias is not a vector of {n} for every row"
-            ));
-        }
+    if bias && !gpu_plan::reads_row_vector(p, 1, n) {
+        return Err(format!(
+            "the epilogue's bias is not a packed vector of {n} for every row"
+        ));
     }
     Ok(Epilogue { bias, act })
 }

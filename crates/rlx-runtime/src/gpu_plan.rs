@@ -120,6 +120,22 @@ pub fn update_chunk(total: usize) -> usize {
     want.clamp(UPDATE_CHUNK_MIN, UPDATE_CHUNK_MAX)
 }
 
+/// Whether operand `k` of launch record `p` reads element `i % n` at element `i`: a packed
+/// vector of `n` (its trailing dims, stride 1 over `n` elements) broadcast over the leading
+/// dims — a bias over the columns of a product, as the backends' matrix engines take it.
+pub fn reads_row_vector(p: &P, k: usize, n: usize) -> bool {
+    let rank = usize::try_from(p.rank).unwrap_or(0);
+    let (mut tail, mut d) = (1usize, rank);
+    while d > 0 && tail < n {
+        d -= 1;
+        if p.st[k][d] != tail as i64 {
+            return false;
+        }
+        tail *= usize::try_from(p.dims[d]).unwrap_or(0);
+    }
+    tail == n && p.st[k][..d].iter().all(|&s| s == 0)
+}
+
 fn at(t: &TRef) -> Loc {
     Loc {
         buf: t.buf as usize,
