@@ -187,8 +187,8 @@ pub struct Device {
     ctx: sys::CUcontext,
     stream: sys::CUstream,
     blas: Mutex<blas::cublasHandle_t>,
-    /// cuBLASLt, where libcublasLt loaded (fused-epilogue products; see `lt.rs`).
-    lt: Option<crate::lt::Handle>,
+    /// cuBLASLt, made at the first fused-epilogue product (see `lt.rs`, [`Device::lt`]).
+    lt: OnceLock<Option<crate::lt::Handle>>,
     /// `sm_XY` of the device.
     pub arch: String,
     pub name: String,
@@ -265,21 +265,12 @@ impl Device {
                 "cublasSetWorkspace",
             )?;
         }
-        // cuBLASLt (it ships beside cuBLAS) with a workspace of its own, kept for the process.
-        let lt = if preload(&["libcublasLt.so.13", "libcublasLt.so"]) {
-            // SAFETY: a plain device allocation, kept for the process as the device is.
-            let ws = unsafe { cu::malloc_sync(crate::lt::WORKSPACE) }
-                .map_err(|e| dev_err("cuBLASLt workspace", e))?;
-            crate::lt::Handle::new(ws)
-        } else {
-            None
-        };
         Ok(Device {
             ordinal,
             ctx,
             stream,
             blas: Mutex::new(handle),
-            lt,
+            lt: OnceLock::new(),
             arch: format!("sm_{major}{minor}"),
             name,
             modules: Mutex::new(HashMap::new()),
@@ -292,16 +283,26 @@ impl Device {
         self.stream
     }
 
-    /// The device's cuBLASLt handle, `None` where the library did not load.
+    /// The device's cuBLASLt handle, made at the first use (with a workspace of its own, kept
+    /// for the process); `None` where libcublasLt (shipped beside cuBLAS) does not load or the
+    /// workspace cannot be allocated.
     pub fn lt(&self) -> Option<&crate::lt::Handle> {
-        self.lt.as_ref()
+        self.lt
+            .get_or_init(|| {
+                if !preload(&["libcublasLt.so.13", "libcublasLt.so"]) || self.bind().is_err() {
+                    return None;
+                }
+                // SAFETY: a plain device allocation, kept for the process as the device is.
+                let ws = unsafe { cu::malloc_sync(crate::lt::WORKSPACE) }.ok()?;
+                crate::lt::Handle::new(ws)
+            })
+            .as_ref()
     }
 
     /// Queues the cuBLASLt product `m` on the compute stream (see `lt::Handle::run`).
     pub fn lt_matmul(&self, m: &crate::lt::Matmul, ops: [u64; 4], bias: u64) -> Result<()> {
         let h = self
-            .lt
-            .as_ref()
+            .lt()
             .ok_or_else(|| Error::Internal("a cuBLASLt product without cuBLASLt".into()))?;
         h.run(m, ops, bias, self.stream)
     }

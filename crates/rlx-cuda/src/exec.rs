@@ -197,7 +197,7 @@ fn lt_units(dev: &Device, plan: &Plan) -> Result<Vec<Unit>> {
     let n = plan.steps.len();
     let mut at: Vec<Option<Unit>> = (0..n).map(|_| None).collect();
     let mut skip = vec![false; n];
-    if let (Some(lt), false) = (dev.lt(), mode == LtMode::Off) {
+    if let Some(lt) = (mode != LtMode::Off).then(|| dev.lt()).flatten() {
         dev.bind()?;
         let tf32 = std::env::var("RLX_CUDA_TF32").is_ok_and(|v| v == "1");
         for c in epilogue::candidates(plan, mode) {
