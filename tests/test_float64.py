@@ -191,3 +191,36 @@ def test_float64_stops_with_clear_errors_where_kernels_end():
     if "cuda" in rlx.devices():
         with pytest.raises(rlx.DTypeError, match=r"holds a float64 tensor"):
             g.compile("cuda")
+
+
+def test_float64_stop_gradient_dropout_losses_and_constants_stay_float64():
+    g = rlx.Graph()
+    x = g.input("x", (3,), "float64")
+    g.output((rlx.stop_gradient(x) * x).sum())
+    _, dx = rlx.grad(g, ["x"]).compile("cpu").run(x=np.array([1.0, 2.0, 3.0]))
+    np.testing.assert_array_equal(dx, [1.0, 2.0, 3.0])  # the stopped factor gets no gradient
+
+    def build(g):
+        v = g.input("v", (1, 2), "float64")
+        f = g.input("f", (1, 2), "float32")
+        return [v @ np.array([[0.1], [0.2]]), rlx.mse_loss(v, np.array([[0.1, 0.2]])), rlx.l1_loss(f, v),
+                rlx.smooth_l1_loss(v, f), rlx.binary_cross_entropy_with_logits(v, np.array([[1.0, 0.0]])),
+                g.constant(np.array([0.1, 0.2]), dtype="float64") + v, rlx.dropout(v, 0.5, training=False)]
+
+    v, f = np.array([[1.0, 1.0]]), np.array([[0.5, 2.0]], np.float32)
+    got = run(build, {"v": v, "f": f})
+    assert all(o.dtype == np.float64 for o in got)
+    np.testing.assert_array_equal(got[0], v @ np.array([[0.1], [0.2]]))  # 0.30000000000000004, not a float32 0.1
+    np.testing.assert_array_equal(got[1], np.mean((v - [[0.1, 0.2]]) ** 2))
+    np.testing.assert_array_equal(got[5], [[0.1, 0.2]] + v)
+    np.testing.assert_array_equal(got[6], v)
+    with pytest.raises(rlx.DTypeError, match=r"^\[constant\] dtype must be float32, float64, int32 or int64"):
+        rlx.Graph().constant(1.0, dtype="bfloat16")
+
+
+def test_a_float64_input_to_a_float32_model_is_a_dtype_error_in_training():
+    with pytest.raises(rlx.DTypeError, match=r"^\[loss\] loss_fn must return a float32 scalar, got float64 \(a float64 "
+                                             r"input makes the ops after it float64"):
+        rlx.compile_train_step(lambda m, x: m(x).sum(), rlx.nn.Linear(2, 1), rlx.optim.SGD(0.1), {"x": ((1, 2), "float64")})
+    model = rlx.nn.Sequential(rlx.nn.Linear(2, 2, dtype="float64"), rlx.nn.Dropout(0.5))
+    assert rlx.compile(lambda m, x: m(x), model, {"x": ((1, 2), "float64")})(x=np.ones((1, 2))).dtype == np.float64

@@ -347,8 +347,11 @@ class TrainStep(_Compiled):
             out, aux = out
         if not isinstance(out, Tensor):
             raise RlxError(f"loss_fn must return an rlx.Tensor (or (loss, aux dict)), got {type(out).__name__}")
-        if out.shape != () or out.dtype != "float32":
+        if out.shape != ():
             raise ShapeError(f"[loss] loss_fn must return a float32 scalar, got {out.dtype} {out.shape}")
+        if out.dtype != "float32":
+            raise DTypeError(f"[loss] loss_fn must return a float32 scalar, got {out.dtype} (a float64 input makes "
+                             "the ops after it float64: cast the input, or the loss, with .astype('float32'))")
         for k, v in aux.items():
             if not isinstance(k, str) or not isinstance(v, Tensor):
                 raise RlxError(f"aux must map names to rlx Tensors; '{k}' is a {type(v).__name__}")

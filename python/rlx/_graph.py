@@ -9,7 +9,7 @@ import numpy as np
 from . import _check, _rlx
 from ._arrays import _NP, convert, parse_dtype
 from ._tensor import Tensor, Trace
-from .errors import InputError, RlxError
+from .errors import DTypeError, InputError, RlxError
 
 
 class Graph:
@@ -48,13 +48,18 @@ class Graph:
     def _leaf(kind: str, name: Any, shape: Any, dtype: Any) -> tuple[str, list[int], str]:
         return _check.name(kind, name), list(_check.shape(kind, shape)), parse_dtype(kind, dtype)
 
-    def constant(self, value: Any) -> Tensor:
-        """A constant (numpy array or Python number) in the graph.
+    def constant(self, value: Any, dtype: str | None = None) -> Tensor:
+        """A constant (numpy array or Python number) in the graph: float values become float32
+        and integers int32 (int64 where a value needs it) unless ``dtype`` (``"float32"``,
+        ``"float64"``, ``"int32"``, ``"int64"``) says otherwise.
 
         Example:
             >>> c = g.constant(np.eye(3, dtype=np.float32))
+            >>> d = g.constant(np.array([0.1, 0.2]), dtype="float64")   # kept exact
         """
-        return self._trace.constant(value)
+        if dtype is not None and dtype not in ("float32", "float64", "int32", "int64"):
+            raise DTypeError(f"[constant] dtype must be float32, float64, int32 or int64, got {dtype!r}")
+        return self._trace.constant(value, dtype=dtype)
 
     def output(self, *tensors: Tensor) -> None:
         """

@@ -94,10 +94,12 @@ def _pair(op: str, a: Any, b: Any) -> tuple[Tensor, Tensor]:
     x, y = _as_tensor(a, t), _as_tensor(b, t)
     if x.dtype in ("bfloat16", "float16"):
         x = x.astype("float32")  # losses compute and return float32, as under autocast
-    if x.dtype != "float32":
-        raise DTypeError(f"[{op}] expects float32, bfloat16 or float16 input, got {x.dtype}")
-    if y.dtype != "float32":
-        y = y.astype("float32")
+    if y.dtype == "float64" and x.dtype == "float32":
+        x = x.astype("float64")  # float64 wins, as in elementwise ops
+    if x.dtype not in ("float32", "float64"):
+        raise DTypeError(f"[{op}] expects float32, float64, bfloat16 or float16 input, got {x.dtype}")
+    if y.dtype != x.dtype:
+        y = y.astype(x.dtype)
     if x.shape != y.shape:
         raise ShapeError(f"[{op}] input {x.shape} and target {y.shape} must have the same shape")
     return x, y

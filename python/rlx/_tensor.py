@@ -605,12 +605,15 @@ def matmul(a: Any, b: Any) -> Tensor:
         ...     return rlx.matmul(x, x.T)
     """
     t = _trace_of(a, b)
-    a, b = _wide_pair(_as_tensor(a, t), _as_tensor(b, t))
+    # A constant beside a float64 tensor is made in float64 (never rounded to float32 first).
+    wide = "float64" if "float64" in (_dtype_of(a), _dtype_of(b)) else None
+    a, b = _wide_pair(_as_tensor(a, t, dtype=wide), _as_tensor(b, t, dtype=wide))
     return Tensor(t, t.graph.matmul(a._id, b._id))
 
 
 def _wide_pair(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """A matmul's operands, both float64 where either is (float64 wins, as in elementwise ops)."""
+    """Two operands (of a matmul, a loss), both float64 where either is (float64 wins, as in
+    elementwise ops)."""
     if (a.dtype == "float64") != (b.dtype == "float64"):
         a, b = a.astype("float64"), b.astype("float64")
     return a, b
@@ -722,7 +725,8 @@ def mse_loss(pred: Any, target: Any) -> Tensor:
         ...     return rlx.mse_loss(model(x), y)
     """
     t = _trace_of(pred, target)
-    p, q = _as_tensor(pred, t), _as_tensor(target, t)
+    wide = "float64" if "float64" in (_dtype_of(pred), _dtype_of(target)) else None
+    p, q = _wide_pair(_as_tensor(pred, t, dtype=wide), _as_tensor(target, t, dtype=wide))
     return Tensor(t, t.graph.mse(p._id, q._id))
 
 
@@ -1115,6 +1119,6 @@ def stop_gradient(x: Any) -> Tensor:
     """
     t = _trace_of(x)
     x = _as_tensor(x, t)
-    if x.dtype not in ("float32",) + _LOW:
-        return x  # integer and bool tensors carry no gradient anyway (float64 computes nothing)
+    if x.dtype not in ("float32", "float64") + _LOW:
+        return x  # integer and bool tensors carry no gradient anyway
     return Tensor(t, t.graph.unary("stop_gradient", x._id))

@@ -162,10 +162,10 @@ def dropout(x: Any, p: float = 0.5, training: bool = True) -> Tensor:
         raise InputError(f"[dropout] p must be in [0, 1), got {p}")
     t = _trace_of(x)
     x = _as_tensor(x, t)
+    if not training or p == 0.0:
+        return x  # the identity for every dtype
     if x.dtype not in ("float32", "bfloat16", "float16"):
         raise DTypeError(f"[dropout] x must be float32, bfloat16 or float16, got {x.dtype}")
-    if not training or p == 0.0:
-        return x
     seed = _rng_input(t)
     return Tensor(t, t.graph.dropout(x._id, seed._id, float(p)))
 

@@ -52,8 +52,9 @@ def _bump() -> None:
 
 class Parameter:
     """A trainable tensor: float32 unless ``dtype`` says otherwise (``"float16"``,
-    ``"bfloat16"``, ``"float64"`` hold and checkpoint values, but rlx computes only in float32
-    so far: compiling a model that holds them raises ``DTypeError``; see ``Module.to``).
+    ``"bfloat16"``, ``"float64"`` hold and checkpoint values; models of them compile for
+    inference, float64 ones computing in float64 on the CPU, while training them raises
+    ``DTypeError``; see ``Module.to``).
 
     Before compiling, ``numpy()`` returns the parameter's own host array. After compiling on a
     host-visible device it is a zero-copy view into the weight store: writing to it changes what
@@ -561,9 +562,11 @@ class Module:
     def to(self, dtype: Any) -> "Module":
         """Converts every floating-point parameter and buffer to ``dtype`` (``"float32"``,
         ``"float16"``, ``"bfloat16"``, ``"float64"``), rounding to nearest even, as PyTorch's
-        ``module.to(dtype)``; integer and bool buffers are kept. Returns the module. rlx
-        computes in float32 only so far: a model in another dtype can be stored, saved and
-        loaded, but compiling it raises ``DTypeError`` naming the parameter.
+        ``module.to(dtype)``; integer and bool buffers are kept. Returns the module. A model
+        in another dtype is stored, saved and loaded as such and compiles for inference
+        (float64 computes in float64 on the CPU; bfloat16/float16 in float32, rounded back);
+        training one raises ``DTypeError`` naming the parameter (train float32 weights, with
+        ``precision=`` for low-precision compute).
 
         Example:
             >>> m = rlx.nn.Linear(3, 2).to("bfloat16")

@@ -52,7 +52,7 @@ impl Instr {
 pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
     let all_f32 = ins.iter().all(|t| t.dtype == DType::F32) && out.dtype == DType::F32;
     let int = |t: &TRef| matches!(t.dtype, DType::I32 | DType::I64);
-    // The CPU's float64 kernels (a GPU plan refuses float64 tensors before this).
+    // The CPU's float64 kernels (a GPU plan then refuses every float64 tensor in `dtypes`).
     let f64_op = matches!(
         op,
         Op::Unary(_)
