@@ -113,24 +113,28 @@ impl Drop for CudaProgram {
     }
 }
 
+/// A GEMM's profile name: dtype, transposes, shape and batch.
+fn gemm_key(g: &plan::Gemm) -> String {
+    let t = |t: bool| if t { "T" } else { "N" };
+    format!(
+        "gemm {} {}{} m{} n{} k{} x{}",
+        g.dtype,
+        t(g.ta),
+        t(g.tb),
+        g.m,
+        g.n,
+        g.k,
+        g.batch
+    )
+}
+
 /// The profile row of a unit: the kernel (or GEMM shape and epilogue) it runs.
 fn profile_key(plan: &Plan, unit: &Unit) -> String {
     let i = match unit {
         Unit::Step(i) => *i,
         Unit::Lt(l) => {
-            let g = &l.0.spec.g;
-            return format!(
-                "lt gemm {} {}{} m{} n{} k{} x{} {:?}{}",
-                g.dtype,
-                if g.ta { "T" } else { "N" },
-                if g.tb { "T" } else { "N" },
-                g.m,
-                g.n,
-                g.k,
-                g.batch,
-                l.0.spec.epi,
-                if l.0.spec.residual { " +C" } else { "" }
-            );
+            let residual = if l.0.spec.residual { " +C" } else { "" };
+            return format!("lt {} {:?}{residual}", gemm_key(&l.0.spec.g), l.0.spec.epi);
         }
     };
     match &plan.steps[i] {
@@ -144,16 +148,7 @@ fn profile_key(plan: &Plan, unit: &Unit) -> String {
             Kernel::Fused(f) => format!("fused#{f} <<<{grid},{block}>>>"),
         },
         Step::Fill { bytes, .. } => format!("fill {bytes} B"),
-        Step::Gemm { g, .. } => format!(
-            "gemm {} {}{} m{} n{} k{} x{}",
-            g.dtype,
-            if g.ta { "T" } else { "N" },
-            if g.tb { "T" } else { "N" },
-            g.m,
-            g.n,
-            g.k,
-            g.batch
-        ),
+        Step::Gemm { g, .. } => gemm_key(g),
         Step::HyperRow { .. } => "hyper-parameter row".into(),
         Step::HostUpdate(_) => "host update".into(),
     }
