@@ -4,8 +4,8 @@
 //!   of the product's shape and `act` ReLU or tanh-GELU, each optional: one product
 //!   `d = act(a b + 1 * c + bias)`, the residual as cuBLASLt's `C`;
 //! - a column sum (`rlx_reduce_rows`) of the `dY` that a later weight-gradient GEMM
-//!   (`dY^T X`) reads: a bias gradient, written by that GEMM's BGRADB epilogue instead, where
-//!   nothing in between touches the sum's output;
+//!   (`dY^T X`) reads: a bias gradient, written by that GEMM's BGRADB epilogue instead, for the
+//!   pairs the lowering proved safe on the program's tensors (`Plan::bias_grads`);
 //! - with `RLX_CUDA_LT=all`, every other GEMM too, with no epilogue.
 //!
 //! `RLX_CUDA_LT=epilogue` (or `all`) turns this on; by default every product is plain cuBLAS
@@ -89,12 +89,23 @@ fn align_of(offset: usize) -> usize {
     }
 }
 
+/// The request for `g` over `ops`: every matrix of a batch starts at the operand's offset
+/// plus a multiple of its batch stride, so both bound the alignment.
 fn spec(g: Gemm, epi: Epi, residual: bool, ops: &[Loc; 4]) -> LtSpec {
+    let esize = [g.dtype.size(), g.dtype.size(), 4, 4];
+    let strides = [g.stride_a, g.stride_b, g.stride_c, g.stride_c];
+    let mut align = [0; 4];
+    for k in 0..4 {
+        align[k] = align_of(ops[k].offset);
+        if g.batch > 1 {
+            align[k] = align[k].min(align_of(strides[k] * esize[k]));
+        }
+    }
     LtSpec {
         g,
         epi,
         residual,
-        align: ops.map(|l| align_of(l.offset)),
+        align,
     }
 }
 
@@ -187,24 +198,10 @@ fn forward(plan: &Plan, i: usize) -> Option<LtStep> {
     })
 }
 
-/// Every operand place of step `s` (reads and writes).
-fn places(s: &Step) -> Vec<Loc> {
-    match s {
-        Step::Launch { operands, .. } => operands.iter().map(|(_, l)| *l).collect(),
-        Step::Fill { at, .. } | Step::HyperRow { at } => vec![*at],
-        Step::Gemm { a, b, c, .. } => vec![*a, *b, *c],
-        // The host update reads every gradient: nothing may move past it.
-        Step::HostUpdate(_) => vec![Loc {
-            buf: usize::MAX,
-            offset: 0,
-        }],
-    }
-}
-
-/// The bias-gradient fold of column sum step `j`: the first later float32 weight-gradient GEMM
-/// whose `dY^T` operand is the summed tensor, where no step in between has an operand inside
-/// the sum's output (so writing it later changes nothing anyone reads).
-fn bias_grad(plan: &Plan, j: usize, taken: &[bool]) -> Option<LtStep> {
+/// The bias-gradient fold of the plan's pair `(j, i)` (see `Plan::bias_grads`, which proved
+/// that the GEMM reads the summed tensor itself and that the sum's output may be written
+/// late): the column sum `j` becomes GEMM `i`'s BGRADB epilogue where their shapes agree.
+fn bias_grad(plan: &Plan, (j, i): (usize, usize)) -> Option<LtStep> {
     let Step::Launch {
         kernel: Kernel::Library("rlx_reduce_rows"),
         p,
@@ -220,39 +217,25 @@ fn bias_grad(plan: &Plan, j: usize, taken: &[bool]) -> Option<LtStep> {
     );
     let x = operands.iter().find(|(s, _)| *s == 0)?.1;
     let db = operands.iter().find(|(s, _)| *s == 1)?.1;
-    if p.fv[0] != 1.0 {
-        return None; // a mean
-    }
-    let inside = |l: &Loc| {
-        l.buf == usize::MAX
-            || (l.buf == db.buf && l.offset >= db.offset && l.offset < db.offset + n * 4)
+    let Step::Gemm { g, a, b, c } = &plan.steps[i] else {
+        return None;
     };
-    for (i, s) in plan.steps.iter().enumerate().skip(j + 1) {
-        if let Step::Gemm { g, a, b, c } = s {
-            if !taken[i]
-                && *b == x
-                && g.dtype == DType::F32
-                && g.tb
-                && g.batch == 1
-                && g.k == rows
-                && g.n == n
-                && g.ldb == n
-                && c.buf != PRODUCT
-            {
-                let ops = [*a, *b, *c, *c];
-                return Some(LtStep {
-                    spec: spec(*g, Epi::BiasGradB, false, &ops),
-                    ops,
-                    bias: Some(db),
-                    steps: vec![i, j],
-                });
-            }
-        }
-        if places(s).iter().any(inside) {
-            return None;
-        }
-    }
-    None
+    let fits = p.fv[0] == 1.0 // a sum, not a mean
+        && *b == x
+        && g.dtype == DType::F32
+        && g.tb
+        && g.batch == 1
+        && g.k == rows
+        && g.n == n
+        && g.ldb == n
+        && c.buf != PRODUCT;
+    let ops = [*a, *b, *c, *c];
+    fits.then(|| LtStep {
+        spec: spec(*g, Epi::BiasGradB, false, &ops),
+        ops,
+        bias: Some(db),
+        steps: vec![i, j],
+    })
 }
 
 /// The cuBLASLt candidates of `plan` under `mode`, each claiming its steps (no step in two).
@@ -277,11 +260,11 @@ pub fn candidates(plan: &Plan, mode: LtMode) -> Vec<LtStep> {
             claim(c, &mut taken, &mut out);
         }
     }
-    for j in 0..plan.steps.len() {
-        if taken[j] {
+    for &(j, i) in &plan.bias_grads {
+        if taken[j] || taken[i] {
             continue;
         }
-        if let Some(c) = bias_grad(plan, j, &taken) {
+        if let Some(c) = bias_grad(plan, (j, i)) {
             claim(c, &mut taken, &mut out);
         }
     }
@@ -497,6 +480,14 @@ mod tests {
         assert!(candidates(&pl, LtMode::Epilogues).is_empty());
         // A place inside the sum's output in between: not moved either.
         let pl = weight_grad(Some(neg(t(0, 49152, &[8]), t(2, 576, &[8]))));
+        assert!(candidates(&pl, LtMode::Epilogues).is_empty());
+        // A tensor that starts before the sum's output and runs into it: not moved.
+        let pl = weight_grad(Some(neg(t(0, 49152, &[80]), t(2, 256, &[80]))));
+        assert!(candidates(&pl, LtMode::Epilogues).is_empty());
+        // Another tensor written where dY was (its slot reused) before the GEMM reads that
+        // place: the GEMM's operand is not the summed dY, so nothing moves.
+        let pl = weight_grad(Some(neg(t(0, 49152, &[64, 32]), t(0, 0, &[64, 32]))));
+        assert!(pl.bias_grads.is_empty());
         assert!(candidates(&pl, LtMode::Epilogues).is_empty());
     }
 

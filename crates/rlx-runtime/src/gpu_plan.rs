@@ -226,6 +226,12 @@ pub struct Plan {
     /// Constant tables `(scratch byte offset, bytes)` a backend writes into its scratch buffer
     /// once, when it compiles the plan (the multi-tensor update's operand table).
     pub tables: Vec<(usize, Vec<u8>)>,
+    /// `(column-sum step, weight-gradient GEMM step)`: a bias gradient `sum_to(dY)` and a later
+    /// `dY^T X` product reading that very tensor (nothing writes its bytes in between), where
+    /// nothing in between reads or writes the sum's output either: a backend may let the GEMM
+    /// write the sum (cuBLASLt's BGRADB epilogue) and skip the sum's launch. See
+    /// [`bias_grad_pairs`].
+    pub bias_grads: Vec<(usize, usize)>,
 }
 
 impl Plan {
@@ -434,7 +440,11 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
         target,
         chunked_sums: (Vec::new(), 0, 0),
     };
+    let pairs = bias_grad_pairs(program);
+    // The first step each instruction lowered to, and how many.
+    let mut lowered: Vec<(usize, usize)> = Vec::with_capacity(program.instrs.len());
     for (i, instr) in program.instrs.iter().enumerate() {
+        let first = b.plan.steps.len();
         if matches!(instr, Instr::Update(_)) && i + 1 != program.instrs.len() {
             // The update's table sits past everything else in the scratch buffer.
             return Err(Error::Internal(
@@ -448,9 +458,81 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
             }
             Instr::Update(u) => b.update(u)?,
         }
+        lowered.push((first, b.plan.steps.len() - first));
+    }
+    // A pair stands where each side lowered to one step: the column sum's launch and one GEMM.
+    for (sum, gemm) in pairs {
+        let ((s, sn), (g, gn)) = (lowered[sum], lowered[gemm]);
+        let one_sum = sn == 1
+            && matches!(
+                &b.plan.steps[s],
+                Step::Launch {
+                    kernel: Kernel::Library("rlx_reduce_rows"),
+                    ..
+                }
+            );
+        if one_sum && gn == 1 && matches!(b.plan.steps[g], Step::Gemm { .. }) {
+            b.plan.bias_grads.push((s, g));
+        }
     }
     b.finish();
     Ok(b.plan)
+}
+
+/// `(sum, matmul)` instruction pairs of `program`: a float32 `sum_to` of `dY` (`[rows.., n]`)
+/// down to `[n]`, and the first later `matmul` with `a^T` reading `dY` itself — the same bytes,
+/// not rewritten by any instruction in between — where no instruction in between reads or
+/// writes the sum's output. Writing that output at the matmul instead of at the sum is then
+/// unobservable (the planner keeps it reserved from the sum on).
+pub fn bias_grad_pairs(program: &Program) -> Vec<(usize, usize)> {
+    use crate::validate::overlaps;
+    let mut pairs = Vec::new();
+    for (j, instr) in program.instrs.iter().enumerate() {
+        let Instr::Op {
+            op: Op::SumTo { .. },
+            ins,
+            out: db,
+        } = instr
+        else {
+            continue;
+        };
+        let dy = &ins[0];
+        let n = db.numel();
+        if dy.dtype != DType::F32 || db.shape.rank() != 1 || dy.shape.dims().last() != Some(&n) {
+            continue;
+        }
+        for (k, later) in program.instrs.iter().enumerate().skip(j + 1) {
+            let (reads, writes) = later.operands();
+            if let Instr::Op {
+                op:
+                    Op::MatMul {
+                        trans_a: true,
+                        trans_b: false,
+                    },
+                ins,
+                ..
+            } = later
+            {
+                let a = &ins[0];
+                if a.buf == dy.buf
+                    && a.offset == dy.offset
+                    && a.numel() == dy.numel()
+                    && a.dtype == DType::F32
+                    && a.shape.rank() == 2
+                    && a.shape.dims()[1] == n
+                {
+                    pairs.push((j, k));
+                    break;
+                }
+            }
+            if writes.iter().any(|w| overlaps(w, dy))
+                || reads.iter().chain(&writes).any(|t| overlaps(t, db))
+            {
+                break;
+            }
+        }
+    }
+    pairs
 }
 
 /// Under mixed precision a GPU program holds bfloat16/float16 tensors only as casts of float32
