@@ -350,8 +350,11 @@ def test_int64_python_numbers_and_promotion_follow_pytorch():
     for k, (g_, w) in enumerate(zip(got, wants)):
         np.testing.assert_array_equal(g_, w, err_msg=str(k))
     g = rlx.Graph()
-    with pytest.raises(rlx.DTypeError, match=r"\[constant\] 9223372036854775808 does not fit in int64"):
+    with pytest.raises(rlx.DTypeError, match=r"\[constant\] 9223372036854775808 does not fit in int64$"):
         g.input("i", (2,), "int64") + 2**63
+    with pytest.raises(rlx.DTypeError, match=r"\[constant\] 1099511627776 does not fit in int32; cast the tensor with "
+                                             r"\.astype\('int64'\)"):
+        g.input("j", (2,), "int32") + 2**40
 
 
 def test_integer_division_by_zero_names_the_int64_divisor():

@@ -46,7 +46,8 @@ class Trace:
             key = (dtype, int(value) if dtype == "int64" else float(value))
             if key not in self._consts:
                 if dtype in _INTS and not -_INT_BOUND[dtype] <= int(value) < _INT_BOUND[dtype]:
-                    raise DTypeError(f"[constant] {value} does not fit in {dtype}")
+                    hint = "; cast the tensor with .astype('int64')" if dtype == "int32" else ""
+                    raise DTypeError(f"[constant] {value} does not fit in {dtype}{hint}")
                 arr = np.asarray(value, dtype={"float32": np.float32, "float64": np.float64, "int32": np.int32,
                                                "int64": np.int64}[dtype])
                 self._consts[key] = self.graph.constant(arr.reshape(-1), [], dtype)
