@@ -48,8 +48,14 @@ def _data(n=64, d=32, c=10, seed=0):
 
 
 @needs_cuda
-@pytest.mark.parametrize("opt", ["sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop", "adagrad"])
-def test_mlp_training_matches_cpu(opt):
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "nesterov", "adam", "adamw", "rmsprop", "adagrad",
+                                 "adam-lt-epilogue", "adam-lt-all"])
+def test_mlp_training_matches_cpu(opt, monkeypatch):
+    """Every optimizer; Adam also with the cuBLASLt products (bias + ReLU epilogues, bias
+    gradients in the weight-gradient products: RLX_CUDA_LT)."""
+    if "-lt-" in opt:
+        opt, lt = opt.split("-lt-")
+        monkeypatch.setenv("RLX_CUDA_LT", lt)
     make_opt = {
         "sgd": lambda: rlx.optim.SGD(lr=0.1),
         "momentum": lambda: rlx.optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
@@ -195,7 +201,11 @@ def test_parameters_and_grads_are_copies_not_views():
 
 
 @needs_cuda
-def test_gpt_training_and_cached_generation_match_cpu():
+@pytest.mark.parametrize("lt", [None, "0", "epilogue", "all"])
+def test_gpt_training_and_cached_generation_match_cpu(lt, monkeypatch):
+    """Under every RLX_CUDA_LT mode (fused cuBLASLt epilogues and bias gradients included)."""
+    if lt is not None:
+        monkeypatch.setenv("RLX_CUDA_LT", lt)
     V, D, H, L, T, B = 32, 32, 2, 2, 16, 4
     cpu_m, gpu_m = _pair(lambda: rlx.models.GPT(vocab=V, dim=D, heads=H, layers=L, seq_len=T))
     rng = np.random.default_rng(0)
