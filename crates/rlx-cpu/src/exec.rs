@@ -343,6 +343,13 @@ unsafe fn run_f64(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Option<Result
     Some(Ok(()))
 }
 
+/// A `where` condition of another dtype as the float32 0/1 mask the select kernel takes.
+fn nonzero<T: Copy + PartialEq + Default>(x: &[T]) -> Vec<f32> {
+    x.iter()
+        .map(|&v| (v != T::default()) as i32 as f32)
+        .collect()
+}
+
 /// # Safety
 /// `out` must not overlap any of `ins` (checked by `CpuProgram::new`).
 unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
@@ -509,31 +516,19 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             let c = match ins[0].dtype {
                 DType::F32 => f(0),
                 DType::I32 => {
-                    cond = unsafe { b.get::<i32>(&ins[0]) }
-                        .iter()
-                        .map(|&v| (v != 0) as i32 as f32)
-                        .collect();
+                    cond = nonzero(unsafe { b.get::<i32>(&ins[0]) });
                     &cond
                 }
                 DType::F64 => {
-                    cond = unsafe { b.get::<f64>(&ins[0]) }
-                        .iter()
-                        .map(|&v| (v != 0.0) as i32 as f32)
-                        .collect();
+                    cond = nonzero(unsafe { b.get::<f64>(&ins[0]) });
                     &cond
                 }
                 DType::I64 => {
-                    cond = unsafe { b.get::<i64>(&ins[0]) }
-                        .iter()
-                        .map(|&v| (v != 0) as i32 as f32)
-                        .collect();
+                    cond = nonzero(unsafe { b.get::<i64>(&ins[0]) });
                     &cond
                 }
                 DType::Bool => {
-                    cond = unsafe { b.get::<u8>(&ins[0]) }
-                        .iter()
-                        .map(|&v| (v != 0) as i32 as f32)
-                        .collect();
+                    cond = nonzero(unsafe { b.get::<u8>(&ins[0]) });
                     &cond
                 }
                 dt => {
