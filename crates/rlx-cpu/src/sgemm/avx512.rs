@@ -28,6 +28,7 @@ pub struct Kernel;
 impl Micro for Kernel {
     const MR: usize = MR;
     const NR: usize = NR;
+    const COLS_IN_PLACE: bool = true;
 
     unsafe fn block(
         kc: usize,

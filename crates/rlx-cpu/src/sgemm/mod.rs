@@ -242,6 +242,11 @@ pub(crate) trait Micro {
     const MR: usize;
     /// Columns of the register tile (and of one packed B panel).
     const NR: usize;
+    /// Whether a column-major A (a transposed operand) is read in place rather than packed.
+    /// In place, one tile reads `MR` floats from each of `kc` cache lines: on a 32 KB L1 a
+    /// 512-deep tile fills it (the weight-gradient products on an AVX2 Zen 3: 58-72 GFLOP/s in
+    /// place, see BENCHMARKS.md); a 48 KB L1 keeps it.
+    const COLS_IN_PLACE: bool;
     /// `C[0..mc, 0..nc] = beta * C + A (mc x kc, see [`ASrc`]) @ packed B (panels of kc x NR)`,
     /// C row-major with row stride `rs` from `c`. Panics unless `a` and `pb` hold every
     /// element the block reads.
@@ -455,7 +460,8 @@ unsafe fn drive<K: Micro>(
                     // Row- or column-major A is read in place by whole tiles (packing
                     // row-major A would be a transpose, column-major A a copy); the rest is
                     // packed.
-                    let direct = if (av.cs == 1 || av.rs == 1) && m > 1 && k > 1 {
+                    let in_place = av.cs == 1 || (av.rs == 1 && K::COLS_IN_PLACE);
+                    let direct = if in_place && m > 1 && k > 1 {
                         mc / mr * mr
                     } else {
                         0
