@@ -36,7 +36,7 @@ fn thread_seconds() -> f64 {
     START.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
-const SHAPES: [(&str, usize, usize, usize, bool, bool); 21] = [
+const SHAPES: [(&str, usize, usize, usize, bool, bool); 24] = [
     ("gpt qkv fwd", 1024, 128, 384, false, true),
     ("gpt proj fwd", 1024, 128, 128, false, true),
     ("gpt fc1 fwd", 1024, 128, 512, false, true),
@@ -59,6 +59,10 @@ const SHAPES: [(&str, usize, usize, usize, bool, bool); 21] = [
     ("cifar conv2 fwd", 64, 288, 256, false, false),
     ("cifar conv2 dW", 64, 256, 288, false, true),
     ("cifar conv2 dX", 288, 64, 256, true, false),
+    // Square products (`benches/bench_cpu.py --only sgemm`).
+    ("square 512", 512, 512, 512, false, false),
+    ("square 1024", 1024, 1024, 1024, false, false),
+    ("square 2048", 2048, 2048, 2048, false, false),
 ];
 
 fn main() {
