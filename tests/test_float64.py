@@ -1,7 +1,8 @@
 """float64 compute on the CPU: every op with float64 kernels against numpy in float64, gradients
 of float64 graphs against central finite differences (float64 makes them tight), float64
-models through rlx.compile, promotion, and the clear errors where float64 stops (training,
-GPU backends, ops without float64 kernels)."""
+models through rlx.compile, float64 weights trained by every optimizer (against numpy in float64),
+promotion, and the clear errors where float64 stops (GPU backends, mixed precision, data
+parallelism, ops without float64 kernels)."""
 
 import math
 
@@ -145,7 +146,7 @@ def test_float64_gradients_match_finite_differences(name):
     np.testing.assert_allclose(dw, numeric_grad(lambda v: value(x0, v), w0), rtol=1e-6, atol=1e-8)
 
 
-def test_float64_models_compile_for_inference_and_refuse_training():
+def test_float64_models_compile_for_inference_and_training():
     rlx.seed(0)
 
     class Net(rlx.nn.Module):
@@ -167,9 +168,8 @@ def test_float64_models_compile_for_inference_and_refuse_training():
     h = (h - h.mean(1, keepdims=True)) / np.sqrt(h.var(1, keepdims=True) + 1e-5) * np.asarray(net.norm.weight) \
         + np.asarray(net.norm.bias)
     np.testing.assert_allclose(out, softmax(h @ w2.T + b2, -1), rtol=1e-10, atol=1e-12)  # float32 eps, as above
-    with pytest.raises(rlx.DTypeError, match=r"\[compile_train_step\] parameter 'fc1.weight' is float64: training float64 "
-                                             r"weights is not supported yet"):
-        rlx.compile_train_step(lambda m, x: m(x).sum(), net, rlx.optim.SGD(0.1), {"x": ((4, 6), "float64")})
+    step = rlx.compile_train_step(lambda m, x: m(x).sum(), net, rlx.optim.SGD(0.1), {"x": ((4, 6), "float64")})
+    assert isinstance(step(x=X), float)  # and trains (the tests below check the values)
 
 
 def test_float64_causal_attention_matches_numpy():
@@ -218,9 +218,162 @@ def test_float64_stop_gradient_dropout_losses_and_constants_stay_float64():
         rlx.Graph().constant(1.0, dtype="bfloat16")
 
 
-def test_a_float64_input_to_a_float32_model_is_a_dtype_error_in_training():
-    with pytest.raises(rlx.DTypeError, match=r"^\[loss\] loss_fn must return a float32 scalar, got float64 \(a float64 "
-                                             r"input makes the ops after it float64"):
-        rlx.compile_train_step(lambda m, x: m(x).sum(), rlx.nn.Linear(2, 1), rlx.optim.SGD(0.1), {"x": ((1, 2), "float64")})
+def test_a_float64_input_to_a_float32_model_trains_the_float32_weights():
+    """Promotion makes the ops after a float64 input float64 (so the loss is float64); the float32
+    weights get float32 gradients back through the casts and are updated in float32."""
+    lin = rlx.nn.Linear(2, 1)
+    w = np.array(lin.weight)
+    step = rlx.compile_train_step(lambda m, x: m(x).sum(), lin, rlx.optim.SGD(0.1), {"x": ((1, 2), "float64")})
+    assert isinstance(step(x=np.array([[1.0, 2.0]])), float)
+    assert lin.weight.numpy().dtype == np.float32
+    np.testing.assert_allclose(lin.weight.numpy(), w - 0.1 * np.array([[1.0, 2.0]], np.float32), rtol=1e-6)
     model = rlx.nn.Sequential(rlx.nn.Linear(2, 2, dtype="float64"), rlx.nn.Dropout(0.5))
     assert rlx.compile(lambda m, x: m(x), model, {"x": ((1, 2), "float64")})(x=np.ones((1, 2))).dtype == np.float64
+
+
+# ---- training float64 weights (CPU) ------------------------------------------------------------
+
+def _np_update(rule, kw, p, g, st, t):
+    """One step of PyTorch's rule for ``rule`` in float64 numpy, in place over ``p`` and ``st``."""
+    lr, wd = kw["lr"], kw.get("weight_decay", 0.0)
+    if rule == "SGD":
+        d = g + wd * p
+        m = kw.get("momentum", 0.0)
+        if m:
+            st["buf"] = d.copy() if t == 1 else m * st["buf"] + (1 - kw.get("dampening", 0.0)) * d
+            d = d + m * st["buf"] if kw.get("nesterov") else st["buf"]
+        p -= lr * d
+    elif rule in ("Adam", "AdamW"):
+        b1, b2 = kw.get("betas", (0.9, 0.999))
+        eps = kw.get("eps", 1e-8)
+        if rule == "AdamW":
+            p *= 1 - lr * wd
+            d = g
+        else:
+            d = g + wd * p
+        st["m"] = b1 * st.get("m", 0) + (1 - b1) * d
+        st["v"] = b2 * st.get("v", 0) + (1 - b2) * d * d
+        p -= lr / (1 - b1**t) * st["m"] / (np.sqrt(st["v"]) / np.sqrt(1 - b2**t) + eps)
+    elif rule == "RMSprop":
+        a, eps, m = kw.get("alpha", 0.99), kw.get("eps", 1e-8), kw.get("momentum", 0.0)
+        d = g + wd * p
+        st["sq"] = a * st.get("sq", 0) + (1 - a) * d * d
+        avg = np.sqrt(st["sq"]) + eps
+        if m:
+            st["buf"] = m * st.get("buf", 0) + d / avg
+            p -= lr * st["buf"]
+        else:
+            p -= lr * d / avg
+    else:  # Adagrad
+        d = g + wd * p
+        st["sum"] = st.get("sum", 0) + d * d
+        p -= lr / (1 + (t - 1) * kw.get("lr_decay", 0.0)) * d / (np.sqrt(st["sum"]) + kw.get("eps", 1e-10))
+
+
+OPTIMIZERS = {
+    "sgd_nesterov": ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    "sgd_dampening": ("SGD", {"lr": 0.1, "momentum": 0.5, "dampening": 0.3}),
+    "adam_l2": ("Adam", {"lr": 0.01, "weight_decay": 0.1}),
+    "adamw": ("AdamW", {"lr": 0.01, "betas": (0.8, 0.95), "weight_decay": 0.1}),
+    "rmsprop_momentum": ("RMSprop", {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.01}),
+    "adagrad": ("Adagrad", {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 0.01}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_float64_weights_train_as_numpy_does_in_float64(name):
+    """A float64 linear model under mean-squared error: losses, weights and optimizer state after
+    four steps equal a float64 numpy run of PyTorch's rule to float64 rounding (a float32 hyper-
+    parameter or update anywhere would be ~1e-8 off)."""
+    rule, kw = OPTIMIZERS[name]
+    rlx.seed(1)
+    model = rlx.nn.Linear(6, 3, dtype="float64")
+    w, b = np.array(model.weight), np.array(model.bias)
+    opt = getattr(rlx.optim, rule)(**kw)
+    step = rlx.compile_train_step(lambda m, x, y: rlx.mse_loss(m(x), y), model, opt,
+                                  {"x": ((4, 6), "float64"), "y": ((4, 3), "float64")})
+    target = rng.standard_normal((4, 3))
+    states: dict = {"w": {}, "b": {}}
+    for t in range(1, 5):
+        err = X @ w.T + b - target
+        assert step(x=X, y=target) == pytest.approx(np.mean(err**2), rel=1e-14)
+        gout = 2 * err / err.size
+        _np_update(rule, kw, w, gout.T @ X, states["w"], t)
+        _np_update(rule, kw, b, gout.sum(0), states["b"], t)
+    assert model.weight.numpy().dtype == np.float64
+    np.testing.assert_allclose(model.weight.numpy(), w, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(model.bias.numpy(), b, rtol=1e-13, atol=1e-15)
+    state = opt.state("weight")
+    assert int(state["step"]) == 4
+    for key, value in state.items():
+        if key != "step":
+            assert value.dtype == np.float64, key
+    if rule in ("Adam", "AdamW"):
+        np.testing.assert_allclose(state["exp_avg"], states["w"]["m"], rtol=1e-13, atol=1e-16)
+
+
+def test_float64_training_with_float32_layers_clipping_accumulation_and_checkpoints(tmp_path):
+    """A model mixing a float32 layer and float64 layers trains with global-norm clipping over
+    both dtypes and gradient accumulation; the optimizer state keeps each parameter's dtype through
+    state_dict and save/load, and a resumed run continues exactly where the first one stood."""
+
+    class Mixed(rlx.nn.Module):
+        def __init__(self):
+            self.fc32 = rlx.nn.Linear(6, 8)
+            self.fc64 = rlx.nn.Linear(8, 8, dtype="float64")
+            self.norm = rlx.nn.LayerNorm(8, dtype="float64")
+            self.head = rlx.nn.Linear(8, 3, dtype="float64")
+
+        def __call__(self, x):
+            h = rlx.gelu(self.fc32(x)).astype("float64")
+            return self.head(self.norm(rlx.tanh(self.fc64(h))))
+
+    def make():
+        rlx.seed(3)
+        model, opt = Mixed(), rlx.optim.AdamW(1e-2)
+        step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model, opt,
+                                      {"x": ((4, 6), "float32"), "y": ((4,), "int32")},
+                                      clip_grad_norm=0.5, accumulate=2)
+        return model, opt, step
+
+    x = X.astype(np.float32)
+    model, opt, step = make()
+    before = {k: np.array(v) for k, v in model.state_dict().items()}
+    losses = [step(x=x, y=Y) for _ in range(4)]
+    assert all(isinstance(v, float) and np.isfinite(v) for v in losses)
+    assert np.isfinite(step.grad_norm)
+    after = model.state_dict()
+    for k, v in after.items():
+        assert np.asarray(v).dtype == before[k].dtype and not np.array_equal(np.asarray(v), before[k]), k
+    assert opt.state("fc32.weight")["exp_avg"].dtype == np.float32
+    assert opt.state("head.weight")["exp_avg"].dtype == np.float64
+    # Save both, train on; a fresh model and optimizer loaded from the files follow the same path.
+    model.save(str(tmp_path / "m.safetensors"))
+    opt.save(str(tmp_path / "o.safetensors"))
+    sd = opt.state_dict()
+    assert sd["state"]["head.bias"]["exp_avg_sq"].dtype == np.float64
+    cont = [step(x=x, y=Y) for _ in range(4)]
+    model2, opt2, step2 = make()
+    model2.load(str(tmp_path / "m.safetensors"))
+    opt2.load(str(tmp_path / "o.safetensors"))
+    assert [step2(x=x, y=Y) for _ in range(4)] == cont
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(np.asarray(model2.state_dict()[k]), np.asarray(v))
+    np.testing.assert_array_equal(opt2.state("head.weight")["exp_avg_sq"], opt.state("head.weight")["exp_avg_sq"])
+
+
+def test_float64_training_refusals_name_the_parameter():
+    wide = rlx.nn.Linear(3, 2, dtype="float64")
+    spec = {"x": ((1, 3), "float64")}
+    with pytest.raises(rlx.DTypeError, match=r"^\[compile_train_step\] parameter 'weight' is float64: "
+                                             r"precision='bf16' \(mixed precision\) keeps float32 master weights"):
+        rlx.compile_train_step(lambda m, x: m(x).sum(), wide, rlx.optim.SGD(0.1), spec, precision="bf16")
+    with pytest.raises(rlx.DTypeError, match=r"^\[compile_train_step\] distributed=True averages float32 gradients; "
+                                             r"parameter 'weight' is float64"):
+        rlx.compile_train_step(lambda m, x: m(x).sum(), wide, rlx.optim.SGD(0.1), spec, distributed=True)
+    if "cuda" in rlx.devices():
+        with pytest.raises(rlx.DTypeError, match=r"^\[compile_train_step\] parameter 'weight' is float64: float64 "
+                                                 r"weights train on the cpu only"):
+            rlx.compile_train_step(lambda m, x: m(x).sum(), wide, rlx.optim.SGD(0.1), spec, device="cuda")
+    with pytest.raises(rlx.DTypeError, match=r"^\[loss\] loss_fn must return a float32 \(or float64\) scalar, got int64"):
+        rlx.compile_train_step(lambda m, x: m(x).astype("int64").sum(), wide, rlx.optim.SGD(0.1), spec)

@@ -74,17 +74,23 @@ def _specs(inputs: Mapping[str, Any]) -> dict[str, InputSpec]:
     return out
 
 
-def _check_compute_dtypes(where: str, model: Module) -> None:
-    """Refuses a model rlx cannot compute with: float64, bfloat16 or float16 parameters in
-    training (the optimizers update float32 weights; inference computes with float64 weights
-    in float64 on the CPU, and with low-precision weights in float32, rounding back as
-    PyTorch's CPU kernels do). Storing, loading and saving every dtype works."""
+def _check_compute_dtypes(where: str, model: Module, device: str = "cpu", precision: str = "fp32") -> None:
+    """Refuses a model rlx cannot compute with: bfloat16 or float16 parameters in training (the
+    optimizers update float32 and float64 weights; inference computes with low-precision weights
+    in float32, rounding back as PyTorch's CPU kernels do), and float64 parameters off the CPU or
+    under mixed precision. Storing, loading and saving every dtype works."""
     for name, p in model._tensors().items():
         if p.dtype == "float64" and where == "compile_train_step":
-            raise DTypeError(
-                f"[{where}] parameter '{name}' is float64: training float64 weights is not supported yet "
-                "(the optimizers update float32 weights; rlx.compile and rlx.grad compute in float64 on the "
-                "cpu); convert the model with model.to('float32')")
+            if device.split(":")[0] != "cpu":
+                raise DTypeError(
+                    f"[{where}] parameter '{name}' is float64: float64 weights train on the cpu only "
+                    f"(device {device!r} computes in float32 and low precision); convert the model with "
+                    "model.to('float32') or train on device='cpu'")
+            if precision != "fp32":
+                raise DTypeError(
+                    f"[{where}] parameter '{name}' is float64: precision={precision!r} (mixed precision) keeps "
+                    "float32 master weights; convert the model with model.to('float32') for it, or train the "
+                    "float64 model with precision='fp32'")
         if p.dtype in ("float16", "bfloat16") and where == "compile_train_step":
             raise DTypeError(
                 f"[{where}] parameter '{name}' is {p.dtype}: training {p.dtype} weights is not supported yet; "
@@ -348,10 +354,10 @@ class TrainStep(_Compiled):
         if not isinstance(out, Tensor):
             raise RlxError(f"loss_fn must return an rlx.Tensor (or (loss, aux dict)), got {type(out).__name__}")
         if out.shape != ():
-            raise ShapeError(f"[loss] loss_fn must return a float32 scalar, got {out.dtype} {out.shape}")
-        if out.dtype != "float32":
-            raise DTypeError(f"[loss] loss_fn must return a float32 scalar, got {out.dtype} (a float64 input makes "
-                             "the ops after it float64: cast the input, or the loss, with .astype('float32'))")
+            raise ShapeError(f"[loss] loss_fn must return a float32 (or float64) scalar, got {out.dtype} {out.shape}")
+        if out.dtype not in ("float32", "float64"):
+            raise DTypeError(f"[loss] loss_fn must return a float32 (or float64) scalar, got {out.dtype}: cast it "
+                             "with .astype('float32')")
         for k, v in aux.items():
             if not isinstance(k, str) or not isinstance(v, Tensor):
                 raise RlxError(f"aux must map names to rlx Tensors; '{k}' is a {type(v).__name__}")
@@ -434,7 +440,7 @@ class TrainStep(_Compiled):
         var.skipped = float(stats[1])
         if self._precision == "fp16":
             self._rescale(var.skipped > skipped_before)
-        loss = struct.unpack("<f", out[0])[0]
+        loss = struct.unpack("<d" if var.outs[0][1] == "float64" else "<f", out[0])[0]
         if not var.aux:
             return loss
         aux = {}
@@ -800,7 +806,7 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
         raise InputError(f"[compile_train_step] growth_interval must be an int >= 1, got {growth_interval!r}")
     growth = int(growth_interval)
     device = _rlx.check_device(_check.device(device))
-    _check_compute_dtypes("compile_train_step", model)
+    _check_compute_dtypes("compile_train_step", model, device, precision)
     specs = _specs(inputs)
     options: dict[str, Any] = {}
     if clip_grad_norm is not None:
@@ -817,6 +823,10 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
     if distributed:
         from . import distributed as dist
 
+        wide = [n for n, p in model._tensors().items() if p.dtype == "float64"]
+        if wide:
+            raise DTypeError(f"[compile_train_step] distributed=True averages float32 gradients; parameter "
+                             f"'{wide[0]}' is float64: convert the model with model.to('float32')")
         dist.communicator()  # raises before init()
         options["distributed"] = True
     if options["accumulate"] > 1 and any(s.dynamic for s in specs.values()):

@@ -36,7 +36,7 @@ fn thread_seconds() -> f64 {
     START.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
-const SHAPES: [(&str, usize, usize, usize, bool, bool); 24] = [
+const SHAPES: [(&str, usize, usize, usize, bool, bool); 27] = [
     ("gpt qkv fwd", 1024, 128, 384, false, true),
     ("gpt proj fwd", 1024, 128, 128, false, true),
     ("gpt fc1 fwd", 1024, 128, 512, false, true),
@@ -59,6 +59,11 @@ const SHAPES: [(&str, usize, usize, usize, bool, bool); 24] = [
     ("cifar conv2 fwd", 64, 288, 256, false, false),
     ("cifar conv2 dW", 64, 256, 288, false, true),
     ("cifar conv2 dX", 288, 64, 256, true, false),
+    // The tiny GPT's attention blocks (T = 64 in causal blocks of 32, head size 32): scores,
+    // probabilities times V, a key block's gradient.
+    ("attn scores", 32, 32, 64, false, true),
+    ("attn pv", 32, 64, 32, false, false),
+    ("attn dk", 32, 64, 32, true, false),
     // Square products (`benches/bench_cpu.py --only sgemm`).
     ("square 512", 512, 512, 512, false, false),
     ("square 1024", 1024, 1024, 1024, false, false),

@@ -82,6 +82,13 @@ impl DType {
         matches!(self, DType::BF16 | DType::F16)
     }
 
+    /// Whether weights of this dtype are trained (float32 everywhere, float64 on the CPU), with
+    /// optimizer state of the same dtype. Low-precision weights train through float32 master
+    /// weights (`precision="bf16"`), integer and bool tensors are never trained.
+    pub fn is_trainable(self) -> bool {
+        matches!(self, DType::F32 | DType::F64)
+    }
+
     /// The message (after the `[op]` prefix) for an op whose kernels do not exist for these
     /// operand dtypes yet, e.g. `float16 x float16 is not supported yet; cast to float32 with
     /// .astype('float32')` (integers have only elementwise ops, sums and maxima: everything

@@ -144,7 +144,8 @@ pub struct UpdateParam {
 pub struct UpdatePlan {
     pub rule: OptimRule,
     pub params: Vec<UpdateParam>,
-    /// float32 [n, hyper_col::LEN] in the state store; `None`: every row is the run's
+    /// float32 (float64 where a float64 weight is trained) [n, hyper_col::LEN] in the state
+    /// store; `None`: every row is the run's
     /// [`OptimHyper`].
     pub hyper: Option<TRef>,
     pub loss: TRef,

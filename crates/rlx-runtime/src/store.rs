@@ -67,12 +67,12 @@ impl Store {
         hyper_table: bool,
     ) -> Result<Store> {
         let mut specs = Vec::new();
-        // Only float32 tensors are trained (gradients are float32; integer and bool buffers,
-        // and other float dtypes, which cannot be compiled yet, get no state).
+        // float32 and float64 tensors are trained, with state of their dtype (integer and
+        // bool buffers, and low-precision weights, which are not trained, get none).
         let trainable: Vec<&StoreEntry> = params
             .entries()
             .iter()
-            .filter(|p| p.dtype == DType::F32)
+            .filter(|p| p.dtype.is_trainable())
             .collect();
         for p in &trainable {
             for s in rule.slots() {
@@ -84,10 +84,13 @@ impl Store {
             }
         }
         if hyper_table {
+            // float64 where a float64 tensor is trained, so its settings keep double precision
+            // (a float32 tensor's update narrows them back to the values a float32 table holds).
+            let wide = trainable.iter().any(|p| p.dtype == DType::F64);
             specs.push((
                 "hyper".to_string(),
                 Shape::new([trainable.len(), crate::hyper_col::LEN]),
-                DType::F32,
+                if wide { DType::F64 } else { DType::F32 },
             ));
         }
         Store::new(backend, &specs)

@@ -172,11 +172,21 @@ pub fn plan_update(
                 ),
             ));
         }
-        // The hyper table has one row per float32 tensor (those with optimizer state).
+        if grad.dtype != param.dtype || !param.dtype.is_trainable() {
+            return Err(Error::input(
+                name,
+                format!(
+                    "a {} parameter with a {} gradient cannot be trained (float32 and float64 weights are, \
+                     with gradients of their dtype)",
+                    param.dtype, grad.dtype
+                ),
+            ));
+        }
+        // The hyper table has one row per trainable tensor (those with optimizer state).
         let row = params
             .entries()
             .iter()
-            .filter(|e| e.dtype == DType::F32)
+            .filter(|e| e.dtype.is_trainable())
             .position(|e| e.name == *name)
             .ok_or_else(|| Error::input(name, "not in the weight store"))?;
         if row >= rows {
@@ -194,7 +204,7 @@ pub fn plan_update(
             OptimRule::Sgd => Some(state_ref(&opt.state, &format!("{name}.started"))?),
             _ => None,
         };
-        let acc = (accumulate > 1).then(|| take(param.shape.clone(), DType::F32));
+        let acc = (accumulate > 1).then(|| take(param.shape.clone(), param.dtype));
         plan_params.push(UpdateParam {
             param,
             grad: grad.clone(),

@@ -38,6 +38,50 @@ impl UpdatePlan {
     }
 }
 
+impl UpdatePlan {
+    /// The update's kernels view each parameter's gradient, state and accumulation buffer as
+    /// the parameter's dtype (float32 or float64), the counters as int32, the statistics as
+    /// float32 and the hyper table as float32 or float64: a plan that says otherwise is refused.
+    pub fn check_dtypes(&self) -> Result<()> {
+        let bad = |what: &str, t: &TRef, want: DType| {
+            Err(Error::Internal(format!(
+                "optimizer update: {what} is {} {}, expected {want}",
+                t.dtype, t.shape
+            )))
+        };
+        if !matches!(self.loss.dtype, DType::F32 | DType::F64) {
+            return bad("the loss", &self.loss, DType::F32);
+        }
+        if self.stats.dtype != DType::F32 {
+            return bad("the statistics", &self.stats, DType::F32);
+        }
+        if let Some(h) = self
+            .hyper
+            .as_ref()
+            .filter(|h| !matches!(h.dtype, DType::F32 | DType::F64))
+        {
+            return bad("the hyper table", h, DType::F32);
+        }
+        for p in &self.params {
+            let want = p.param.dtype;
+            if !want.is_trainable() {
+                return bad("a parameter", &p.param, DType::F32);
+            }
+            for t in [&p.grad].into_iter().chain(&p.acc).chain(&p.state) {
+                if t.dtype != want {
+                    return bad("a parameter's gradient or state", t, want);
+                }
+            }
+            for t in [&p.step].into_iter().chain(&p.started) {
+                if t.dtype != DType::I32 {
+                    return bad("a step counter", t, DType::I32);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Instr {
     /// The tensors the instruction reads and those it writes.
     pub fn operands(&self) -> (Vec<&TRef>, Vec<&TRef>) {
@@ -159,6 +203,9 @@ pub fn validate(program: &Program, lens: &[usize], backend: &str) -> Result<()> 
                 ));
             }
         }
+        if let Instr::Update(plan) = instr {
+            plan.check_dtypes()?;
+        }
         let (reads, writes) = instr.operands();
         for t in reads.iter().chain(&writes) {
             let len = lens.get(t.buf as usize).copied().unwrap_or(0);
@@ -175,4 +222,60 @@ pub fn validate(program: &Program, lens: &[usize], backend: &str) -> Result<()> 
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Buf, OptimRule, UpdateParam};
+    use rlx_ir::Shape;
+
+    fn t(offset: usize, dims: &[usize], dtype: DType) -> TRef {
+        TRef {
+            buf: Buf::Arena,
+            offset,
+            shape: Shape::new(dims.to_vec()),
+            dtype,
+        }
+    }
+
+    fn plan(param: DType, grad: DType, state: DType) -> UpdatePlan {
+        UpdatePlan {
+            rule: OptimRule::Adam,
+            params: vec![UpdateParam {
+                param: t(0, &[4], param),
+                grad: t(64, &[4], grad),
+                acc: None,
+                state: vec![t(128, &[4], state), t(192, &[4], state)],
+                step: t(256, &[], DType::I32),
+                started: None,
+                row: 0,
+            }],
+            hyper: Some(t(320, &[1, crate::hyper_col::LEN], DType::F64)),
+            loss: t(448, &[], DType::F64),
+            stats: t(512, &[crate::stat::LEN], DType::F32),
+            clip: None,
+            accumulate: 1,
+            skip_nonfinite: false,
+            buffer_updates: vec![],
+        }
+    }
+
+    #[test]
+    fn an_update_views_each_parameter_in_its_own_dtype() {
+        plan(DType::F32, DType::F32, DType::F32).check_dtypes().unwrap();
+        plan(DType::F64, DType::F64, DType::F64).check_dtypes().unwrap();
+        // The CPU kernel would read 8-byte elements from a 4-byte tensor: refused.
+        for (p, g, s) in [
+            (DType::F64, DType::F32, DType::F64),
+            (DType::F64, DType::F64, DType::F32),
+            (DType::BF16, DType::BF16, DType::BF16),
+        ] {
+            let e = plan(p, g, s).check_dtypes().unwrap_err().to_string();
+            assert!(e.contains("optimizer update"), "{e}");
+        }
+        let mut bad = plan(DType::F32, DType::F32, DType::F32);
+        bad.params[0].step.dtype = DType::F32;
+        assert!(bad.check_dtypes().unwrap_err().to_string().contains("step counter"));
+    }
 }

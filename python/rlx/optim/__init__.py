@@ -150,12 +150,15 @@ class Optimizer:
         key = self._checked[0]
         if self._written.get(id(state)) != key:
             default, groups = self._checked[2], self._checked[3]
-            names = [n for n, s, d in state.entries() if n.endswith(".step")]
+            entries = state.entries()
+            names = [n for n, s, d in entries if n.endswith(".step")]
+            # float64 where a float64 parameter is trained (its settings keep double precision).
+            table = next((_STATE_NP[d] for n, s, d in entries if n == "hyper"), np.float32)
             rows = []
             for n in names:
                 g = self._group_of(n[: -len(".step")])
                 rows.append(self._row(default if g < 0 else groups[g][1]))
-            state.write("hyper", np.asarray(rows, np.float32).reshape(-1))
+            state.write("hyper", np.asarray(rows, table).reshape(-1))
             self._written[id(state)] = key
         return hyper
 
@@ -199,7 +202,7 @@ class Optimizer:
         if not isinstance(name, str) or name not in self._param_names:
             raise InputError(f"[{type(self).__name__}] no parameter named {name!r}")
         if f"{name}.step" not in entries:
-            raise InputError(f"[{type(self).__name__}] {name!r} has no optimizer state (only float32 tensors are trained)")
+            raise InputError(f"[{type(self).__name__}] {name!r} has no optimizer state (only float32 and float64 tensors are trained)")
         out = {key: _read(store, f"{name}.{key}", *entries[f"{name}.{key}"]) for key in self._slots()}
         out["step"] = _read(store, f"{name}.step", *entries[f"{name}.step"])
         return out
@@ -222,7 +225,7 @@ class Optimizer:
         if not isinstance(name, str) or name not in self._param_names:
             raise InputError(f"[{type(self).__name__}] no parameter named {name!r}")
         if f"{name}.step" not in entries:
-            raise InputError(f"[{type(self).__name__}] {name!r} has no optimizer state (only float32 tensors are trained)")
+            raise InputError(f"[{type(self).__name__}] {name!r} has no optimizer state (only float32 and float64 tensors are trained)")
         device = store.dlpack_device()
 
         def tensor(key: str) -> DeviceTensor:
@@ -259,7 +262,7 @@ class Optimizer:
             if n == "hyper":
                 continue
             pname, slot = n.rsplit(".", 1)
-            arr = np.frombuffer(store.read(n), dtype=np.float32 if dtype == "float32" else np.int32).reshape(shape)
+            arr = np.frombuffer(store.read(n), dtype=_STATE_NP[dtype]).reshape(shape)
             out["state"].setdefault(pname, {})[slot] = arr.copy()
         return out
 
@@ -275,7 +278,7 @@ class Optimizer:
         for full, (shape, dtype) in entries.items():
             pname, slot = full.rsplit(".", 1)
             value = state.get(pname, {}).get(slot) if isinstance(state.get(pname, {}), Mapping) else None
-            want = np.float32 if dtype == "float32" else np.int32
+            want = _STATE_NP[dtype]
             if value is None:
                 if pname in state:
                     raise CheckpointError(f"{where}'{pname}' has no '{slot}' (this optimizer keeps {self._slots() + ['step']})")
@@ -343,7 +346,7 @@ class Optimizer:
         tensors = []
         for pname, d in sd["state"].items():
             for slot, arr in d.items():
-                dtype = "float32" if arr.dtype == np.float32 else "int32"
+                dtype = {np.dtype(np.float64): "float64", np.dtype(np.int32): "int32"}.get(arr.dtype, "float32")
                 tensors.append((f"{pname}.{slot}", dtype, list(arr.shape), np.ascontiguousarray(arr).reshape(-1)))
         meta = {"type": sd["type"], "settings": sd["settings"], "groups": sd["groups"]}
         from .. import distributed
@@ -368,7 +371,7 @@ class Optimizer:
             raise CheckpointError(f"{path}: bad optimizer metadata")
         state: dict[str, dict[str, np.ndarray]] = {}
         for name, dtype, shape, data in tensors:
-            if "." not in name or dtype not in ("float32", "int32"):
+            if "." not in name or dtype not in _STATE_NP:
                 raise CheckpointError(f"{path}: unexpected tensor '{name}' ({dtype})")
             pname, slot = name.rsplit(".", 1)
             state.setdefault(pname, {})[slot] = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<")).reshape(shape)
@@ -380,8 +383,12 @@ class Optimizer:
         return f"{type(self).__name__}({args})"
 
 
+# The dtypes of optimizer state: a float32 or float64 parameter's buffers, int32 counters.
+_STATE_NP = {"float32": np.float32, "float64": np.float64, "int32": np.int32}
+
+
 def _read(store: Any, name: str, shape: list[int], dtype: str) -> np.ndarray:
-    np_dtype = np.float32 if dtype == "float32" else np.int32
+    np_dtype = _STATE_NP[dtype]
     raw = store.view(name)
     if raw is None:
         # Device memory (CUDA): a read-only copy, since writes to it could not reach the device.
