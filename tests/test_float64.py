@@ -193,6 +193,39 @@ def test_float64_stops_with_clear_errors_where_kernels_end():
             g.compile("cuda")
 
 
+def test_float64_embeddings_and_training_dropout():
+    """A float64 table's rows (gather) and its gradient (scatter-add of repeated ids) in float64;
+    training-mode dropout of float64 keeps the elements float32 dropout keeps for the same seed,
+    scaled exactly by 1 / (1 - p)."""
+    table = rng.standard_normal((5, 3))
+    ids = np.array([[4, 0], [2, 4]], np.int32)
+    wts = rng.standard_normal((2, 2, 3))
+    g = rlx.Graph()
+    t, i, w = g.input("t", table.shape, "float64"), g.input("i", ids.shape, "int32"), g.input("w", wts.shape, "float64")
+    rows = rlx.embedding(t, i)
+    g.output((rows * w).sum())
+    loss, dt = rlx.grad(g, ["t"]).compile("cpu").run(t=table, i=ids, w=wts)
+    assert loss.dtype == dt.dtype == np.float64
+    assert loss == pytest.approx((table[ids] * wts).sum(), rel=1e-14)
+    expect = np.zeros_like(table)
+    np.add.at(expect, ids, wts)
+    np.testing.assert_array_equal(dt, expect)
+
+    x64 = rng.standard_normal((64, 33))
+
+    def dropped(x):
+        g = rlx.Graph()
+        g.output(rlx.dropout(g.input("x", x.shape, x.dtype.name), 0.3, training=True))
+        return g.compile("cpu").run(x=x, **{"rlx.rng": np.array([7, 1], np.int32)})[0]
+
+    d64, d32 = dropped(x64), dropped(x64.astype(np.float32))
+    assert d64.dtype == np.float64
+    kept = d32 != 0
+    assert 0.6 < kept.mean() < 0.8
+    np.testing.assert_array_equal(d64 != 0, kept)
+    np.testing.assert_array_equal(d64[kept], x64[kept] * np.float64(np.float32(1 / 0.7)))
+
+
 def test_float64_stop_gradient_dropout_losses_and_constants_stay_float64():
     g = rlx.Graph()
     x = g.input("x", (3,), "float64")

@@ -164,8 +164,8 @@ def dropout(x: Any, p: float = 0.5, training: bool = True) -> Tensor:
     x = _as_tensor(x, t)
     if not training or p == 0.0:
         return x  # the identity for every dtype
-    if x.dtype not in ("float32", "bfloat16", "float16"):
-        raise DTypeError(f"[dropout] x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dtype not in ("float32", "float64", "bfloat16", "float16"):
+        raise DTypeError(f"[dropout] x must be float32, float64, bfloat16 or float16, got {x.dtype}")
     seed = _rng_input(t)
     return Tensor(t, t.graph.dropout(x._id, seed._id, float(p)))
 

@@ -53,8 +53,8 @@ def _bump() -> None:
 class Parameter:
     """A trainable tensor: float32 unless ``dtype`` says otherwise (``"float16"``,
     ``"bfloat16"``, ``"float64"`` hold and checkpoint values; models of them compile for
-    inference, float64 ones computing in float64 on the CPU, while training them raises
-    ``DTypeError``; see ``Module.to``).
+    inference, float64 ones computing in float64 on the CPU, where float64 weights also train;
+    training low-precision weights raises ``DTypeError``; see ``Module.to``).
 
     Before compiling, ``numpy()`` returns the parameter's own host array. After compiling on a
     host-visible device it is a zero-copy view into the weight store: writing to it changes what

@@ -285,7 +285,16 @@ unsafe fn int_binary<T: kernels::elementwise::Int + crate::mem::Elem>(
 /// # Safety
 /// As [`run_op`].
 unsafe fn run_f64(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Option<Result<()>> {
-    use kernels::{elementwise, reduce, wide};
+    use kernels::{conv, elementwise, nn, reduce, wide};
+    // A scatter-add's first operand is its int32 ids: its gradient rows give the dtype.
+    if let Op::ScatterAdd { rows } = op {
+        if ins.get(1)?.dtype != DType::F64 {
+            return None;
+        }
+        // SAFETY: as below.
+        let (ids, g) = unsafe { (b.get::<i32>(&ins[0]), b.get::<f64>(&ins[1])) };
+        return Some(nn::scatter_add(ids, g, *rows, unsafe { b.get_mut::<f64>(out) }));
+    }
     if ins.first()?.dtype != DType::F64 {
         return None;
     }
@@ -329,6 +338,18 @@ unsafe fn run_f64(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Option<Result
             }
         }
         Op::Mse => o()[0] = wide::mse(x[0], x[1]),
+        Op::Gather => {
+            // SAFETY: as above (the ids are int32).
+            let ids = unsafe { b.get::<i32>(&ins[1]) };
+            if let Err(e) = nn::gather(x[0], sh(0)[0], ids, o()) {
+                return Some(Err(e));
+            }
+        }
+        Op::Dropout { p } => {
+            // SAFETY: as above (the seed is int32).
+            let s = unsafe { b.get::<i32>(&ins[1]) };
+            conv::dropout(x[0], [s[0], s[1]], *p, o())
+        }
         Op::Log1p => o().iter_mut().zip(x[0]).for_each(|(o, v)| *o = v.ln_1p()),
         Op::StopGradient => o().copy_from_slice(x[0]),
         Op::Normalize { eps } => wide::normalize(x[0], width(sh(0)), *eps as f64, o()),

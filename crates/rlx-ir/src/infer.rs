@@ -273,7 +273,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
         }
         Op::Cast { to } => Ok((ins[0].shape.clone(), *to)),
         Op::Gather => {
-            float(0)?;
+            let dtype = real(0)?;
             if ins[1].dtype == DType::I64 {
                 return Err(Error::dtype(
                     name,
@@ -295,10 +295,14 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             }
             let mut out = ins[1].shape.0.clone();
             out.extend_from_slice(&ins[0].shape.0[1..]);
-            Ok((Shape(out), DType::F32))
+            Ok((Shape(out), dtype))
         }
         Op::ScatterAdd { rows } => {
-            float(1)?;
+            // The gradient rows' dtype (float32, or float64 on the CPU).
+            let dtype = match ins[1].dtype {
+                DType::F64 => DType::F64,
+                _ => float(1).map(|()| DType::F32)?,
+            };
             if ins[0].dtype != DType::I32 {
                 return Err(Error::dtype(
                     name,
@@ -314,7 +318,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             }
             let mut out = vec![*rows];
             out.extend_from_slice(&g.0[ids.rank()..]);
-            Ok((Shape(out), DType::F32))
+            Ok((Shape(out), dtype))
         }
         Op::Normalize { .. } | Op::NormalizeGrad { .. } | Op::NormalizeGradAdd { .. } => {
             let dtype = real(0)?;
@@ -454,7 +458,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((Shape(vec![n, c, o[0], o[1]]), DType::F32))
         }
         Op::Dropout { p } => {
-            float(0)?;
+            let dtype = real(0)?;
             if !(0.0..1.0).contains(p) {
                 return Err(Error::input(
                     "p",
@@ -470,7 +474,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                     ),
                 ));
             }
-            Ok((ins[0].shape.clone(), DType::F32))
+            Ok((ins[0].shape.clone(), dtype))
         }
         Op::Log1p | Op::StopGradient => Ok((ins[0].shape.clone(), real(0)?)),
     }

@@ -125,6 +125,7 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
                         .filter(|t| t.dtype != DType::I32)
                         .all(|t| t.dtype == DType::F64)
             }
+            Op::Gather | Op::Dropout { .. } => ins[1].dtype == DType::I32 && out.dtype == DType::F64,
             Op::Where | Op::BroadcastTo { .. } | Op::Transpose { .. } | Op::Cast { .. } => true,
             Op::Slice { .. } | Op::Pad { .. } | Op::Concat { .. } => true,
             _ => f64_op && all,
@@ -142,7 +143,11 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
         | Op::Pad { .. }
         | Op::Concat { .. } => true,
         Op::Gather => ins[0].dtype == DType::F32 && ins[1].dtype == DType::I32,
-        Op::ScatterAdd { .. } => ins[0].dtype == DType::I32 && ins[1].dtype == DType::F32,
+        Op::ScatterAdd { .. } => {
+            ins[0].dtype == DType::I32
+                && matches!(ins[1].dtype, DType::F32 | DType::F64)
+                && out.dtype == ins[1].dtype
+        }
         Op::Where => {
             (matches!(ins[0].dtype, DType::F32 | DType::F64 | DType::Bool) || int(&ins[0]))
                 && ins[1].dtype == out.dtype

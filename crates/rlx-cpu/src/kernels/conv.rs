@@ -568,12 +568,18 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
 }
 
 /// `x * keep / (1 - p)` with the mask of [`rlx_ir::dropout_keep`].
-pub fn dropout(x: &[f32], seed: [i32; 2], p: f32, out: &mut [f32]) {
-    let scale = 1.0 / (1.0 - p);
+pub fn dropout<T: Copy + Send + Sync + std::ops::Mul<Output = T> + Default + From<f32>>(
+    x: &[T],
+    seed: [i32; 2],
+    p: f32,
+    out: &mut [T],
+) {
+    // 1 / (1 - p) in float32 (the float32 path's value), widened for float64.
+    let scale = T::from(1.0 / (1.0 - p));
     const CHUNK: usize = 1 << 14;
     // The mask hash is branch-free integer arithmetic: the compiled copy for the CPU's vector
     // extensions runs it over a vector of indices at a time.
-    let body = |c: usize, o: &mut [f32]| {
+    let body = |c: usize, o: &mut [T]| {
         let base = c * CHUNK;
         let x = &x[base..base + o.len()];
         crate::isa::dispatch(
@@ -581,7 +587,7 @@ pub fn dropout(x: &[f32], seed: [i32; 2], p: f32, out: &mut [f32]) {
             || {
                 for (k, (v, &xv)) in o.iter_mut().zip(x).enumerate() {
                     let keep = dropout_keep(seed, (base + k) as u64, p);
-                    *v = if keep { xv * scale } else { 0.0 };
+                    *v = if keep { xv * scale } else { T::default() };
                 }
             },
         )

@@ -228,7 +228,7 @@ fn check_id(id: i32, rows: usize) -> Result<usize> {
 
 /// `out[i] = table[ids[i]]` (rows of `width` elements).
 #[inline(always)]
-pub fn gather(table: &[f32], rows: usize, ids: &[i32], out: &mut [f32]) -> Result<()> {
+pub fn gather<T: Copy>(table: &[T], rows: usize, ids: &[i32], out: &mut [T]) -> Result<()> {
     let width = table.len().checked_div(rows).unwrap_or(0);
     for (o, &id) in out.chunks_mut(width.max(1)).zip(ids) {
         let r = check_id(id, rows)?;
@@ -239,15 +239,20 @@ pub fn gather(table: &[f32], rows: usize, ids: &[i32], out: &mut [f32]) -> Resul
 
 /// `out = 0; out[ids[i]] += g[i]`.
 #[inline(always)]
-pub fn scatter_add(ids: &[i32], g: &[f32], rows: usize, out: &mut [f32]) -> Result<()> {
+pub fn scatter_add<T: Copy + Default + std::ops::AddAssign>(
+    ids: &[i32],
+    g: &[T],
+    rows: usize,
+    out: &mut [T],
+) -> Result<()> {
     let width = out.len().checked_div(rows).unwrap_or(0);
-    out.fill(0.0);
+    out.fill(T::default());
     for (gi, &id) in g.chunks(width.max(1)).zip(ids) {
         let r = check_id(id, rows)?;
         out[r * width..(r + 1) * width]
             .iter_mut()
             .zip(gi)
-            .for_each(|(o, v)| *o += v);
+            .for_each(|(o, &v)| *o += v);
     }
     Ok(())
 }
