@@ -935,7 +935,7 @@ BAD_OPS = {
     "embedding-float-ids": lambda x: rlx.embedding(x, x),
     "embedding-id-range": lambda x: rlx.embedding(x, np.array([2], np.int32)),
     "astype-complex": lambda x: x.astype("complex64"),
-    "float64-pool": lambda x: rlx.max_pool2d(x.astype("float64").reshape(1, 1, 2, 3), 1),
+    "int64-pool": lambda x: rlx.max_pool2d(x.astype("int64").reshape(1, 1, 2, 3), 1),
     "int64-float-matmul": lambda x: x.astype("int64") @ x.T,
     "bool": lambda x: x if x else x,
     "int-const-overflow": lambda x: x.astype("int32") + 2**31,

@@ -272,12 +272,12 @@ def test_ops_without_kernels_raise_dtype_errors_naming_op_and_dtypes():
     d = g.input("d", (2,), "float64")
     m = g.input("m", (2,), "bool")
     cases = [
-        (lambda: rlx.conv2d(d.reshape(1, 1, 1, 2), d.reshape(1, 1, 1, 2)), r"^\[conv2d\] .*float64"),
+        (lambda: rlx.conv2d(i.reshape(1, 1, 1, 2), d.reshape(1, 1, 1, 2)), r"^\[conv2d\] .*got int64"),
         (lambda: i.reshape(1, 2) @ i.reshape(2, 1), r"^\[matmul\] int64 x int64 is not supported yet; cast to float32 "
                                                      r"with \.astype\('float32'\)$"),
         (lambda: rlx.embedding(i.reshape(2, 1), g.input("ids", (1,), "int32")), r"^\[gather\] int64"),
         (lambda: rlx.softmax(m, -1), r"^\[softmax\] bool is not supported yet"),
-        (lambda: rlx.max_pool2d(d.reshape(1, 1, 1, 2), 1), r"^\[max_pool2d\] .*float64"),
+        (lambda: rlx.max_pool2d(m.reshape(1, 1, 1, 2), 1), r"^\[max_pool2d\] .*got bool"),
     ]
     for fn, msg in cases:
         with pytest.raises(rlx.DTypeError, match=msg):

@@ -183,8 +183,8 @@ def test_float64_causal_attention_matches_numpy():
 
 def test_float64_stops_with_clear_errors_where_kernels_end():
     g = rlx.Graph()
-    d = g.input("d", (1, 2, 4, 4), "float64")
-    with pytest.raises(rlx.DTypeError, match=r"^\[max_pool2d\] x must be float32, bfloat16 or float16, got float64"):
+    d = g.input("d", (1, 2, 4, 4), "int64")
+    with pytest.raises(rlx.DTypeError, match=r"^\[max_pool2d\] x must be float32, float64, bfloat16 or float16, got int64"):
         rlx.max_pool2d(d, 2)
     g = rlx.Graph()
     g.output(g.input("x", (2,), "float64") * 2.0)
@@ -410,3 +410,124 @@ def test_float64_training_refusals_name_the_parameter():
             rlx.compile_train_step(lambda m, x: m(x).sum(), wide, rlx.optim.SGD(0.1), spec, device="cuda")
     with pytest.raises(rlx.DTypeError, match=r"^\[loss\] loss_fn must return a float32 \(or float64\) scalar, got int64"):
         rlx.compile_train_step(lambda m, x: m(x).astype("int64").sum(), wide, rlx.optim.SGD(0.1), spec)
+
+
+def test_float64_training_edges_accumulation_clipping_huge_losses_and_buffers():
+    """Accumulation's 1/k and the clip factor are float64 for float64 weights; a finite float64
+    loss beyond float32's range is not "non-finite"; a float64 buffer (batch-norm statistics) is
+    updated whole."""
+    rlx.seed(2)
+    model = rlx.nn.Linear(6, 3, dtype="float64")
+    w, b = np.array(model.weight), np.array(model.bias)
+    step = rlx.compile_train_step(lambda m, x, y: rlx.mse_loss(m(x), y), model, rlx.optim.SGD(0.1, momentum=0.9),
+                                  {"x": ((4, 6), "float64"), "y": ((4, 3), "float64")}, accumulate=3, clip_grad_norm=0.3)
+    targets = [rng.standard_normal((4, 3)) for _ in range(6)]
+    st: dict = {"w": {}, "b": {}}
+    gw, gb = np.zeros_like(w), np.zeros_like(b)
+    for i, y in enumerate(targets):
+        step(x=X, y=y)
+        gout = 2 * (X @ w.T + b - y) / 12
+        gw, gb = gw + gout.T @ X, gb + gout.sum(0)
+        if i % 3 == 2:
+            gw, gb = gw / 3, gb / 3
+            norm = np.sqrt((gw**2).sum() + (gb**2).sum())
+            assert step.grad_norm == pytest.approx(norm, rel=1e-6)  # reported as float32
+            coef = min(1.0, 0.3 / (norm + 1e-6))
+            _np_update("SGD", {"lr": 0.1, "momentum": 0.9}, w, gw * coef, st["w"], i // 3 + 1)
+            _np_update("SGD", {"lr": 0.1, "momentum": 0.9}, b, gb * coef, st["b"], i // 3 + 1)
+            gw, gb = np.zeros_like(w), np.zeros_like(b)
+    np.testing.assert_allclose(model.weight.numpy(), w, rtol=1e-13, atol=1e-15)
+
+    huge = rlx.nn.Linear(2, 1, dtype="float64")
+    step = rlx.compile_train_step(lambda m, x: m(x).sum() + 1e300, huge, rlx.optim.SGD(0.1),
+                                  {"x": ((1, 2), "float64")}, skip_nonfinite=True)
+    before = np.array(huge.weight)
+    assert abs(step(x=np.ones((1, 2)))) > 1e200
+    assert step.skipped == 0 and not np.array_equal(huge.weight.numpy(), before)
+
+    net = rlx.nn.Sequential(rlx.nn.Linear(3, 4), rlx.nn.BatchNorm1d(4)).to("float64")
+    xb = rng.standard_normal((8, 3))
+    step = rlx.compile_train_step(lambda m, x: m(x).sum(), net, rlx.optim.SGD(0.0), {"x": ((8, 3), "float64")})
+    lin = net[0]
+    h = xb @ np.asarray(lin.weight).T + np.asarray(lin.bias)
+    step(x=xb)
+    bn = net[1]
+    np.testing.assert_allclose(bn.running_mean.numpy(), 0.1 * h.mean(0), rtol=1e-14)
+    np.testing.assert_allclose(bn.running_var.numpy(), 0.9 + 0.1 * h.var(0, ddof=1), rtol=1e-14)
+
+
+def test_fp16_loss_scaling_scales_a_float64_loss():
+    lin = rlx.nn.Linear(2, 1)
+    w = np.array(lin.weight)
+    step = rlx.compile_train_step(lambda m, x: m(x).sum(), lin, rlx.optim.SGD(0.1), {"x": ((1, 2), "float64")},
+                                  precision="fp16")
+    step(x=np.array([[1.0, 2.0]]))
+    np.testing.assert_allclose(lin.weight.numpy(), w - 0.1 * np.array([[1.0, 2.0]]), rtol=2e-3)
+
+
+def _np_conv(x, w, stride, pad):
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    xp = np.pad(x, ((0, 0), (0, 0), (pad, pad), (pad, pad)))
+    ho, wo = (h + 2 * pad - kh) // stride + 1, (wd + 2 * pad - kw) // stride + 1
+    out = np.zeros((n, o, ho, wo))
+    for i in range(ho):
+        for j in range(wo):
+            win = xp[:, :, i * stride:i * stride + kh, j * stride:j * stride + kw]
+            out[:, :, i, j] = np.einsum("nckl,ockl->no", win, w)
+    return out
+
+
+@pytest.mark.parametrize("size", [6, 17])  # 17x17 outputs take the tap-major (per-image GEMM) lowering
+def test_float64_convolutions_and_pooling_match_numpy_and_finite_differences(size):
+    x0 = rng.standard_normal((2, 3, size, size))
+    w0 = rng.standard_normal((4, 3, 3, 3))
+    bias = rng.standard_normal(4)
+
+    def build(g):
+        x, w = g.input("x", x0.shape, "float64"), g.input("w", w0.shape, "float64")
+        y = rlx.conv2d(x, w, bias, stride=1, padding=1)
+        return [(rlx.max_pool2d(rlx.tanh(y), 2) ** 2).sum() + (rlx.avg_pool2d(y, 3, stride=2, padding=1) * 0.5).sum()]
+
+    g = rlx.Graph()
+    x, w = g.input("x", x0.shape, "float64"), g.input("w", w0.shape, "float64")
+    conv = rlx.conv2d(x, w, bias, stride=1, padding=1)
+    g.output(conv, rlx.max_pool2d(conv, 2), rlx.avg_pool2d(conv, 3, stride=2, padding=1))
+    y, mp, ap = g.compile("cpu").run(x=x0, w=w0)
+    expect = _np_conv(x0, w0, 1, 1) + bias.reshape(1, 4, 1, 1)
+    assert y.dtype == mp.dtype == ap.dtype == np.float64
+    np.testing.assert_allclose(y, expect, rtol=1e-13, atol=1e-13)
+    half = size // 2
+    np.testing.assert_array_equal(mp, y[:, :, :2 * half, :2 * half].reshape(2, 4, half, 2, half, 2).max((3, 5)))
+    padded = np.pad(y, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    ho = (size + 2 - 3) // 2 + 1
+    avg = np.array([[padded[:, :, 2 * i:2 * i + 3, 2 * j:2 * j + 3].mean((2, 3)) for j in range(ho)] for i in range(ho)])
+    np.testing.assert_allclose(ap, avg.transpose(2, 3, 0, 1), rtol=1e-13, atol=1e-14)
+
+    g = rlx.Graph()
+    g.output(*build(g))
+    _, dx, dw = rlx.grad(g, ["x", "w"]).compile("cpu").run(x=x0, w=w0)
+    fwd = g.compile("cpu")
+    value = lambda xv, wv: float(fwd.run(x=xv, w=wv)[0])  # noqa: E731
+    np.testing.assert_allclose(dw, numeric_grad(lambda v: value(x0, v), w0), rtol=1e-6, atol=1e-7)
+    if size == 6:  # the 17x17 input's 1734 finite differences would take long
+        np.testing.assert_allclose(dx, numeric_grad(lambda v: value(v, w0), x0), rtol=1e-6, atol=1e-7)
+
+
+def test_a_float64_cnn_trains_and_a_float32_image_promotes():
+    class CNN(rlx.nn.Module):
+        def __init__(self):
+            self.conv = rlx.nn.Conv2d(1, 4, 3, padding=1, dtype="float64")
+            self.fc = rlx.nn.Linear(4 * 4 * 4, 3, dtype="float64")
+
+        def __call__(self, x):
+            return self.fc(rlx.max_pool2d(rlx.relu(self.conv(x)), 2).reshape(x.shape[0], -1))
+
+    rlx.seed(4)
+    model = CNN()
+    step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y), model, rlx.optim.Adam(1e-2),
+                                  {"x": ((5, 1, 8, 8), "float32"), "y": ((5,), "int32")})
+    xs = rng.standard_normal((5, 1, 8, 8)).astype(np.float32)
+    losses = [step(x=xs, y=np.array([0, 1, 2, 0, 1], np.int32)) for _ in range(20)]
+    assert losses[-1] < 0.5 * losses[0]
+    assert model.conv.weight.numpy().dtype == np.float64

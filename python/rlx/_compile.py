@@ -380,7 +380,9 @@ class TrainStep(_Compiled):
             # scale (so the update, the norm and the non-finite check see true gradients) and
             # report the unscaled loss.
             scale = graph.reshape(graph.input(LOSS_SCALE_INPUT, [1], "float32"), [])
-            backward = graph.grad(graph.binary("mul", loss, scale), wrt)
+            # A float64 loss (a float64 input to the model) is scaled in float64.
+            wide = graph.cast(scale, "float64") if out.dtype == "float64" else scale
+            backward = graph.grad(graph.binary("mul", loss, wide), wrt)
             grads = [backward.binary("div", g, scale) for g in backward.outputs()[1:]]
             backward.set_outputs([loss, *grads])
         else:

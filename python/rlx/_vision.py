@@ -31,8 +31,8 @@ def _pair(op: str, name: str, v: Any, lo: int) -> tuple[int, int]:
 def _nchw(op: str, x: Tensor, what: str = "x", layout: str = "(N, C, H, W)") -> None:
     if x.ndim != 4:
         raise ShapeError(f"[{op}] {what} must have rank 4 {layout}, got shape {x.shape}")
-    if x.dtype not in ("float32", "bfloat16", "float16"):
-        raise DTypeError(f"[{op}] {what} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dtype not in ("float32", "float64", "bfloat16", "float16"):
+        raise DTypeError(f"[{op}] {what} must be float32, float64, bfloat16 or float16, got {x.dtype}")
 
 
 def _out_size(op: str, x: Tensor, k: tuple[int, int], s: tuple[int, int], p: tuple[int, int], what: str) -> tuple[int, int]:
@@ -60,6 +60,9 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
     p = _pair("conv2d", "padding", padding, 0)
     _nchw("conv2d", x)
     _nchw("conv2d", w, "weight", "(out_channels, in_channels, kh, kw)")
+    if "float64" in (x.dtype, w.dtype) and x.dtype != w.dtype:
+        # float64 beside another float computes in float64 (rlx's promotion, as for matmul).
+        x, w = x.astype("float64"), w.astype("float64")
     n, c, h, wd = x.shape
     o, cw, kh, kw = w.shape
     if cw != c:
@@ -70,7 +73,8 @@ def conv2d(x: Any, weight: Any, bias: Any = None, stride: int | tuple[int, int] 
     w2 = w.reshape(o, c * kh * kw)
     b = None
     if bias is not None:
-        b = _as_tensor(bias, t)
+        # A float64 convolution keeps a numpy bias in float64.
+        b = _as_tensor(bias, t, None, "float64" if x.dtype == "float64" else None)
         if b.shape != (o,):
             raise ShapeError(f"[conv2d] bias must have shape ({o},), got {b.shape}")
     if ho * wo >= _DIRECT_MIN:

@@ -293,7 +293,9 @@ unsafe fn run_f64(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Option<Result
         }
         // SAFETY: as below.
         let (ids, g) = unsafe { (b.get::<i32>(&ins[0]), b.get::<f64>(&ins[1])) };
-        return Some(nn::scatter_add(ids, g, *rows, unsafe { b.get_mut::<f64>(out) }));
+        return Some(nn::scatter_add(ids, g, *rows, unsafe {
+            b.get_mut::<f64>(out)
+        }));
     }
     if ins.first()?.dtype != DType::F64 {
         return None;
@@ -338,6 +340,26 @@ unsafe fn run_f64(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Option<Result
             }
         }
         Op::Mse => o()[0] = wide::mse(x[0], x[1]),
+        Op::Im2Col { window, k_major } => {
+            let im2col = if *k_major {
+                conv::im2col_k
+            } else {
+                conv::im2col
+            };
+            im2col(x[0], sh(0), window, o())
+        }
+        Op::Col2Im {
+            window, k_major, ..
+        } => {
+            let col2im = if *k_major {
+                conv::col2im_k
+            } else {
+                conv::col2im
+            };
+            col2im(x[0], window, od, o())
+        }
+        Op::Pool2d { window, max } => conv::pool2d(x[0], sh(0), window, *max, o()),
+        Op::Pool2dGrad { window, max } => conv::pool2d_grad(x[0], sh(0), x[1], window, *max, o()),
         Op::Gather => {
             // SAFETY: as above (the ids are int32).
             let ids = unsafe { b.get::<i32>(&ins[1]) };

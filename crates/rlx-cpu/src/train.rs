@@ -1,10 +1,10 @@
 //! Runs the `Update` instruction on the host: hands the kernel in `kernels::optim` one slice per
 //! tensor of the update plan.
 use crate::kernels::optim::{self, Float, Hyper, Options, ParamSlot, Slot};
+use crate::mem::Bases;
 use crate::mem::Elem;
 use rlx_ir::DType;
-use crate::mem::Bases;
-use rlx_runtime::{hyper_col, Error, OptimHyper, Result, UpdateParam, UpdatePlan};
+use rlx_runtime::{hyper_col, Error, OptimHyper, Result, TRef, UpdateParam, UpdatePlan};
 
 /// # Safety
 /// `CpuProgram::new` must have validated the program (`rlx_runtime::validate`) over `plan.operands()`: every tensor inside its buffer, the
@@ -26,15 +26,16 @@ pub unsafe fn run(b: &Bases, plan: &UpdatePlan, run_hyper: Option<&OptimHyper>) 
             ))
         }
     };
-    // A float64 model's loss is float64; the statistics stay float32.
+    // A float64 model's loss is float64 (checked for finiteness as such); the statistics stay
+    // float32.
     let loss = match plan.loss.dtype {
         DType::F64 => unsafe { b.get::<f64>(&plan.loss) }
             .first()
-            .map_or(f32::NAN, |&l| l as f32),
+            .copied()
+            .unwrap_or(f64::NAN),
         _ => unsafe { b.get::<f32>(&plan.loss) }
             .first()
-            .copied()
-            .unwrap_or(f32::NAN),
+            .map_or(f64::NAN, |&l| l as f64),
     };
     let stats = unsafe { b.get_mut::<f32>(&plan.stats) };
     let mut slots: Vec<Slot<'_>> = plan
@@ -64,9 +65,16 @@ pub unsafe fn run(b: &Bases, plan: &UpdatePlan, run_hyper: Option<&OptimHyper>) 
     optim::train_update(plan.rule, opts, loss, stats, &mut slots);
     if stats[rlx_runtime::stat::SKIPPED] == skipped_before {
         for (src, dst) in &plan.buffer_updates {
-            // SAFETY: as above; `dst` (weight store) is disjoint from `src` (arena).
-            let (s, d) = unsafe { (b.get::<f32>(src), b.get_mut::<f32>(dst)) };
-            d.copy_from_slice(s);
+            // SAFETY: as above; `dst` (weight store) is disjoint from `src` (arena), and both
+            // have one dtype (`check_dtypes`), copied element by element at its size.
+            unsafe {
+                match src.dtype.size() {
+                    8 => copy::<u64>(b, src, dst),
+                    2 => copy::<u16>(b, src, dst),
+                    1 => copy::<u8>(b, src, dst),
+                    _ => copy::<u32>(b, src, dst),
+                }
+            }
         }
     }
     Ok(())
@@ -77,7 +85,11 @@ pub unsafe fn run(b: &Bases, plan: &UpdatePlan, run_hyper: Option<&OptimHyper>) 
 ///
 /// # Safety
 /// As [`run`]'s.
-unsafe fn slot<'a, T: Float + Elem>(b: &'a Bases, p: &UpdateParam, hyper: Hyper) -> ParamSlot<'a, T> {
+unsafe fn slot<'a, T: Float + Elem>(
+    b: &'a Bases,
+    p: &UpdateParam,
+    hyper: Hyper,
+) -> ParamSlot<'a, T> {
     // SAFETY (every `get`/`get_mut`): the caller's contract; each written tensor is taken once
     // as `&mut` and no read tensor overlaps a written one.
     unsafe {
@@ -97,4 +109,14 @@ unsafe fn slot<'a, T: Float + Elem>(b: &'a Bases, p: &UpdateParam, hyper: Hyper)
 enum Table<'a> {
     F32(&'a [f32]),
     F64(&'a [f64]),
+}
+
+/// `dst = src` for two tensors of one dtype whose elements are `T`-sized.
+///
+/// # Safety
+/// As [`run`]'s; `src` and `dst` are disjoint.
+unsafe fn copy<T: Elem>(b: &Bases, src: &TRef, dst: &TRef) {
+    // SAFETY: the caller's contract.
+    let (s, d) = unsafe { (b.get::<T>(src), b.get_mut::<T>(dst)) };
+    d.copy_from_slice(s);
 }

@@ -399,7 +399,7 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             Ok((Shape(out), ins[0].dtype))
         }
         Op::Im2Col { window: w, k_major } => {
-            float(0)?;
+            let dtype = real(0)?;
             let (n, c, o) = windowed(name, &ins[0].shape, w)?;
             let k = c * w.kernel[0] * w.kernel[1];
             let (rows, cols) = if *k_major {
@@ -407,14 +407,14 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
             } else {
                 (o[0] * o[1], k)
             };
-            Ok((Shape(vec![n, rows, cols]), DType::F32))
+            Ok((Shape(vec![n, rows, cols]), dtype))
         }
         Op::Col2Im {
             window: w,
             size,
             k_major,
         } => {
-            float(0)?;
+            let dtype = real(0)?;
             let s = &ins[0].shape;
             let kk = w.kernel[0] * w.kernel[1];
             let o = w.out_size(*size);
@@ -433,16 +433,13 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                     ),
                 ));
             }
-            Ok((
-                Shape(vec![s.0[0], s.0[kx] / kk, size[0], size[1]]),
-                DType::F32,
-            ))
+            Ok((Shape(vec![s.0[0], s.0[kx] / kk, size[0], size[1]]), dtype))
         }
         Op::Pool2d { window: w, .. } | Op::Pool2dGrad { window: w, .. } => {
-            float(0)?;
+            let dtype = real(0)?;
             let (n, c, o) = windowed(name, &ins[0].shape, w)?;
             if ins.len() == 2 {
-                float(1)?;
+                real(1)?;
                 let want = Shape(vec![n, c, o[0], o[1]]);
                 if ins[1].shape != want {
                     return Err(Error::shape(
@@ -453,9 +450,9 @@ pub fn infer(op: &Op, ins: &[&Node]) -> Result<(Shape, DType)> {
                         ),
                     ));
                 }
-                return Ok((ins[0].shape.clone(), DType::F32));
+                return Ok((ins[0].shape.clone(), dtype));
             }
-            Ok((Shape(vec![n, c, o[0], o[1]]), DType::F32))
+            Ok((Shape(vec![n, c, o[0], o[1]]), dtype))
         }
         Op::Dropout { p } => {
             let dtype = real(0)?;

@@ -2042,7 +2042,7 @@ impl Builder {
             p.iv[3] = need_norm as i64;
             p.iv[4] = (k == 1 && skip) as i64;
             p.iv[5] = u.clip.is_some() as i64;
-            p.fv[0] = u.clip.unwrap_or(0.0);
+            p.fv[0] = u.clip.unwrap_or(0.0) as f32;
             one(
                 s,
                 "rlx_update_ctrl",

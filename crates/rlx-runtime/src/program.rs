@@ -151,7 +151,7 @@ pub struct UpdatePlan {
     pub loss: TRef,
     /// float32 [stat::LEN] (arena tail), persistent across runs.
     pub stats: TRef,
-    pub clip: Option<f32>,
+    pub clip: Option<f64>,
     pub accumulate: u32,
     pub skip_nonfinite: bool,
     /// Buffers (non-trained weights, e.g. running statistics) set from a tensor of this run:

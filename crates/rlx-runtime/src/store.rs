@@ -55,10 +55,11 @@ impl Store {
         })
     }
 
-    /// The state an optimizer with `rule` keeps for the float32 tensors of `params`: per tensor
+    /// The state an optimizer with `rule` keeps for the float32 and float64 tensors of `params`
+    /// (in the tensor's dtype): per tensor
     /// its rule's buffers (`"{name}.{slot}"`), an int32 update count (`"{name}.step"`) and, for
     /// SGD, whether the momentum buffer holds a value (`"{name}.started"`). With `hyper_table`,
-    /// also the `hyper` table, one row of settings per float32 tensor (parameter groups), which the
+    /// also the `hyper` table, one row of settings per such tensor (parameter groups), which the
     /// update then reads instead of the run's single set of hyper-parameters.
     pub fn for_optimizer(
         backend: &dyn Backend,

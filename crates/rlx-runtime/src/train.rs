@@ -10,7 +10,7 @@ use std::sync::Arc;
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TrainOptions {
     /// Scale gradients so their global L2 norm is at most this (PyTorch's `clip_grad_norm_`).
-    pub clip: Option<f32>,
+    pub clip: Option<f64>,
     /// Update on every k-th run with the mean of the k gradients (0 and 1: every run).
     pub accumulate: u32,
     /// A run whose loss or gradient norm is not finite changes nothing.
@@ -54,7 +54,7 @@ impl OptimizerSetup {
         #[serde(deny_unknown_fields)]
         struct Spec {
             rule: String,
-            clip: Option<f32>,
+            clip: Option<f64>,
             #[serde(default)]
             accumulate: u32,
             #[serde(default)]

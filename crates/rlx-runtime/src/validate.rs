@@ -62,6 +62,11 @@ impl UpdatePlan {
         {
             return bad("the hyper table", h, DType::F32);
         }
+        for (src, dst) in &self.buffer_updates {
+            if src.dtype != dst.dtype || src.shape != dst.shape {
+                return bad("a buffer update's source", src, dst.dtype);
+            }
+        }
         for p in &self.params {
             let want = p.param.dtype;
             if !want.is_trainable() {
@@ -111,6 +116,10 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
             | Op::Normalize { .. }
             | Op::NormalizeGrad { .. }
             | Op::NormalizeGradAdd { .. }
+            | Op::Im2Col { .. }
+            | Op::Col2Im { .. }
+            | Op::Pool2d { .. }
+            | Op::Pool2dGrad { .. }
     );
     if ins.first().is_some_and(|t| t.dtype == DType::F64) {
         let all = ins.iter().chain([out]).all(|t| t.dtype == DType::F64);
@@ -125,7 +134,9 @@ pub fn has_kernel(op: &Op, ins: &[TRef], out: &TRef) -> bool {
                         .filter(|t| t.dtype != DType::I32)
                         .all(|t| t.dtype == DType::F64)
             }
-            Op::Gather | Op::Dropout { .. } => ins[1].dtype == DType::I32 && out.dtype == DType::F64,
+            Op::Gather | Op::Dropout { .. } => {
+                ins[1].dtype == DType::I32 && out.dtype == DType::F64
+            }
             Op::Where | Op::BroadcastTo { .. } | Op::Transpose { .. } | Op::Cast { .. } => true,
             Op::Slice { .. } | Op::Pad { .. } | Op::Concat { .. } => true,
             _ => f64_op && all,
@@ -268,8 +279,12 @@ mod tests {
 
     #[test]
     fn an_update_views_each_parameter_in_its_own_dtype() {
-        plan(DType::F32, DType::F32, DType::F32).check_dtypes().unwrap();
-        plan(DType::F64, DType::F64, DType::F64).check_dtypes().unwrap();
+        plan(DType::F32, DType::F32, DType::F32)
+            .check_dtypes()
+            .unwrap();
+        plan(DType::F64, DType::F64, DType::F64)
+            .check_dtypes()
+            .unwrap();
         // The CPU kernel would read 8-byte elements from a 4-byte tensor: refused.
         for (p, g, s) in [
             (DType::F64, DType::F32, DType::F64),
@@ -281,6 +296,10 @@ mod tests {
         }
         let mut bad = plan(DType::F32, DType::F32, DType::F32);
         bad.params[0].step.dtype = DType::F32;
-        assert!(bad.check_dtypes().unwrap_err().to_string().contains("step counter"));
+        assert!(bad
+            .check_dtypes()
+            .unwrap_err()
+            .to_string()
+            .contains("step counter"));
     }
 }

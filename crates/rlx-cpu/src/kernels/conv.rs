@@ -4,10 +4,53 @@ use super::PAR_MIN;
 use rayon::prelude::*;
 use rlx_ir::{dropout_keep, Window};
 
+/// The element types of the patch and pooling kernels: float32, and float64 on the CPU (the
+/// same loops; float64 runs without the fused pairs of `conv_gemm`).
+pub trait Px:
+    Copy
+    + Default
+    + Send
+    + Sync
+    + PartialOrd
+    + std::ops::AddAssign
+    + std::ops::Add<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + 'static
+{
+    const NEG_INF: Self;
+    fn is_nan(self) -> bool;
+    /// `1 / n` for an average's `n` elements (in the type: float32 rounds it once, as before).
+    fn inv(n: usize) -> Self;
+}
+
+impl Px for f32 {
+    const NEG_INF: f32 = f32::NEG_INFINITY;
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+    #[inline(always)]
+    fn inv(n: usize) -> f32 {
+        1.0 / n as f32
+    }
+}
+
+impl Px for f64 {
+    const NEG_INF: f64 = f64::NEG_INFINITY;
+    #[inline(always)]
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
+    }
+    #[inline(always)]
+    fn inv(n: usize) -> f64 {
+        1.0 / n as f64
+    }
+}
+
 /// Runs `body(plane_index, out_plane)` over `out` split into planes of `plane` elements, in
 /// parallel when the whole output is large.
 #[inline(always)]
-fn planes(out: &mut [f32], plane: usize, body: impl Fn(usize, &mut [f32]) + Sync) {
+fn planes<T: Px>(out: &mut [T], plane: usize, body: impl Fn(usize, &mut [T]) + Sync) {
     let work = out.len();
     planes_on(out, plane, work, body)
 }
@@ -15,7 +58,12 @@ fn planes(out: &mut [f32], plane: usize, body: impl Fn(usize, &mut [f32]) + Sync
 /// [`planes`], split between the threads only when `work` (the elements the kernel reads or
 /// writes, 0 for never) is large.
 #[inline(always)]
-fn planes_on(out: &mut [f32], plane: usize, work: usize, body: impl Fn(usize, &mut [f32]) + Sync) {
+fn planes_on<T: Px>(
+    out: &mut [T],
+    plane: usize,
+    work: usize,
+    body: impl Fn(usize, &mut [T]) + Sync,
+) {
     if out.is_empty() || plane == 0 {
         return;
     }
@@ -51,7 +99,7 @@ fn planes_on(out: &mut [f32], plane: usize, work: usize, body: impl Fn(usize, &m
 /// `dst = src` for the few elements of one kernel row: the common widths unrolled (a call to
 /// `memcpy` per 3 floats costs more than the copy).
 #[inline(always)]
-fn copy_short(dst: &mut [f32], src: &[f32]) {
+fn copy_short<T: Px>(dst: &mut [T], src: &[T]) {
     match (dst, src) {
         ([d0], [s0]) => *d0 = *s0,
         ([d0, d1, d2], [s0, s1, s2]) => (*d0, *d1, *d2) = (*s0, *s1, *s2),
@@ -61,7 +109,7 @@ fn copy_short(dst: &mut [f32], src: &[f32]) {
 
 /// `dst += src` for the few elements of one kernel row (see [`copy_short`]).
 #[inline(always)]
-fn add_short(dst: &mut [f32], src: &[f32]) {
+fn add_short<T: Px>(dst: &mut [T], src: &[T]) {
     match (dst, src) {
         ([d0], [s0]) => *d0 += *s0,
         ([d0, d1, d2], [s0, s1, s2]) => {
@@ -69,13 +117,13 @@ fn add_short(dst: &mut [f32], src: &[f32]) {
             *d1 += *s1;
             *d2 += *s2;
         }
-        (d, s) => d.iter_mut().zip(s).for_each(|(t, v)| *t += v),
+        (d, s) => d.iter_mut().zip(s).for_each(|(t, &v)| *t += v),
     }
 }
 
 /// x `[N, C, H, W]` (dims `xd`) into patches `[N, Ho*Wo, C*kh*kw]`: row `oy*Wo + ox` holds
 /// the window of output (oy, ox), channel-major, zeros where it reaches into the padding.
-pub fn im2col(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
+pub fn im2col<T: Px>(x: &[T], xd: &[usize], w: &Window, out: &mut [T]) {
     let (c, h, wd) = (xd[1], xd[2], xd[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
@@ -94,7 +142,7 @@ pub fn im2col(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
             let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
             for (dst, &(jlo, jhi, ix0)) in o.chunks_exact_mut(k).zip(&rxs) {
                 if ihi - ilo < kh || jhi - jlo < kw {
-                    dst.fill(0.0);
+                    dst.fill(T::default());
                 }
                 for ch in 0..c {
                     for i in ilo..ihi {
@@ -109,7 +157,7 @@ pub fn im2col(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
 }
 
 /// Patches `[N, Ho*Wo, C*kh*kw]` summed back into an image `[N, C, H, W]` (dims `od`).
-pub fn col2im(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
+pub fn col2im<T: Px>(cols: &[T], w: &Window, od: &[usize], out: &mut [T]) {
     let (c, h, wd) = (od[1], od[2], od[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
@@ -124,7 +172,7 @@ pub fn col2im(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
         cols.len(),
         #[inline(always)]
         |n, img| {
-            img.fill(0.0);
+            img.fill(T::default());
             let patches = &cols[n * oh * ow * k..(n + 1) * oh * ow * k];
             for oy in 0..oh {
                 let (ilo, ihi, iy0) = span(oy, kh, w.stride[0], w.padding[0], h);
@@ -159,12 +207,12 @@ fn tap_span(j: usize, o: usize, stride: usize, pad: usize, size: usize) -> (usiz
 /// x `[N, C, H, W]` into tap-major patches `[N, C*kh*kw, Ho*Wo]`: row `(c*kh + i)*kw + j`
 /// holds tap (i, j) of channel c at every output position, zeros where it reaches into the
 /// padding. Each output row is a run of (shifted, for stride 1 contiguous) input row pieces.
-pub fn im2col_k(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32]) {
+pub fn im2col_k<T: Px>(x: &[T], xd: &[usize], w: &Window, out: &mut [T]) {
     im2col_k_on(x, xd, w, out, true)
 }
 
 /// [`im2col_k`], on the calling thread only unless `par`.
-pub fn im2col_k_on(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32], par: bool) {
+pub fn im2col_k_on<T: Px>(x: &[T], xd: &[usize], w: &Window, out: &mut [T], par: bool) {
     let (c, h, wd) = (xd[1], xd[2], xd[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
@@ -186,11 +234,11 @@ pub fn im2col_k_on(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32], par: bo
                 // A row in the padding, or a tap that misses every column (a kernel wider
                 // than the padded image's reach): zeros.
                 if iy >= h || lo == hi {
-                    dst.fill(0.0);
+                    dst.fill(T::default());
                     continue;
                 }
-                dst[..lo].fill(0.0);
-                dst[hi..].fill(0.0);
+                dst[..lo].fill(T::default());
+                dst[hi..].fill(T::default());
                 let x0 = iy * wd + (lo * sw + j) - pw;
                 if sw == 1 {
                     dst[lo..hi].copy_from_slice(&plane[x0..x0 + hi - lo]);
@@ -206,12 +254,12 @@ pub fn im2col_k_on(x: &[f32], xd: &[usize], w: &Window, out: &mut [f32], par: bo
 
 /// Tap-major patches `[N, C*kh*kw, Ho*Wo]` summed back into an image `[N, C, H, W]` (dims
 /// `od`): the adjoint of [`im2col_k`], one (image, channel) plane per task.
-pub fn col2im_k(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32]) {
+pub fn col2im_k<T: Px>(cols: &[T], w: &Window, od: &[usize], out: &mut [T]) {
     col2im_k_on(cols, w, od, out, true)
 }
 
 /// [`col2im_k`], on the calling thread only unless `par`.
-pub fn col2im_k_on(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32], par: bool) {
+pub fn col2im_k_on<T: Px>(cols: &[T], w: &Window, od: &[usize], out: &mut [T], par: bool) {
     let (h, wd) = (od[2], od[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
     let [kh, kw] = w.kernel;
@@ -223,7 +271,7 @@ pub fn col2im_k_on(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32], par:
         if par { cols.len() } else { 0 },
         #[inline(always)]
         |nc, img| {
-            img.fill(0.0);
+            img.fill(T::default());
             // The taps of this channel: rows nc*kh*kw .. (nc+1)*kh*kw of the patches.
             let taps = &cols[nc * kh * kw * p..(nc + 1) * kh * kw * p];
             for i in 0..kh {
@@ -240,9 +288,9 @@ pub fn col2im_k_on(cols: &[f32], w: &Window, od: &[usize], out: &mut [f32], par:
                             img[x0..x0 + hi - lo]
                                 .iter_mut()
                                 .zip(&src[lo..hi])
-                                .for_each(|(t, v)| *t += v);
+                                .for_each(|(t, &v)| *t += v);
                         } else {
-                            for (t, v) in img[x0..].iter_mut().step_by(sw).zip(&src[lo..hi]) {
+                            for (t, &v) in img[x0..].iter_mut().step_by(sw).zip(&src[lo..hi]) {
                                 *t += v;
                             }
                         }
@@ -269,8 +317,8 @@ fn span(o: usize, k: usize, stride: usize, pad: usize, size: usize) -> (usize, u
 /// The flat index (in the plane) of the first maximal element of the window with row span
 /// `ry` and column span `rx` (NaN counts as maximal); `None` for a window wholly in padding.
 #[inline(always)]
-fn argmax(
-    img: &[f32],
+fn argmax<T: Px>(
+    img: &[T],
     wd: usize,
     ry: (usize, usize, usize),
     rx: (usize, usize, usize),
@@ -300,10 +348,10 @@ fn argmax(
 }
 
 /// Max or average pooling of x `[N, C, H, W]` into `[N, C, Ho, Wo]`.
-pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
+pub fn pool2d<T: Px>(x: &[T], xd: &[usize], w: &Window, max: bool, out: &mut [T]) {
     let (h, wd) = (xd[2], xd[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
-    let inv = 1.0 / (w.kernel[0] * w.kernel[1]) as f32;
+    let inv = T::inv(w.kernel[0] * w.kernel[1]);
     let rxs: Vec<_> = (0..ow)
         .map(|xo| span(xo, w.kernel[1], w.stride[1], w.padding[1], wd))
         .collect();
@@ -311,7 +359,7 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
         // Every window lies inside the image: one output row at a time, folding the kernel's
         // rows into it (NaN propagates).
         let ([kh, kw], [sh, sw]) = (w.kernel, w.stride);
-        let nan_max = |a: f32, b: f32| if a > b || a.is_nan() { a } else { b };
+        let nan_max = |a: T, b: T| if a > b || a.is_nan() { a } else { b };
         if [kh, kw, sh, sw] == [2, 2, 2, 2] {
             planes(
                 out,
@@ -341,7 +389,7 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
             |nc, o| {
                 let img = &x[nc * h * wd..(nc + 1) * h * wd];
                 for (y, orow) in o.chunks_exact_mut(ow).enumerate() {
-                    orow.fill(f32::NEG_INFINITY);
+                    orow.fill(T::NEG_INF);
                     for i in 0..kh {
                         let line = &img[(y * sh + i) * wd..(y * sh + i + 1) * wd];
                         for j in 0..kw {
@@ -368,12 +416,16 @@ pub fn pool2d(x: &[f32], xd: &[usize], w: &Window, max: bool, out: &mut [f32]) {
                 let ry = span(y, w.kernel[0], w.stride[0], w.padding[0], h);
                 for (xo, &rx) in rxs.iter().enumerate() {
                     o[y * ow + xo] = if max {
-                        argmax(img, wd, ry, rx).map_or(f32::NEG_INFINITY, |at| img[at])
+                        argmax(img, wd, ry, rx).map_or(T::NEG_INF, |at| img[at])
                     } else {
-                        let mut s = 0.0;
+                        let mut s = T::default();
                         for i in 0..ry.1 - ry.0 {
                             let line = (ry.2 + i) * wd + rx.2;
-                            s += img[line..line + rx.1 - rx.0].iter().sum::<f32>();
+                            let mut r = T::default();
+                            for &v in &img[line..line + rx.1 - rx.0] {
+                                r += v;
+                            }
+                            s += r;
                         }
                         s * inv
                     };
@@ -393,13 +445,13 @@ const NARROW_WINDOWS: usize = 64;
 /// per image, so that row pairs run on across images) into `i0` (the even rows) and `i1` (the
 /// odd rows), each contiguous; returns the elements copied into each.
 #[inline(always)]
-fn gather_row_pairs(
-    x: &[f32],
+fn gather_row_pairs<T: Px>(
+    x: &[T],
     wd: usize,
     first: usize,
     pairs: usize,
-    i0: &mut [f32],
-    i1: &mut [f32],
+    i0: &mut [T],
+    i1: &mut [T],
 ) -> usize {
     let src = &x[first * 2 * wd..(first + pairs) * 2 * wd];
     for ((pair, r0), r1) in src
@@ -418,7 +470,7 @@ fn gather_row_pairs(
 /// the other three. Written with plain indices and selects so it vectorizes (stride-2 loads
 /// and stores).
 #[inline(always)]
-fn window_row_grad(i0: &[f32], i1: &[f32], g: &[f32], o0: &mut [f32], o1: &mut [f32]) {
+fn window_row_grad<T: Px>(i0: &[T], i1: &[T], g: &[T], o0: &mut [T], o1: &mut [T]) {
     let n = g.len();
     let (i0, i1, o0, o1) = (
         &i0[..2 * n],
@@ -429,24 +481,25 @@ fn window_row_grad(i0: &[f32], i1: &[f32], g: &[f32], o0: &mut [f32], o1: &mut [
     for j in 0..n {
         let (a, b, c, d, gv) = (i0[2 * j], i0[2 * j + 1], i1[2 * j], i1[2 * j + 1], g[j]);
         // `v` beats `best` when larger, or NaN over a number: the first maximum wins ties.
-        let beats = |v: f32, best: f32| v > best || (v.is_nan() && !best.is_nan());
+        let beats = |v: T, best: T| v > best || (v.is_nan() && !best.is_nan());
         let tb = beats(b, a);
         let best = if tb { b } else { a };
         let tc = beats(c, best);
         let best = if tc { c } else { best };
         let td = beats(d, best);
-        o0[2 * j] = if !tb && !tc && !td { gv } else { 0.0 };
-        o0[2 * j + 1] = if tb && !tc && !td { gv } else { 0.0 };
-        o1[2 * j] = if tc && !td { gv } else { 0.0 };
-        o1[2 * j + 1] = if td { gv } else { 0.0 };
+        let zero = T::default();
+        o0[2 * j] = if !tb && !tc && !td { gv } else { zero };
+        o0[2 * j + 1] = if tb && !tc && !td { gv } else { zero };
+        o1[2 * j] = if tc && !td { gv } else { zero };
+        o1[2 * j + 1] = if td { gv } else { zero };
     }
 }
 
 /// The VJP of `pool2d` w.r.t. x: `g` `[N, C, Ho, Wo]` into `[N, C, H, W]`.
-pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, out: &mut [f32]) {
+pub fn pool2d_grad<T: Px>(x: &[T], xd: &[usize], g: &[T], w: &Window, max: bool, out: &mut [T]) {
     let (h, wd) = (xd[2], xd[3]);
     let [oh, ow] = w.out_size([h, wd]).expect("checked by infer");
-    let inv = 1.0 / (w.kernel[0] * w.kernel[1]) as f32;
+    let inv = T::inv(w.kernel[0] * w.kernel[1]);
     let rxs: Vec<_> = (0..ow)
         .map(|xo| span(xo, w.kernel[1], w.stride[1], w.padding[1], wd))
         .collect();
@@ -462,10 +515,9 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
                 k * 2 * wd,
                 #[inline(always)]
                 |b, gx| {
-                    let (i0, i1) =
-                        &mut ([0.0f32; 2 * NARROW_WINDOWS], [0.0f32; 2 * NARROW_WINDOWS]);
-                    let (o0, o1) =
-                        &mut ([0.0f32; 2 * NARROW_WINDOWS], [0.0f32; 2 * NARROW_WINDOWS]);
+                    let z = T::default();
+                    let (i0, i1) = &mut ([z; 2 * NARROW_WINDOWS], [z; 2 * NARROW_WINDOWS]);
+                    let (o0, o1) = &mut ([z; 2 * NARROW_WINDOWS], [z; 2 * NARROW_WINDOWS]);
                     let pairs = gx.len() / (2 * wd);
                     let n = gather_row_pairs(x, wd, b * k, pairs, i0, i1);
                     let gp = &g[b * k * ow..(b * k + pairs) * ow];
@@ -492,7 +544,7 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
                     let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
                     // Rows and columns past the last window (odd sizes) stay 0.
                     if h != 2 * oh || wd != 2 * ow {
-                        gx.fill(0.0);
+                        gx.fill(T::default());
                     }
                     for y in 0..oh {
                         let (r0, r1) = (2 * y * wd, (2 * y + 1) * wd);
@@ -514,7 +566,7 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
             h * wd,
             #[inline(always)]
             |nc, gx| {
-                gx.fill(0.0);
+                gx.fill(T::default());
                 let img = &x[nc * h * wd..(nc + 1) * h * wd];
                 let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
                 for y in 0..oh {
@@ -542,7 +594,7 @@ pub fn pool2d_grad(x: &[f32], xd: &[usize], g: &[f32], w: &Window, max: bool, ou
         h * wd,
         #[inline(always)]
         |nc, gx| {
-            gx.fill(0.0);
+            gx.fill(T::default());
             let img = &x[nc * h * wd..(nc + 1) * h * wd];
             let gp = &g[nc * oh * ow..(nc + 1) * oh * ow];
             for y in 0..oh {

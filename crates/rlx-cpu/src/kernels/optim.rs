@@ -85,6 +85,9 @@ pub trait Float:
     const ONE: Self;
     /// A hyper-parameter (rounded once for float32) or a small count.
     fn of(x: f64) -> Self;
+    /// The gradient scale (accumulation's 1/k times the clip factor) for this type: the
+    /// float32 value as float32 computes it, the float64 one in double precision.
+    fn scale(s: Scale) -> Self;
     fn sqrt(self) -> Self;
     fn powi(self, n: i32) -> Self;
     fn wide(self) -> f64;
@@ -95,6 +98,10 @@ impl Float for f32 {
     #[inline(always)]
     fn of(x: f64) -> f32 {
         x as f32
+    }
+    #[inline(always)]
+    fn scale(s: Scale) -> f32 {
+        s.single
     }
     #[inline(always)]
     fn sqrt(self) -> f32 {
@@ -117,6 +124,10 @@ impl Float for f64 {
         x
     }
     #[inline(always)]
+    fn scale(s: Scale) -> f64 {
+        s.double
+    }
+    #[inline(always)]
     fn sqrt(self) -> f64 {
         f64::sqrt(self)
     }
@@ -128,6 +139,13 @@ impl Float for f64 {
     fn wide(self) -> f64 {
         self
     }
+}
+
+/// The factor the gradients are scaled by before the update, computed in both precisions.
+#[derive(Clone, Copy, Debug)]
+pub struct Scale {
+    pub single: f32,
+    pub double: f64,
 }
 
 /// One parameter's memory for an update, in its element type.
@@ -160,7 +178,9 @@ macro_rules! typed {
 /// Step options fixed at compile time.
 #[derive(Clone, Copy, Debug)]
 pub struct Options {
-    pub clip: Option<f32>,
+    /// The global-norm limit (a float64 weight's update uses it unrounded, a float32 one
+    /// rounded to float32, as before).
+    pub clip: Option<f64>,
     pub accumulate: u32,
     pub skip_nonfinite: bool,
 }
@@ -180,7 +200,10 @@ impl<T: Float> ParamSlot<'_, T> {
 
     /// Adds this micro-step's gradient into the accumulation buffer (copies it at the first).
     fn accumulate(&mut self, first: bool) {
-        let acc = self.acc.as_deref_mut().expect("accumulation buffer planned");
+        let acc = self
+            .acc
+            .as_deref_mut()
+            .expect("accumulation buffer planned");
         if first {
             acc.copy_from_slice(self.g);
         } else {
@@ -190,11 +213,11 @@ impl<T: Float> ParamSlot<'_, T> {
 
     /// One update of `rule` from the gradient times `scale`, in pieces over the pool when
     /// `parallel`.
-    fn apply(&mut self, rule: OptimRule, scale: f32, parallel: bool) {
+    fn apply(&mut self, rule: OptimRule, scale: Scale, parallel: bool) {
         *self.step += 1;
         let step = *self.step;
         let h = self.hyper;
-        let scale = T::of(scale as f64);
+        let scale = T::scale(scale);
         let g: &[T] = match &self.acc {
             Some(a) => a,
             None => self.g,
@@ -247,7 +270,7 @@ impl<T: Float> ParamSlot<'_, T> {
 pub fn train_update(
     rule: OptimRule,
     opts: Options,
-    loss: f32,
+    loss: f64,
     stats: &mut [f32],
     params: &mut [Slot<'_>],
 ) {
@@ -270,8 +293,12 @@ pub fn train_update(
         }
         this_sq = Some(sq);
     }
-    // With accumulation the update uses acc / k; `scale` folds the 1/k and the clip factor.
-    let mut scale = 1.0f32;
+    // With accumulation the update uses acc / k; `scale` folds the 1/k and the clip factor. The
+    // float32 factor is computed in float32 (as it always was), the float64 one in float64.
+    let mut scale = Scale {
+        single: 1.0,
+        double: 1.0,
+    };
     if k > 1 {
         let micro = stats[stat::MICRO] as u32;
         for s in params.iter_mut() {
@@ -282,32 +309,39 @@ pub fn train_update(
             return;
         }
         stats[stat::MICRO] = 0.0;
-        scale = 1.0 / k as f32;
+        scale = Scale {
+            single: 1.0 / k as f32,
+            double: 1.0 / k as f64,
+        };
     }
     if need_norm {
         let total: f64 = match this_sq {
             Some(sq) if k == 1 => sq,
             _ => norm_sq(params, true),
         };
-        let norm = (total.sqrt() * scale as f64) as f32;
+        let wide = total.sqrt() * scale.double;
+        let norm = (total.sqrt() * scale.single as f64) as f32;
         stats[stat::GRAD_NORM] = norm;
-        if opts.skip_nonfinite && !norm.is_finite() {
+        // A float32 weight needs the norm finite in float32 too (as it always did).
+        let has_single = params.iter().any(|s| matches!(s, Slot::F32(_)));
+        if opts.skip_nonfinite && !(wide.is_finite() && (norm.is_finite() || !has_single)) {
             stats[stat::SKIPPED] += 1.0;
             return;
         }
         if let Some(c) = opts.clip {
-            let coef = c / (norm + 1e-6);
+            let coef = c as f32 / (norm + 1e-6);
             if coef < 1.0 {
-                scale *= coef;
+                scale.single *= coef;
+            }
+            let coef = c / (wide + 1e-6);
+            if coef < 1.0 {
+                scale.double *= coef;
             }
         }
     } else {
         stats[stat::GRAD_NORM] = f32::NAN;
     }
-    let total: usize = params
-        .iter()
-        .map(|s| typed!(s, s => s.p.len()))
-        .sum();
+    let total: usize = params.iter().map(|s| typed!(s, s => s.p.len())).sum();
     // Only on a worker of a pool (`crate::pool::run` puts every program run on one; a direct
     // caller elsewhere may be in a forked child, whose global pool is its parent's).
     let parallel = total >= PAR_UPDATE
@@ -387,7 +421,11 @@ pub fn update<T: Float>(
             for i in 0..n {
                 let pi = p[i] * decay;
                 let gs = if scale == T::ONE { g[i] } else { g[i] * scale };
-                let gi = if adamw || wd == zero { gs } else { gs + wd * pi };
+                let gi = if adamw || wd == zero {
+                    gs
+                } else {
+                    gs + wd * pi
+                };
                 let mi = b1 * m[i] + c1 * gi;
                 let vi = b2 * v[i] + c2 * gi * gi;
                 m[i] = mi;
@@ -494,7 +532,7 @@ mod tests {
             started: Some(&mut started),
             hyper: hyper(1.0),
         })];
-        train_update(OptimRule::Sgd, opts, f32::NAN, &mut stats, &mut slots);
+        train_update(OptimRule::Sgd, opts, f64::NAN, &mut stats, &mut slots);
         assert_eq!(stats[stat::SKIPPED], 1.0);
         assert_eq!(step, 1);
     }

@@ -1,6 +1,7 @@
 //! The AVX2 + FMA micro-kernel: a 6 x 16 tile of C in 12 ymm accumulators; per depth index two
-//! vector loads of the packed B panel and 6 broadcasts of the packed A panel feed 12 FMAs.
-//! Edge tiles run the same loop on the zero-padded panels and store through `vmaskmovps`.
+//! vector loads of the packed B panel and 6 broadcasts of A (packed, or rows read in place) feed
+//! 12 FMAs. Edge tiles run the same loop on the zero-padded panels; a tile narrower than 16
+//! columns stores through `vmaskmovps`, whole tiles through plain stores.
 //! Also the 8 x 8 transpose that packing uses for transposed operands. The `unsafe` of the
 //! target-feature code and of its raw loads and stores lives only here.
 use super::{ASrc, Micro};
@@ -70,7 +71,8 @@ unsafe fn block(
         ASrc::Rows(ra, ars) => assert!(mc / MR * MR == mc && (mc - 1) * ars + kc <= ra.len()),
         ASrc::Cols(ca, acs) => assert!(mc / MR * MR == mc && (kc - 1) * acs + mc <= ca.len()),
     }
-    // One tile of A rows stays in L1 while the packed B panels stream by from L2.
+    // One packed B panel stays in L1 while the tiles of A rows pass by (from L2): with both
+    // cores busy, streaming all of B from L2 for every A tile was the limit.
     for q in 0..panels {
         let cols = NR.min(nc - q * NR);
         for t in 0..tiles {
