@@ -340,24 +340,10 @@ unsafe fn run_f64(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Option<Result
             }
         }
         Op::Mse => o()[0] = wide::mse(x[0], x[1]),
-        Op::Im2Col { window, k_major } => {
-            let im2col = if *k_major {
-                conv::im2col_k
-            } else {
-                conv::im2col
-            };
-            im2col(x[0], sh(0), window, o())
-        }
+        Op::Im2Col { window, k_major } => conv::patches(*k_major, x[0], sh(0), window, o()),
         Op::Col2Im {
             window, k_major, ..
-        } => {
-            let col2im = if *k_major {
-                conv::col2im_k
-            } else {
-                conv::col2im
-            };
-            col2im(x[0], window, od, o())
-        }
+        } => conv::unpatch(*k_major, x[0], window, od, o()),
         Op::Pool2d { window, max } => conv::pool2d(x[0], sh(0), window, *max, o()),
         Op::Pool2dGrad { window, max } => conv::pool2d_grad(x[0], sh(0), x[1], window, *max, o()),
         Op::Gather => {
@@ -648,23 +634,11 @@ unsafe fn run_op(b: &Bases, op: &Op, ins: &[TRef], out: &TRef) -> Result<()> {
             layout::concat(&parts, *axis, od, b.get_mut::<T>(out))
         }),
         Op::Im2Col { window, k_major } => {
-            let im2col = if *k_major {
-                conv::im2col_k
-            } else {
-                conv::im2col
-            };
-            im2col(f(0), sh(0), window, unsafe { b.get_mut(out) })
+            conv::patches(*k_major, f(0), sh(0), window, unsafe { b.get_mut(out) })
         }
         Op::Col2Im {
             window, k_major, ..
-        } => {
-            let col2im = if *k_major {
-                conv::col2im_k
-            } else {
-                conv::col2im
-            };
-            col2im(f(0), window, od, unsafe { b.get_mut(out) })
-        }
+        } => conv::unpatch(*k_major, f(0), window, od, unsafe { b.get_mut(out) }),
         Op::Pool2d { window, max } => {
             conv::pool2d(f(0), sh(0), window, *max, unsafe { b.get_mut(out) })
         }

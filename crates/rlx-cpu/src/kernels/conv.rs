@@ -121,6 +121,24 @@ fn add_short<T: Px>(dst: &mut [T], src: &[T]) {
     }
 }
 
+/// `Op::Im2Col`: [`im2col_k`] (tap-major) or [`im2col`].
+pub fn patches<T: Px>(k_major: bool, x: &[T], xd: &[usize], w: &Window, out: &mut [T]) {
+    if k_major {
+        im2col_k(x, xd, w, out)
+    } else {
+        im2col(x, xd, w, out)
+    }
+}
+
+/// `Op::Col2Im`: [`col2im_k`] (tap-major) or [`col2im`].
+pub fn unpatch<T: Px>(k_major: bool, cols: &[T], w: &Window, od: &[usize], out: &mut [T]) {
+    if k_major {
+        col2im_k(cols, w, od, out)
+    } else {
+        col2im(cols, w, od, out)
+    }
+}
+
 /// x `[N, C, H, W]` (dims `xd`) into patches `[N, Ho*Wo, C*kh*kw]`: row `oy*Wo + ox` holds
 /// the window of output (oy, ox), channel-major, zeros where it reaches into the padding.
 pub fn im2col<T: Px>(x: &[T], xd: &[usize], w: &Window, out: &mut [T]) {
