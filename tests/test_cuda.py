@@ -536,3 +536,23 @@ def test_nccl_data_parallel_on_one_rank_matches_a_plain_step():
     for k in plain:
         np.testing.assert_allclose(dp[k], plain[k], rtol=1e-6, atol=1e-7, err_msg=k)
     assert "computes on this rank's GPU 'cuda:0'" in out["error"]
+
+
+@needs_cuda
+def test_int64_labels_train_on_the_gpu_as_int32_and_values_beyond_int32_are_input_errors():
+    """The GPU backends compute ids and labels in int32: an int64 input spec is compiled as int32
+    there, int64 labels that fit train exactly as the CPU's int64 step, and a label beyond int32
+    is refused by name before anything runs (never wrapped into a valid one)."""
+    x, y = _data()
+    spec = {"x": rlx.InputSpec(x.shape), "y": rlx.InputSpec(y.shape, "int64")}
+    losses = {}
+    for device in ("cpu", "cuda"):
+        rlx.seed(0)
+        m = MLP(32, 16, 10)
+        step = rlx.compile_train_step(ce_loss, m, rlx.optim.SGD(lr=0.1), spec, device=device)
+        losses[device] = [step(x=x, y=y.astype(np.int64)) for _ in range(3)]
+    np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-5)
+    bad = y.astype(np.int64)
+    bad[0] = 2**32 + 1  # would wrap to label 1 in int32
+    with pytest.raises(rlx.InputError, match=r"^\[y\] values .* do not fit in int32"):
+        step(x=x, y=bad)

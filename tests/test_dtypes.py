@@ -788,3 +788,16 @@ def test_ml_dtypes_is_imported_only_for_bfloat16():
             "print('ml_dtypes' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_gpu_devices_compile_int64_inputs_as_int32():
+    """The GPU backends have no int64 kernels: there an int64 input spec becomes int32 (fed int64
+    arrays are range-checked into it, see tests/test_cuda.py); the CPU keeps int64."""
+    from rlx._compile import _device_specs
+
+    specs = {"ids": rlx.InputSpec((2, 3), "int64"), "x": rlx.InputSpec((2,), "float32")}
+    assert _device_specs(specs, "cpu") is specs
+    for device in ("cuda", "cuda:1", "metal"):
+        got = _device_specs(specs, device)
+        assert (got["ids"].shape, got["ids"].dtype) == ((2, 3), "int32")
+        assert got["x"] is specs["x"]

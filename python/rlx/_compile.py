@@ -57,6 +57,16 @@ class InputSpec:
         return f"InputSpec(shape={self.shape}, dtype={self.dtype!r})"
 
 
+def _device_specs(specs: dict[str, InputSpec], device: str) -> dict[str, InputSpec]:
+    """The specs a device compiles: the GPU backends compute ids and labels in int32 (they have
+    no int64 kernels), so an int64 input is declared int32 there. Fed arrays are converted as
+    for any int32 input (int64 values must fit in int32: an ``InputError`` otherwise, never a
+    wrap), and integer math on the input is int32 math. The CPU keeps int64."""
+    if device.split(":")[0] == "cpu":
+        return specs
+    return {n: InputSpec(s.shape, "int32") if s.dtype == "int64" else s for n, s in specs.items()}
+
+
 def _specs(inputs: Mapping[str, Any]) -> dict[str, InputSpec]:
     if not isinstance(inputs, Mapping):
         raise InputError(f"[inputs] must map input names to rlx.InputSpec, got {type(inputs).__name__}")
@@ -809,7 +819,7 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
     growth = int(growth_interval)
     device = _rlx.check_device(_check.device(device))
     _check_compute_dtypes("compile_train_step", model, device, precision)
-    specs = _specs(inputs)
+    specs = _device_specs(_specs(inputs), device)
     options: dict[str, Any] = {}
     if clip_grad_norm is not None:
         c = _check.number("compile_train_step", "clip_grad_norm", clip_grad_norm, lo=0.0)
@@ -861,7 +871,7 @@ def compile(forward_fn: Callable[..., Any], model: Module, inputs: Mapping[str, 
     precision = _check_precision("compile", precision, _check.device(device))
     device = _rlx.check_device(_check.device(device))
     _check_compute_dtypes("compile", model)
-    specs = _specs(inputs)
+    specs = _device_specs(_specs(inputs), device)
     if not isinstance(training, (bool, np.bool_)):
         raise InputError(f"[compile] training must be True or False, got {training!r}")
     return Function(forward_fn, model, specs, device, bool(training), precision)
