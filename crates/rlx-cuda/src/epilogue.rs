@@ -8,8 +8,8 @@
 //!   pairs the lowering proved safe on the program's tensors (`Plan::bias_grads`);
 //! - with `RLX_CUDA_LT=all`, every other GEMM too, with no epilogue.
 //!
-//! `RLX_CUDA_LT=epilogue` (or `all`) turns this on; by default every product is plain cuBLAS
-//! (see [`LtMode::DEFAULT`]).
+//! On by default (`all`, see [`LtMode::DEFAULT`]); `RLX_CUDA_LT=epilogue` keeps the plain GEMMs
+//! on cuBLAS, `RLX_CUDA_LT=0` runs every product through plain cuBLAS.
 //!
 //! Only the plan is read here (no GPU): the choices are unit-tested in CI. A candidate that
 //! cuBLASLt has no algorithm for keeps its original steps.
@@ -56,12 +56,13 @@ pub struct LtStep {
 /// Which GEMMs go through cuBLASLt (`RLX_CUDA_LT`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LtMode {
-    /// None: plain cuBLAS, every epilogue its own launch (`0`, the default until the fused
-    /// products have been measured on a GPU).
+    /// None: plain cuBLAS, every epilogue its own launch (`0`).
     Off,
     /// Products that absorb an epilogue or a bias gradient (`epilogue` or `1`).
     Epilogues,
-    /// Those, and every other GEMM with no epilogue (`all`).
+    /// Those, and every other GEMM with no epilogue (`all`, the default: on an H100 every
+    /// training test matches the CPU in each mode, and this one took the most device time off
+    /// the tiny GPT's step, see BENCHMARKS.md).
     All,
 }
 
@@ -77,7 +78,7 @@ impl LtMode {
         }
     }
 
-    pub const DEFAULT: LtMode = LtMode::Off;
+    pub const DEFAULT: LtMode = LtMode::All;
 }
 
 /// The largest power of two (up to 256) dividing `offset`.
