@@ -81,6 +81,20 @@ impl CpuProgram {
                     // from each other and from everything it reads.
                     Instr::Update(plan) => unsafe { crate::train::run(b, plan, hyper)? },
                 },
+                Step::Both { first, second } => {
+                    let instrs = &self.instrs;
+                    let one = |i: usize| match &instrs[i] {
+                        // SAFETY: as for `Step::One`, and `schedule` paired the two only where
+                        // neither writes a byte the other reads or writes.
+                        Instr::Op { op, ins, out } => {
+                            crate::sgemm::on_own_core(|| unsafe { run_op(b, op, ins, out) })
+                        }
+                        Instr::Update(_) => Err(Error::Internal("a paired update".into())),
+                    };
+                    let (x, y) = rayon::join(|| one(first), || one(second));
+                    x?;
+                    y?;
+                }
                 // SAFETY: as for `Step::One`, and `schedule` formed the pair only where the
                 // two instructions' tensors allow it (see `run_pair`).
                 _ => unsafe { run_pair(b, &self.instrs, step, &mut self.snapshot)? },
@@ -181,7 +195,7 @@ unsafe fn run_pair(b: &Bases, instrs: &[Instr], step: Step, snapshot: &mut Vec<f
                 )
             }
         }
-        Step::One(_) => unreachable!("not a pair"),
+        Step::One(_) | Step::Both { .. } => unreachable!("not a pair run here"),
     }
     Ok(())
 }

@@ -259,6 +259,12 @@ pub struct Bases {
     bufs: Vec<(*mut u8, usize)>,
 }
 
+// SAFETY: `Bases` is a table of base addresses; it hands out slices only through the unsafe
+// `get`/`get_mut`, whose callers guarantee that no `&mut` slice aliases another live slice. Two
+// threads use one `Bases` only for the two instructions of a `schedule::Step::Both`, which the
+// schedule pairs only where neither writes a byte the other touches.
+unsafe impl Sync for Bases {}
+
 impl Bases {
     pub fn new(buffers: &[&dyn rlx_runtime::DeviceBuffer], expected: &[usize]) -> Result<Bases> {
         let mut bufs = Vec::with_capacity(buffers.len());

@@ -1,6 +1,8 @@
 //! The order the CPU runs a program's instructions in, and which pairs it runs together:
 //! conv2d's patch copies with the products beside them, image by image
-//! (`kernels::conv_gemm`). A pair is formed only where running it changes no result: the
+//! (`kernels::conv_gemm`), and two independent products side by side, one on each thread
+//! (a layer's input and weight gradients: the same work, each on a core of its own rather
+//! than both split). A pair is formed only where running it changes no result: the
 //! instructions read and write the same bytes as one after the other would, an instruction
 //! moved past others touches nothing they touch, and a pair's output never overwrites an input
 //! it still has to read (where the planner reused that memory, the input is first copied).
@@ -26,6 +28,10 @@ pub enum Step {
     /// The product that writes patches and the `col2im` that reads them, run where the `col2im`
     /// was (the product moved down past the instructions between them).
     MatMulCol2Im { matmul: usize, col2im: usize },
+    /// Two adjacent products that share no written byte with each other, run at the same time,
+    /// each on its own share of the threads (`RLX_CPU_MATMUL_PAIRS=0` turns this off, read at
+    /// each compile).
+    Both { first: usize, second: usize },
 }
 
 impl Step {
@@ -35,6 +41,7 @@ impl Step {
             Step::One(i) => vec![i],
             Step::Im2ColMatMul { im2col, matmul, .. } => vec![im2col, matmul],
             Step::MatMulCol2Im { matmul, col2im } => vec![matmul, col2im],
+            Step::Both { first, second } => vec![first, second],
         }
     }
 }
@@ -42,6 +49,8 @@ impl Step {
 /// The schedule of `instrs` for a pool of `threads`: every instruction exactly once.
 pub fn schedule(instrs: &[Instr], threads: usize) -> Vec<Step> {
     let off = std::env::var("RLX_CPU_CONV_PIPE").is_ok_and(|v| v == "0");
+    let side_by_side =
+        threads >= 2 && !std::env::var("RLX_CPU_MATMUL_PAIRS").is_ok_and(|v| v == "0");
     let n = instrs.len();
     // For each instruction that ends a pair, the pair; producers moved into a pair are skipped.
     let mut ends: Vec<Option<Step>> = vec![None; n];
@@ -61,10 +70,60 @@ pub fn schedule(instrs: &[Instr], threads: usize) -> Vec<Step> {
             moved[i] = true;
         }
     }
-    (0..n)
+    let mut steps: Vec<Step> = (0..n)
         .filter(|&i| !moved[i])
         .map(|i| ends[i].unwrap_or(Step::One(i)))
-        .collect()
+        .collect();
+    if side_by_side {
+        let mut k = 0;
+        while k + 1 < steps.len() {
+            if let (Step::One(a), Step::One(b)) = (steps[k], steps[k + 1]) {
+                if b == a + 1 && independent_products(&instrs[a], &instrs[b]) {
+                    steps[k] = Step::Both {
+                        first: a,
+                        second: b,
+                    };
+                    steps.remove(k + 1);
+                }
+            }
+            k += 1;
+        }
+    }
+    steps
+}
+
+/// Multiply-adds of a product instruction (`None` for anything else).
+fn product_work(op: &Op, ins: &[TRef], out: &TRef) -> Option<usize> {
+    let (Op::MatMul { trans_a, .. } | Op::MatMulEpilogue { trans_a, .. }) = op else {
+        return None;
+    };
+    let a = ins.first()?.shape.dims();
+    let k = if *trans_a {
+        a[a.len() - 2]
+    } else {
+        a[a.len() - 1]
+    };
+    Some(out.shape.numel() * k)
+}
+
+/// Products below this many multiply-adds are not worth a pair (a join costs a few
+/// microseconds).
+const PAIR_MIN_WORK: usize = 1 << 18;
+
+/// Whether two products may run at the same time: neither writes a byte the other reads or
+/// writes, and their work is within 3x of each other (a layer's input and weight gradients are
+/// equal), so neither thread waits long for the other.
+fn independent_products(x: &Instr, y: &Instr) -> bool {
+    let (Some((ox, ix, outx)), Some((oy, iy, outy))) = (op(x), op(y)) else {
+        return false;
+    };
+    let (Some(wx), Some(wy)) = (product_work(ox, ix, outx), product_work(oy, iy, outy)) else {
+        return false;
+    };
+    let disjoint = !overlap(outx, outy)
+        && iy.iter().all(|t| !overlap(t, outx))
+        && ix.iter().all(|t| !overlap(t, outy));
+    disjoint && wx.min(wy) >= PAIR_MIN_WORK && wx.max(wy) <= 3 * wx.min(wy)
 }
 
 /// The instruction's op, inputs and output (`None` for the optimizer update).
@@ -303,5 +362,51 @@ mod tests {
         assert_eq!(schedule(&backward(relu(far, 0)), 1), kept);
         assert_eq!(schedule(&backward(relu(1 << 20, far)), 1), kept);
         assert_eq!(schedule(&backward(relu(far, (1 << 20) + 64)), 1), kept);
+    }
+
+    /// A layer's input-gradient product (dy [64, 256] @ w [256, 256]) and weight-gradient product
+    /// (dy^T @ x [64, 256]); `dx` and `dw` are where their outputs go.
+    fn gradients(dx: usize, dw: usize) -> Vec<Instr> {
+        let (dy, x) = (t(0, &[64, 256]), t(65536, &[64, 256]));
+        let w = TRef {
+            buf: Buf::Params,
+            ..t(0, &[256, 256])
+        };
+        let mm = |ta| Op::MatMul {
+            trans_a: ta,
+            trans_b: false,
+        };
+        vec![
+            instr(mm(false), vec![dy.clone(), w], t(dx, &[64, 256])),
+            instr(mm(true), vec![dy, x], t(dw, &[256, 256])),
+        ]
+    }
+
+    #[test]
+    fn independent_products_run_side_by_side_only_where_nothing_written_is_shared() {
+        let both = vec![Step::Both {
+            first: 0,
+            second: 1,
+        }];
+        let apart = vec![Step::One(0), Step::One(1)];
+        assert_eq!(schedule(&gradients(1 << 20, 2 << 20), 2), both);
+        // One thread: nothing to run beside.
+        assert_eq!(schedule(&gradients(1 << 20, 2 << 20), 1), apart);
+        // The second writes over what the first reads (dy), or over the first's output.
+        assert_eq!(schedule(&gradients(1 << 20, 0), 2), apart);
+        assert_eq!(schedule(&gradients(1 << 20, (1 << 20) + 4096), 2), apart);
+        // The first writes over what the second reads (x).
+        assert_eq!(schedule(&gradients(65536 + 256, 2 << 20), 2), apart);
+        // An elementwise instruction is not a product.
+        let mut p = gradients(1 << 20, 2 << 20);
+        p[0] = relu(3 << 20, 4 << 20);
+        assert_eq!(schedule(&p, 2), apart);
+        // Work far apart (a tiny product beside a large one) is not paired either.
+        let mut p = gradients(1 << 20, 2 << 20);
+        if let Instr::Op { ins, .. } = &mut p[1] {
+            ins[0] = t(0, &[2, 256]);
+            ins[1] = t(65536, &[2, 256]);
+        }
+        assert_eq!(schedule(&p, 2), apart);
     }
 }

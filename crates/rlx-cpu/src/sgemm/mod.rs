@@ -292,8 +292,27 @@ const MC: usize = 336;
 const NC: usize = 512;
 
 thread_local! {
+    /// Set while this thread runs one product of a side-by-side pair (`on_own_core`).
+    static OWN_CORE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static BUF_A: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static BUF_B: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with every product it starts kept on the calling thread (not split), where the
+/// pool has two threads: the caller runs another product on the other thread at the same time
+/// (`schedule::Step::Both`). With more threads the products still split, over all of them.
+pub fn on_own_core<R>(f: impl FnOnce() -> R) -> R {
+    if rayon::current_num_threads() > 2 {
+        return f();
+    }
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            OWN_CORE.with(|c| c.set(self.0));
+        }
+    }
+    let _reset = Reset(OWN_CORE.with(|c| c.replace(true)));
+    f()
 }
 
 /// Runs `f` on a 64-byte aligned scratch slice of `len` floats from the thread's buffer `key`
@@ -355,7 +374,7 @@ fn split<K: Micro>(
     assert!(rs >= n && (m - 1) * rs + n <= c.len());
     let out = Out(c.as_mut_ptr());
     let (tiles, panels) = (m.div_ceil(K::MR), n.div_ceil(K::NR));
-    let threads = if parallel {
+    let threads = if parallel && !OWN_CORE.with(|c| c.get()) {
         rayon::current_num_threads().min(tiles.max(panels))
     } else {
         1
