@@ -8,8 +8,10 @@
 //! bit for bit (`tests/isa.rs`, `tests/test_cpu_isa.py`).
 //!
 //! Every version runs the same Rust source, and Rust never fuses `a * b + c` into an FMA or
-//! reorders a floating-point sum on its own, so they give bit-identical results. The `unsafe`
-//! of calling target-feature code lives only in this file.
+//! reorders a floating-point sum on its own, so they give bit-identical results. Where a kernel
+//! asks for a fused multiply-add (`mul_add`, in `kernels::math`), the AVX2 and AVX-512 copies
+//! use the instruction and the portable copy the C library's `fmaf`, both rounded once, exactly,
+//! so the bits still agree. The `unsafe` of calling target-feature code lives only in this file.
 use std::sync::atomic::{AtomicU8, Ordering};
 
 /// The instruction set a kernel call runs with.
