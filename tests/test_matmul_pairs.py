@@ -3,7 +3,9 @@ one per core, instead of splitting each over both (``schedule::Step::Both``). Th
 result: a GPT and an MLP train a few steps with the pairs on (the default) and off
 (``RLX_CPU_MATMUL_PAIRS=0``, read at compile), in a child process with two threads, and the
 losses, gradients and weights must be bit-identical (neither way splits a product's depth). The
-profile shows the pairs did form, so the comparison is not between two unpaired runs."""
+profile shows the pairs did form, so the comparison is not between two unpaired runs, and that
+the memory planner left room for one whose second product would otherwise overwrite the first's
+input (``Backend::runs_together``)."""
 
 import json
 import os
@@ -65,6 +67,10 @@ def test_side_by_side_products_give_the_same_bits(model_name):
     # The profile names a pair "a + b"; the pairs formed only when on.
     assert "matmul" in prof_on and " + matmul" in prof_on, prof_on
     assert " + matmul" not in prof_off, prof_off
+    if model_name == "gpt":
+        # The second MLP layer's weight gradient beside the GELU-gradient product: the planner
+        # keeps the GELU output (which the first reads) from becoming the second's output.
+        assert " + matmul_epilogue" in prof_on, prof_on
     assert paired["loss"] == plain["loss"]
     assert all(abs(v) < 1e3 for v in paired["loss"])
     assert paired["grads"] == plain["grads"]

@@ -98,4 +98,8 @@ impl Backend for CpuBackend {
     fn copy_engine(&self) -> Result<Arc<CopyEngine>> {
         Ok(Arc::new(CpuCopyEngine::new()?))
     }
+
+    fn runs_together(&self, graph: &rlx_ir::Graph, a: rlx_ir::NodeId, b: rlx_ir::NodeId) -> bool {
+        schedule::nodes_run_together(graph, a, b, pool::thread_count())
+    }
 }

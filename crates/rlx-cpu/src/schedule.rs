@@ -9,7 +9,7 @@
 //! A pair splits its work over the threads by image only, so it is formed only for batches of
 //! at least two images a thread (a smaller batch's products are split over the threads
 //! instead). `RLX_CPU_CONV_PIPE=0` turns pairing off (read at each compile).
-use rlx_ir::{DType, Op};
+use rlx_ir::{DType, Graph, NodeId, Op, Shape};
 use rlx_runtime::{Instr, TRef};
 
 /// One position of the schedule.
@@ -49,8 +49,7 @@ impl Step {
 /// The schedule of `instrs` for a pool of `threads`: every instruction exactly once.
 pub fn schedule(instrs: &[Instr], threads: usize) -> Vec<Step> {
     let off = std::env::var("RLX_CPU_CONV_PIPE").is_ok_and(|v| v == "0");
-    let side_by_side =
-        threads >= 2 && !std::env::var("RLX_CPU_MATMUL_PAIRS").is_ok_and(|v| v == "0");
+    let side_by_side = pairs_on(threads);
     let n = instrs.len();
     // For each instruction that ends a pair, the pair; producers moved into a pair are skipped.
     let mut ends: Vec<Option<Step>> = vec![None; n];
@@ -92,23 +91,55 @@ pub fn schedule(instrs: &[Instr], threads: usize) -> Vec<Step> {
     steps
 }
 
-/// Multiply-adds of a product instruction (`None` for anything else).
-fn product_work(op: &Op, ins: &[TRef], out: &TRef) -> Option<usize> {
+/// Whether independent products may run side by side with a pool of `threads`
+/// (`RLX_CPU_MATMUL_PAIRS=0` turns it off; read at each compile).
+pub fn pairs_on(threads: usize) -> bool {
+    threads >= 2 && !std::env::var("RLX_CPU_MATMUL_PAIRS").is_ok_and(|v| v == "0")
+}
+
+/// Multiply-adds of a product (`None` for any other op): `a` is its first operand's dims.
+fn product_work(op: &Op, a: &[usize], out: &Shape) -> Option<usize> {
     let (Op::MatMul { trans_a, .. } | Op::MatMulEpilogue { trans_a, .. }) = op else {
         return None;
     };
-    let a = ins.first()?.shape.dims();
+    if a.len() < 2 {
+        return None;
+    }
     let k = if *trans_a {
         a[a.len() - 2]
     } else {
         a[a.len() - 1]
     };
-    Some(out.shape.numel() * k)
+    Some(out.numel() * k)
 }
 
 /// Products below this many multiply-adds are not worth a pair (a join costs a few
 /// microseconds).
 const PAIR_MIN_WORK: usize = 1 << 18;
+
+/// Whether two products of `wx` and `wy` multiply-adds are worth running side by side: each
+/// large enough, neither more than 3x the other (a layer's input and weight gradients are
+/// equal), so neither thread waits long for the other.
+fn worth_a_pair(wx: usize, wy: usize) -> bool {
+    wx.min(wy) >= PAIR_MIN_WORK && wx.max(wy) <= 3 * wx.min(wy)
+}
+
+/// Graph nodes `a` and `b` (`b` the next computing node, not reading `a`) as the planner
+/// asks (`Backend::runs_together`): both float32 products worth a pair. The schedule still
+/// checks the planned bytes before pairing them.
+pub fn nodes_run_together(graph: &Graph, a: NodeId, b: NodeId, threads: usize) -> bool {
+    let work = |id: NodeId| {
+        let node = graph.node(id);
+        let first = graph.node(*node.inputs.first()?);
+        (node.dtype == DType::F32).then_some(())?;
+        product_work(&node.op, first.shape.dims(), &node.shape)
+    };
+    pairs_on(threads)
+        && match (work(a), work(b)) {
+            (Some(wa), Some(wb)) => worth_a_pair(wa, wb),
+            _ => false,
+        }
+}
 
 /// Whether two products may run at the same time: neither writes a byte the other reads or
 /// writes, and their work is within 3x of each other (a layer's input and weight gradients are
@@ -117,13 +148,15 @@ fn independent_products(x: &Instr, y: &Instr) -> bool {
     let (Some((ox, ix, outx)), Some((oy, iy, outy))) = (op(x), op(y)) else {
         return false;
     };
-    let (Some(wx), Some(wy)) = (product_work(ox, ix, outx), product_work(oy, iy, outy)) else {
+    let work =
+        |op, ins: &[TRef], out: &TRef| product_work(op, ins.first()?.shape.dims(), &out.shape);
+    let (Some(wx), Some(wy)) = (work(ox, ix, outx), work(oy, iy, outy)) else {
         return false;
     };
     let disjoint = !overlap(outx, outy)
         && iy.iter().all(|t| !overlap(t, outx))
         && ix.iter().all(|t| !overlap(t, outy));
-    disjoint && wx.min(wy) >= PAIR_MIN_WORK && wx.max(wy) <= 3 * wx.min(wy)
+    disjoint && worth_a_pair(wx, wy)
 }
 
 /// The instruction's op, inputs and output (`None` for the optimizer update).

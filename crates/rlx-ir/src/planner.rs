@@ -238,7 +238,17 @@ pub struct GraphPlan {
 /// Plans the arena for the live nodes of `graph`, run in node order. Alias ops (reshape) share
 /// their source's storage, which then stays live for the alias's uses too. Graph outputs stay
 /// live to the end of the program.
-pub fn plan_graph(graph: &Graph, storage: impl Fn(NodeId) -> Storage, align: usize) -> GraphPlan {
+///
+/// `together(a, b)` says whether the backend may run node `b` at the same time as node `a`, the
+/// computing node just before it, where `b` does not read `a` (two independent products side
+/// by side on two cores): `a`'s inputs then stay live through `b`, so `b`'s output is never
+/// placed over them. `|_, _| false` plans strictly one node after another.
+pub fn plan_graph(
+    graph: &Graph,
+    storage: impl Fn(NodeId) -> Storage,
+    align: usize,
+    together: impl Fn(NodeId, NodeId) -> bool,
+) -> GraphPlan {
     let n = graph.len();
     let live = graph.live_mask();
     let mut root: Vec<NodeId> = (0..n).collect();
@@ -262,6 +272,26 @@ pub fn plan_graph(graph: &Graph, storage: impl Fn(NodeId) -> Storage, align: usi
                 last_use[r] = last_use[r].max(id);
             }
         }
+    }
+    // Pairs the backend runs at once: the first's inputs live until the second is done.
+    let computes = |id: NodeId| {
+        let op = &graph.node(id).op;
+        live[id]
+            && !op.is_alias()
+            && !matches!(op, Op::Input { .. } | Op::Param { .. } | Op::Const { .. })
+    };
+    let mut prev: Option<NodeId> = None;
+    for id in (0..n).filter(|&id| computes(id)) {
+        if let Some(a) = prev {
+            let reads_a = graph.node(id).inputs.iter().any(|&i| root[i] == root[a]);
+            if !reads_a && together(a, id) {
+                for &i in &graph.node(a).inputs {
+                    let r = root[i];
+                    last_use[r] = last_use[r].max(id);
+                }
+            }
+        }
+        prev = Some(id);
     }
     for &o in graph.outputs() {
         last_use[root[o]] = usize::MAX;
@@ -370,7 +400,7 @@ mod tests {
                 Op::Input { .. } => Storage::Pinned,
                 _ => Storage::Temporary,
             };
-            let gp = plan_graph(&g, storage, 64);
+            let gp = plan_graph(&g, storage, 64, |_, _| false);
             assert!(gp.arena_bytes <= gp.naive_bytes);
             // Replay the schedule: at each step, every live root's bytes are disjoint.
             let live = g.live_mask();
@@ -478,6 +508,60 @@ mod tests {
         }
     }
 
+    /// Two independent products the backend runs at once: the second's output is never placed
+    /// over what the first reads, though the first's inputs die with it in program order.
+    #[test]
+    fn products_run_together_keep_the_first_ones_inputs() {
+        let mut g = Graph::new();
+        let s = Shape::new([64, 64]);
+        let x = g.input("x", s.clone(), DType::F32).unwrap();
+        let w = g.input("w", s.clone(), DType::F32).unwrap();
+        let y = g.add(Op::Unary(UnaryOp::Tanh), &[x]).unwrap();
+        let z = g.add(Op::Unary(UnaryOp::Exp), &[x]).unwrap();
+        let mm = Op::MatMul {
+            trans_a: false,
+            trans_b: false,
+        };
+        let a = g.add(mm.clone(), &[y, w]).unwrap();
+        let b = g.add(mm, &[z, w]).unwrap();
+        let c = g.add(Op::Binary(BinaryOp::Add), &[a, b]).unwrap();
+        g.set_outputs(vec![c]).unwrap();
+        let storage = |id: NodeId| match g.node(id).op {
+            Op::Input { .. } => Storage::Pinned,
+            _ => Storage::Temporary,
+        };
+        let at = |gp: &GraphPlan, id: NodeId| gp.offset[id].unwrap();
+        // One after another, b's output takes the place of y (dead after a).
+        let apart = plan_graph(&g, storage, 64, |_, _| false);
+        assert_eq!(at(&apart, b), at(&apart, y));
+        let both = plan_graph(&g, storage, 64, |p, q| (p, q) == (a, b));
+        let bytes = 64 * 64 * 4;
+        for t in [y, w, a] {
+            let (lo, hi) = (at(&both, t), at(&both, t) + bytes);
+            assert!(
+                at(&both, b) + bytes <= lo || hi <= at(&both, b),
+                "{t} overlaps b"
+            );
+        }
+        // A second product that reads the first is never extended over it.
+        let mut g2 = Graph::new();
+        let x2 = g2.input("x", s.clone(), DType::F32).unwrap();
+        let y2 = g2.add(Op::Unary(UnaryOp::Tanh), &[x2]).unwrap();
+        let mm = Op::MatMul {
+            trans_a: false,
+            trans_b: false,
+        };
+        let a2 = g2.add(mm.clone(), &[y2, x2]).unwrap();
+        let b2 = g2.add(mm, &[a2, x2]).unwrap();
+        g2.set_outputs(vec![b2]).unwrap();
+        let storage2 = |id: NodeId| match g2.node(id).op {
+            Op::Input { .. } => Storage::Pinned,
+            _ => Storage::Temporary,
+        };
+        let chained = plan_graph(&g2, storage2, 64, |_, _| true);
+        assert_eq!(chained.offset[b2], chained.offset[y2]);
+    }
+
     #[test]
     fn identical_constants_share_a_slot() {
         let mut g = Graph::new();
@@ -493,7 +577,7 @@ mod tests {
             Op::Input { .. } | Op::Const { .. } => Storage::Pinned,
             _ => Storage::Temporary,
         };
-        let gp = plan_graph(&g, storage, 64);
+        let gp = plan_graph(&g, storage, 64, |_, _| false);
         assert_eq!(gp.root[c2], c1);
         assert_eq!(gp.offset[c1], gp.offset[c2]);
         assert_ne!(gp.offset[c1], gp.offset[c3]);

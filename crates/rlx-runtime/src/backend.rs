@@ -18,6 +18,14 @@ pub trait Backend: Send + Sync {
     fn compile(&self, program: &Program, buffer_lens: &[usize]) -> Result<Box<dyn Compiled>>;
     /// A copy engine for host->device and device->device copies off the caller's thread.
     fn copy_engine(&self) -> Result<Arc<CopyEngine>>;
+    /// Whether this backend may run node `b` of `graph` at the same time as node `a`, the
+    /// computing node just before it, which `b` does not read (the CPU runs two independent
+    /// products side by side, one a core). The memory planner then keeps `a`'s inputs live
+    /// until `b` is done. By default nodes run one after another.
+    fn runs_together(&self, graph: &rlx_ir::Graph, a: rlx_ir::NodeId, b: rlx_ir::NodeId) -> bool {
+        let _ = (graph, a, b);
+        false
+    }
 }
 
 /// Bytes on the host that a copy reads; the engine holds the value until the copy is done.

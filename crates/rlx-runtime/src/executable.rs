@@ -120,7 +120,9 @@ impl Executable {
         } else {
             0..0
         };
-        let low = lower_with_region(graph, &params, backend.alignment(), region)?;
+        let low = lower_with_region(graph, &params, backend.alignment(), region, |a, b| {
+            backend.runs_together(graph, a, b)
+        })?;
         let backend_ref = backend.as_ref();
         let mut program = low.program;
         let mut outputs: Vec<TRef> = graph

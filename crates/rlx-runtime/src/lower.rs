@@ -18,7 +18,7 @@ pub struct Lowered {
 
 /// Plans and lowers `graph`. Params are looked up in `params`; inputs and constants are pinned.
 pub fn lower(graph: &Graph, params: &Store, align: usize) -> Result<Lowered> {
-    lower_with_region(graph, params, align, 0..0)
+    lower_with_region(graph, params, align, 0..0, |_, _| false)
 }
 
 /// [`lower`], with the graph outputs at `region` (indices into `graph.outputs()`) placed one
@@ -26,11 +26,13 @@ pub fn lower(graph: &Graph, params: &Store, align: usize) -> Result<Lowered> {
 /// then covers them all, so a data-parallel step all-reduces its gradients in place with one
 /// call. An output is computed straight into its place there; only one that cannot be (a
 /// constant, an input, a parameter, or a node two outputs share) is copied in at the end.
+/// `together` is the backend's [`crate::Backend::runs_together`] for the planner.
 pub fn lower_with_region(
     graph: &Graph,
     params: &Store,
     align: usize,
     region: std::ops::Range<usize>,
+    together: impl Fn(NodeId, NodeId) -> bool,
 ) -> Result<Lowered> {
     graph.verify()?;
     for (id, name) in graph.params() {
@@ -72,7 +74,7 @@ pub fn lower_with_region(
         _ if placed.iter().any(|&(r, _)| r == id) => Storage::External,
         _ => Storage::Temporary,
     };
-    let plan = plan_graph(graph, storage, align);
+    let plan = plan_graph(graph, storage, align, together);
     // The region's slots, in output order, after the planned arena.
     let mut region_at = Vec::with_capacity(region.len());
     let region_start = rlx_ir::planner::align_up(plan.arena_bytes, align);

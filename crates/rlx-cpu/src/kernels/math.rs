@@ -41,18 +41,29 @@ pub fn exp(x: f32) -> f32 {
 }
 
 /// Sum with 8 independent partial sums, so the loop vectorises (a plain fold cannot be
-/// reordered by the compiler).
+/// reordered by the compiler): lane `l` takes the elements `8 * i + l`, then the lanes and the
+/// tail are added in order. Index loops rather than iterator adapters: an adapter's `fold` can
+/// stay an out-of-line function compiled for the baseline, outside the AVX2 / AVX-512 copy
+/// that `isa::dispatch` makes of the loop around it.
 #[inline(always)]
 pub fn sum(xs: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
-    let chunks = xs.chunks_exact(8);
-    let rest = chunks.remainder();
-    for c in chunks {
-        for (a, v) in acc.iter_mut().zip(c) {
-            *a += v;
+    let whole = xs.len() / 8 * 8;
+    for c in xs.chunks_exact(8) {
+        let c: &[f32; 8] = c.try_into().expect("chunks of 8");
+        for l in 0..8 {
+            acc[l] += c[l];
         }
     }
-    acc.iter().sum::<f32>() + rest.iter().sum::<f32>()
+    let mut total = 0.0f32;
+    for a in acc {
+        total += a;
+    }
+    let mut rest = 0.0f32;
+    for &x in &xs[whole..] {
+        rest += x;
+    }
+    total + rest
 }
 
 /// `max` that propagates NaN, as numpy's does (`f32::max` drops it).

@@ -257,54 +257,90 @@ pub fn scatter_add<T: Copy + Default + std::ops::AddAssign>(
     Ok(())
 }
 
-/// Mean and 1/sqrt(var + eps) of one row.
+/// Mean and 1/sqrt(var + eps) of one row. The row kernels below are index loops over slices of
+/// one length, not iterator chains: a `Zip`'s `fold` was left out of line, compiled for the
+/// baseline (SSE2, one float at a time in the sums), so layer norms ran at ~1.4 ns an element
+/// whatever the CPU.
 #[inline(always)]
 fn row_stats(row: &[f32], eps: f32) -> (f32, f32) {
     let n = row.len() as f32;
     let mean = math::sum(row) / n;
     let mut acc = [0.0f32; 8];
-    let chunks = row.chunks_exact(8);
-    let rest: f32 = chunks
-        .remainder()
-        .iter()
-        .map(|v| (v - mean) * (v - mean))
-        .sum();
-    for c in chunks {
-        for (a, v) in acc.iter_mut().zip(c) {
-            *a += (v - mean) * (v - mean);
+    let whole = row.len() / 8 * 8;
+    for c in row.chunks_exact(8) {
+        let c: &[f32; 8] = c.try_into().expect("chunks of 8");
+        for l in 0..8 {
+            let d = c[l] - mean;
+            acc[l] += d * d;
         }
     }
-    let var = (acc.iter().sum::<f32>() + rest) / n;
+    let mut rest = 0.0f32;
+    for &v in &row[whole..] {
+        rest += (v - mean) * (v - mean);
+    }
+    let mut total = 0.0f32;
+    for a in acc {
+        total += a;
+    }
+    let var = (total + rest) / n;
     (mean, 1.0 / (var + eps).sqrt())
+}
+
+/// Below this many elements a layer norm (forward or backward) runs on one thread. Its rows
+/// cost up to 1 ns an element (up to six passes, three of them sums: the tiny GPT's 131K element
+/// gradient took 120 us on one Zen 3 core), several times an elementwise kernel's, so it
+/// splits at an eighth of [`PAR_MIN`] (about 30 us of work against a few us for the split).
+const NORM_PAR_MIN: usize = PAR_MIN / 8;
+
+/// Elements of the rows one parallel task of a layer norm takes (whole rows, at least one).
+const NORM_TASK: usize = 4096;
+
+/// Runs `block(first_row, x_rows, out_rows)` over blocks of whole rows of `width`, in parallel
+/// when there are at least [`NORM_PAR_MIN`] elements; each block's loop is compiled for the
+/// CPU's instruction set.
+fn by_row_blocks<'a>(
+    x: &'a [f32],
+    out: &mut [f32],
+    width: usize,
+    block: impl Fn(usize, &'a [f32], &mut [f32]) + Sync,
+) {
+    let width = width.max(1);
+    let rows = (NORM_TASK / width).max(1);
+    let run = |(b, (xb, ob)): (usize, (&'a [f32], &mut [f32]))| {
+        crate::isa::dispatch(
+            #[inline(always)]
+            || block(b * rows, xb, ob),
+        )
+    };
+    if out.len() >= NORM_PAR_MIN {
+        x.par_chunks(rows * width)
+            .zip(out.par_chunks_mut(rows * width))
+            .enumerate()
+            .for_each(run);
+    } else {
+        run((0, (x, out)));
+    }
 }
 
 /// `(x - mean) * rstd` per row of the last axis.
 #[inline(always)]
 pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
-    let row = crate::isa::inlined(
+    by_row_blocks(
+        x,
+        out,
+        width,
         #[inline(always)]
-        |(row, o): (&[f32], &mut [f32])| {
-            let (mean, rstd) = row_stats(row, eps);
-            row.iter()
-                .zip(o.iter_mut())
-                .for_each(|(v, o)| *o = (v - mean) * rstd);
+        |_, xb, ob| {
+            for r in 0..xb.len() / width {
+                let row = &xb[r * width..][..width];
+                let o = &mut ob[r * width..][..width];
+                let (mean, rstd) = row_stats(row, eps);
+                for j in 0..width {
+                    o[j] = (row[j] - mean) * rstd;
+                }
+            }
         },
     );
-    if out.len() >= PAR_MIN {
-        x.par_chunks(width)
-            .zip(out.par_chunks_mut(width))
-            .for_each(|r| {
-                crate::isa::dispatch(
-                    #[inline(always)]
-                    || row(r),
-                )
-            });
-    } else {
-        crate::isa::dispatch(
-            #[inline(always)]
-            || x.chunks(width).zip(out.chunks_mut(width)).for_each(row),
-        );
-    }
 }
 
 /// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` per row.
@@ -312,9 +348,6 @@ pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
 pub fn normalize_grad(x: &[f32], g: &[f32], width: usize, eps: f32, out: &mut [f32]) {
     normalize_grad_add(x, g, None, width, eps, out)
 }
-
-/// One row of `normalize_grad_add`: its index, the row of `x` and of `g`, and its output.
-type Row<'a, 'b> = (usize, ((&'a [f32], &'a [f32]), &'b mut [f32]));
 
 /// `normalize_grad(x, g) + acc` (`acc` of the same shape) in one pass: each row's result gets
 /// `acc` added while it is in cache (the fusion pass's `NormalizeGradAdd`).
@@ -327,45 +360,33 @@ pub fn normalize_grad_add(
     out: &mut [f32],
 ) {
     let n = width as f32;
-    let row = crate::isa::inlined(
+    by_row_blocks(
+        x,
+        out,
+        width,
         #[inline(always)]
-        |(i, ((row, gr), o)): Row| {
-            let (mean, rstd) = row_stats(row, eps);
-            // o holds xhat * g first, to sum it vectorised.
-            for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
-                *o = gv * (v - mean) * rstd;
-            }
-            let (mg, mgx) = (math::sum(gr) / n, math::sum(o) / n);
-            for ((v, gv), o) in row.iter().zip(gr).zip(o.iter_mut()) {
-                *o = rstd * (gv - mg - (v - mean) * rstd * mgx);
-            }
-            if let Some(acc) = acc {
-                let a = &acc[i * width..(i + 1) * width];
-                o.iter_mut().zip(a).for_each(|(o, a)| *o += a);
+        |first, xb, ob| {
+            for r in 0..xb.len() / width {
+                let at = (first + r) * width;
+                let row = &xb[r * width..][..width];
+                let gr = &g[at..][..width];
+                let o = &mut ob[r * width..][..width];
+                let (mean, rstd) = row_stats(row, eps);
+                // o holds xhat * g first, to sum it vectorised.
+                for j in 0..width {
+                    o[j] = gr[j] * (row[j] - mean) * rstd;
+                }
+                let (mg, mgx) = (math::sum(gr) / n, math::sum(o) / n);
+                for j in 0..width {
+                    o[j] = rstd * (gr[j] - mg - (row[j] - mean) * rstd * mgx);
+                }
+                if let Some(acc) = acc {
+                    let a = &acc[at..][..width];
+                    for j in 0..width {
+                        o[j] += a[j];
+                    }
+                }
             }
         },
     );
-    if out.len() >= PAR_MIN {
-        x.par_chunks(width)
-            .zip(g.par_chunks(width))
-            .zip(out.par_chunks_mut(width))
-            .enumerate()
-            .for_each(|r| {
-                crate::isa::dispatch(
-                    #[inline(always)]
-                    || row(r),
-                )
-            });
-    } else {
-        crate::isa::dispatch(
-            #[inline(always)]
-            || {
-                x.chunks(width)
-                    .zip(g.chunks(width))
-                    .zip(out.chunks_mut(width))
-                    .enumerate()
-                    .for_each(row)
-            },
-        );
-    }
 }
