@@ -34,7 +34,11 @@ pub fn softmax(x: &[f32], xd: &[usize], axis: usize, log: bool, out: &mut [f32])
         } else {
             crate::isa::dispatch(
                 #[inline(always)]
-                || out.chunks_mut(len).zip(x.chunks(len)).for_each(row),
+                || {
+                    for r in 0..out.len() / len {
+                        row((&mut out[r * len..][..len], &x[r * len..][..len]));
+                    }
+                },
             );
         }
         return;
@@ -62,11 +66,17 @@ fn softmax_row(row: &mut [f32], log: bool) {
     let max = if max == f32::NEG_INFINITY { 0.0 } else { max };
     if log {
         let lse = max + logsumexp_shifted(row, max).ln();
-        row.iter_mut().for_each(|v| *v -= lse);
+        for v in row.iter_mut() {
+            *v -= lse;
+        }
     } else {
-        row.iter_mut().for_each(|v| *v = math::exp(*v - max));
+        for v in row.iter_mut() {
+            *v = math::exp(*v - max);
+        }
         let inv = 1.0 / math::sum(row);
-        row.iter_mut().for_each(|v| *v *= inv);
+        for v in row.iter_mut() {
+            *v *= inv;
+        }
     }
 }
 
@@ -79,9 +89,9 @@ fn logsumexp_shifted(row: &[f32], max: f32) -> f32 {
     let mut total = 0.0f32;
     for block in row.chunks(64) {
         let b = &mut buf[..block.len()];
-        b.iter_mut()
-            .zip(block)
-            .for_each(|(e, &v)| *e = math::exp(v - max));
+        for j in 0..b.len() {
+            b[j] = math::exp(block[j] - max);
+        }
         total += math::sum(b);
     }
     total
@@ -142,7 +152,13 @@ pub fn cross_entropy(logits: &[f32], ld: &[usize], labels: &[i32]) -> Result<f32
     } else {
         crate::isa::dispatch(
             #[inline(always)]
-            || logits.chunks(c).zip(labels).map(row_loss).sum(),
+            || {
+                let mut total = -0.0f64;
+                for (r, y) in labels.iter().enumerate() {
+                    total += row_loss((&logits[r * c..][..c], y));
+                }
+                total
+            },
         )
     };
     if n == 0 {
@@ -173,7 +189,9 @@ pub fn cross_entropy_grad(
             o.copy_from_slice(row);
             softmax_row(o, false);
             o[y as usize] -= 1.0;
-            o.iter_mut().for_each(|v| *v *= scale);
+            for v in o.iter_mut() {
+                *v *= scale;
+            }
         },
     );
     if out.len() >= PAR_MIN {
@@ -191,11 +209,9 @@ pub fn cross_entropy_grad(
         crate::isa::dispatch(
             #[inline(always)]
             || {
-                logits
-                    .chunks(c)
-                    .zip(out.chunks_mut(c))
-                    .zip(labels)
-                    .for_each(row)
+                for (r, y) in labels.iter().enumerate() {
+                    row(((&logits[r * c..][..c], &mut out[r * c..][..c]), y));
+                }
             },
         );
     }
