@@ -95,22 +95,39 @@ impl Geometry {
 
 /// `p (l x s)` = softmax over each row of `p * scale` with the causal mask; masked entries 0,
 /// rows that see no key NaN. Each row's passes run 8 lanes wide with the CPU's instruction set.
+/// With a positive scale (the usual `1/sqrt(e)`) the scale is applied inside the `exp` pass,
+/// `exp((x - max) * scale)` with the maximum of the raw scores, not as a pass of its own.
 fn softmax_rows(g: &Geometry, p: &mut [f32]) {
     crate::isa::dispatch(
         #[inline(always)]
         || {
-            for (i, row) in p.chunks_mut(g.s).enumerate() {
+            for i in 0..g.l {
+                let row = &mut p[i * g.s..][..g.s];
                 let vis = g.visible(i);
                 if vis == 0 {
                     row.fill(f32::NAN);
                     continue;
                 }
                 let (seen, hidden) = row.split_at_mut(vis);
-                seen.iter_mut().for_each(|x| *x *= g.scale);
-                let max = math::max(seen);
-                seen.iter_mut().for_each(|x| *x = math::exp(*x - max));
-                let inv = 1.0 / math::sum(seen);
-                seen.iter_mut().for_each(|x| *x *= inv);
+                let inv = if g.scale > 0.0 {
+                    let max = math::max(seen);
+                    for x in seen.iter_mut() {
+                        *x = math::exp((*x - max) * g.scale);
+                    }
+                    1.0 / math::sum(seen)
+                } else {
+                    for x in seen.iter_mut() {
+                        *x *= g.scale;
+                    }
+                    let max = math::max(seen);
+                    for x in seen.iter_mut() {
+                        *x = math::exp(*x - max);
+                    }
+                    1.0 / math::sum(seen)
+                };
+                for x in seen.iter_mut() {
+                    *x *= inv;
+                }
                 hidden.fill(0.0);
             }
         },
@@ -271,19 +288,21 @@ pub fn backward(g: &Geometry, ins: &[&[f32]], grad: &mut [f32]) {
         for (r0, r1, kb) in row_blocks(g) {
             let dv = View::rows(r0 * g.s, g.s);
             gemm_view(r1 - r0, kb, g.ev, ds, dv, 0.0, gy, down(ov, r0), v, vv.t());
-            for i in r0..r1 {
-                let (or, gr) = (ov.off + i * ov.rs, ov.off + i * ov.rs);
-                let d: f32 = o[or..or + g.ev]
-                    .iter()
-                    .zip(&gy[gr..gr + g.ev])
-                    .map(|(a, b)| a * b)
-                    .sum();
-                let (row, hidden) = ds[i * g.s..(i + 1) * g.s].split_at_mut(kb);
-                for (x, &pp) in row.iter_mut().zip(&p[i * g.s..i * g.s + kb]) {
-                    *x = pp * (*x - d) * g.scale;
-                }
-                hidden.fill(0.0);
-            }
+            crate::isa::dispatch(
+                #[inline(always)]
+                || {
+                    for i in r0..r1 {
+                        let at = ov.off + i * ov.rs;
+                        let d = math::dot(&o[at..][..g.ev], &gy[at..][..g.ev]);
+                        let (row, hidden) = ds[i * g.s..][..g.s].split_at_mut(kb);
+                        let pr = &p[i * g.s..][..kb];
+                        for j in 0..kb {
+                            row[j] = pr[j] * (row[j] - d) * g.scale;
+                        }
+                        hidden.fill(0.0);
+                    }
+                },
+            );
         }
         let (p, ds): (&[f32], &[f32]) = (p, ds);
         let sv = View::rows(0, g.s);

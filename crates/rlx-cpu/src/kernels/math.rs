@@ -87,9 +87,35 @@ pub fn max(xs: &[f32]) -> f32 {
             *a = nan_max(*a, v);
         }
     }
-    acc.iter()
-        .chain(rest)
-        .fold(f32::NEG_INFINITY, |a, &b| nan_max(a, b))
+    let mut m = f32::NEG_INFINITY;
+    for &v in acc.iter().chain(rest) {
+        m = nan_max(m, v);
+    }
+    m
+}
+
+/// `sum(a[i] * b[i])` with 8 partial sums (lane `l` takes `i % 8 == l`), then the lanes and the
+/// tail in order. `a` and `b` have one length.
+#[inline(always)]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let b = &b[..a.len()];
+    let mut acc = [0.0f32; 8];
+    let whole = a.len() / 8 * 8;
+    for (ca, cb) in a[..whole].chunks_exact(8).zip(b[..whole].chunks_exact(8)) {
+        let (ca, cb): (&[f32; 8], &[f32; 8]) =
+            (ca.try_into().expect("8"), cb.try_into().expect("8"));
+        for l in 0..8 {
+            acc[l] += ca[l] * cb[l];
+        }
+    }
+    let mut total = 0.0f32;
+    for x in acc {
+        total += x;
+    }
+    for j in whole..a.len() {
+        total += a[j] * b[j];
+    }
+    total
 }
 
 /// The error function (Abramowitz & Stegun 7.1.26 with the fast `exp`).
