@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import rlx
-from conftest import assert_close, check_op_grads, run_forward
+from conftest import assert_close, check_op_grads, run_forward, run_grads
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -61,6 +61,28 @@ def test_layer_norm(shape):
     assert_close(out, np_layer_norm(x.astype(np.float64), w, b), rtol=1e-4, atol=1e-5)
     check_op_grads(lambda x, w, b: rlx.layer_norm(x, w, b), np_layer_norm,
                    {"x": x, "w": w, "b": b})
+
+
+@pytest.mark.parametrize("rows,d", [(410, 100), (37, 1000)], ids=str)
+def test_large_layer_norm_and_its_gradient_match_numpy(rows, d):
+    # Large enough that the CPU splits the rows over its threads in blocks (the last one short);
+    # the residual term makes the gradient one normalize_grad_add, whose added tensor is read
+    # row by row in those blocks too. Checked against the float64 VJP, not finite differences.
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((rows, d)) * 2 + 1).astype(np.float32)
+    w = rng.standard_normal((rows, d)).astype(np.float32)
+    u = rng.standard_normal((rows, d)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    out = run_forward(lambda x: rlx.layer_norm(x), {"x": x})
+    assert_close(out, np_layer_norm(x64, 1.0, 0.0), rtol=1e-4, atol=1e-5)
+    _, grads = run_grads(lambda m, w, u: (rlx.layer_norm(m.x * 1.0) * w).sum() + (m.x * u).sum(),
+                         {"x": x}, {"w": w, "u": u})
+    mu = x64.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x64 - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+    xhat = (x64 - mu) * rstd
+    g = w.astype(np.float64)
+    want = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True)) + u
+    assert_close(grads["x"], want, rtol=1e-3, atol=1e-4)
 
 
 def test_layer_norm_eps():

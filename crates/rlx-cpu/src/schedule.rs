@@ -8,7 +8,10 @@
 //! it still has to read (where the planner reused that memory, the input is first copied).
 //! A pair splits its work over the threads by image only, so it is formed only for batches of
 //! at least two images a thread (a smaller batch's products are split over the threads
-//! instead). `RLX_CPU_CONV_PIPE=0` turns pairing off (read at each compile).
+//! instead). `RLX_CPU_CONV_PIPE=0` turns pairing off (read at each compile). The snapshot copy
+//! above is the patch pairs'; a product pair needs none: the memory planner asks this file
+//! (`nodes_run_together`, through `Backend::runs_together`) which products it pairs and keeps
+//! the first's inputs out of the second's output.
 use rlx_ir::{DType, Graph, NodeId, Op, Shape};
 use rlx_runtime::{Instr, TRef};
 

@@ -242,7 +242,8 @@ pub struct GraphPlan {
 /// `together(a, b)` says whether the backend may run node `b` at the same time as node `a`, the
 /// computing node just before it, where `b` does not read `a` (two independent products side
 /// by side on two cores): `a`'s inputs then stay live through `b`, so `b`'s output is never
-/// placed over them. `|_, _| false` plans strictly one node after another.
+/// placed over them. Pairs are taken greedily in program order (the second of a pair is not
+/// asked about the node after it). `|_, _| false` plans strictly one node after another.
 pub fn plan_graph(
     graph: &Graph,
     storage: impl Fn(NodeId) -> Storage,
@@ -289,6 +290,9 @@ pub fn plan_graph(
                     let r = root[i];
                     last_use[r] = last_use[r].max(id);
                 }
+                // As a schedule pairs greedily: the second of a pair starts no other.
+                prev = None;
+                continue;
             }
         }
         prev = Some(id);

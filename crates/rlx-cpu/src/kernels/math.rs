@@ -1,5 +1,6 @@
 //! Branch-free f32 versions of exp, erf and tanh that the compiler can vectorise (the libm calls
-//! cannot be). Accuracy: exp within 2 ulp over its range, erf within 3e-7 absolute.
+//! cannot be), and the 8-lane sum, maximum and dot product the row kernels use. Accuracy: exp
+//! within 2 ulp over its range, erf within 3e-7 absolute.
 
 /// `e^x`; results below the smallest normal flush to 0, above f32::MAX give +inf.
 ///
@@ -41,8 +42,9 @@ pub fn exp(x: f32) -> f32 {
 }
 
 /// Sum with 8 independent partial sums, so the loop vectorises (a plain fold cannot be
-/// reordered by the compiler): lane `l` takes the elements `8 * i + l`, then the lanes and the
-/// tail are added in order. Index loops rather than iterator adapters: an adapter's `fold` can
+/// reordered by the compiler): lane `l` takes the elements `8 * i + l`; the lanes are added in
+/// order, the tail summed on its own, then the two added (so `dot(a, b)`, which adds the tail
+/// into the lanes' total, may differ from `sum` of the products in the last bit). Index loops rather than iterator adapters: an adapter's `fold` can
 /// stay an out-of-line function compiled for the baseline, outside the AVX2 / AVX-512 copy
 /// that `isa::dispatch` makes of the loop around it.
 #[inline(always)]

@@ -320,7 +320,9 @@ fn by_row_blocks<'a>(
     width: usize,
     block: impl Fn(usize, &'a [f32], &mut [f32]) + Sync,
 ) {
-    let width = width.max(1);
+    if width == 0 || out.is_empty() {
+        return;
+    }
     let rows = (NORM_TASK / width).max(1);
     let run = |(b, (xb, ob)): (usize, (&'a [f32], &mut [f32]))| {
         crate::isa::dispatch(
