@@ -557,6 +557,8 @@ extern "C" __global__ void rlx_normalize(const P p) {
     for (long long j = lane; j < w; j += 32) y[j] = (x[j] - m) * rs;
   }
 }
+/* normalize_grad(x ptr0, g ptr1) into ptr2, a warp a row of iv[0]; with iv[1] (NormalizeGradAdd)
+   plus ptr3, a tensor of the same shape, added to each result. */
 extern "C" __global__ void rlx_normalize_grad(const P p) {
   long long w = p.iv[0];
   int lane = threadIdx.x & 31;
@@ -565,12 +567,16 @@ extern "C" __global__ void rlx_normalize_grad(const P p) {
     const float* x = F(0) + r * w;
     const float* g = F(1) + r * w;
     float* y = F(2) + r * w;
+    const float* a = p.iv[1] ? F(3) + r * w : 0;
     float m, rs;
     row_stats(x, w, p.fv[0], lane, &m, &rs);
     float sg = 0.0f, sgx = 0.0f;
     for (long long j = lane; j < w; j += 32) { sg += g[j]; sgx += g[j] * (x[j] - m) * rs; }
     float mg = warp_sum(sg) / (float)w, mgx = warp_sum(sgx) / (float)w;
-    for (long long j = lane; j < w; j += 32) y[j] = rs * (g[j] - mg - (x[j] - m) * rs * mgx);
+    for (long long j = lane; j < w; j += 32) {
+      float v = rs * (g[j] - mg - (x[j] - m) * rs * mgx);
+      y[j] = a ? v + a[j] : v;
+    }
   }
 }
 /* ---- convolution patches and pooling over [N*C planes of H x W]: iv H, W, Ho, Wo, kh, kw,

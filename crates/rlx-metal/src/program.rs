@@ -32,6 +32,7 @@ pub fn target(update: UpdateMode) -> Target {
         gemm_attention_forward: false,
         fused_x4: false,
         update_end: false,
+        normalize_grad_add: false,
     }
 }
 

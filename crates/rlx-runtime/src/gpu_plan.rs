@@ -404,6 +404,10 @@ pub struct Target {
     /// every tensor of the update table and ends the run (phase 3) in one launch; without it,
     /// one phase a launch and `rlx_update_finish` for five tensors at a time.
     pub update_end: bool,
+    /// `rlx_normalize_grad` adds a tensor of its shape (`iv[1]` set, operand 3) to its result,
+    /// so `NormalizeGradAdd` is one launch; without it, `normalize_grad` into the product buffer
+    /// and a fused add.
+    pub normalize_grad_add: bool,
 }
 
 impl Target {
@@ -416,6 +420,7 @@ impl Target {
         gemm_attention_forward: true,
         fused_x4: true,
         update_end: true,
+        normalize_grad_add: true,
     };
 }
 
@@ -1189,12 +1194,32 @@ impl Builder {
                 self.reduce_at(ReduceOp::Sum, prod, &xd, &axes, out)
             }
             Op::NormalizeGradAdd { eps } => {
-                // normalize_grad into the product buffer, then `+ acc` into `out`.
+                // One launch where the kernel adds `acc` itself; else normalize_grad into the
+                // product buffer, then `+ acc` into `out`.
                 let width = sh(0).last().copied().unwrap_or(1);
                 if width == 0 || out.numel() == 0 {
                     return Ok(());
                 }
                 let rows = out.numel() / width;
+                if self.target.normalize_grad_add {
+                    let mut p = P::sized(rows);
+                    p.iv[0] = width as i64;
+                    p.iv[1] = 1;
+                    p.fv[0] = *eps;
+                    self.launch(
+                        Kernel::Library("rlx_normalize_grad"),
+                        grid_for(rows, 8),
+                        THREADS,
+                        p,
+                        vec![
+                            (0, at(&ins[0])),
+                            (1, at(&ins[1])),
+                            (2, at(out)),
+                            (3, at(&ins[2])),
+                        ],
+                    );
+                    return Ok(());
+                }
                 self.plan.product_bytes = self.plan.product_bytes.max(out.numel() * 4);
                 let prod = Loc {
                     buf: PRODUCT,
@@ -2473,6 +2498,7 @@ mod tests {
             gemm_attention_forward: false,
             fused_x4: false,
             update_end: false,
+            normalize_grad_add: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -2771,6 +2797,7 @@ mod tests {
             gemm_attention_forward: false,
             fused_x4: false,
             update_end: false,
+            normalize_grad_add: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
@@ -3059,5 +3086,47 @@ mod tests {
         assert_eq!((p.rank, p.dims[0], p.dims[1]), (2, 3, 2));
         assert_eq!((p.st[0][0], p.st[0][1]), (1, 3));
         assert_eq!((p.mode[0], p.mode[1]), (2, 1));
+    }
+
+    #[test]
+    fn normalize_grad_add_is_one_launch_where_the_kernel_adds() {
+        // x, g, acc and out of [6, 40]: one rlx_normalize_grad with the added tensor as
+        // operand 3 on CUDA; normalize_grad into the product buffer plus an add elsewhere.
+        let n = 6 * 40 * 4;
+        let prog = Program {
+            instrs: vec![Instr::Op {
+                op: Op::NormalizeGradAdd { eps: 1e-5 },
+                ins: vec![t(0, &[6, 40]), t(n, &[6, 40]), t(2 * n, &[6, 40])],
+                out: t(3 * n, &[6, 40]),
+            }],
+        };
+        let pl = plan(&prog, &[4 * n], Target::CUDA).unwrap();
+        assert_eq!(pl.steps.len(), 1);
+        let Step::Launch {
+            kernel,
+            p,
+            operands,
+            ..
+        } = &pl.steps[0]
+        else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_normalize_grad"));
+        assert_eq!((p.n, p.iv[0], p.iv[1]), (6, 40, 1));
+        let offsets: Vec<(usize, usize)> = operands.iter().map(|(k, l)| (*k, l.offset)).collect();
+        assert_eq!(offsets, vec![(0, 0), (1, n), (2, 3 * n), (3, 2 * n)]);
+        let without = Target {
+            normalize_grad_add: false,
+            ..Target::CUDA
+        };
+        let pl = plan(&prog, &[4 * n], without).unwrap();
+        assert_eq!(pl.steps.len(), 2);
+        let Step::Launch { kernel, p, .. } = &pl.steps[0] else {
+            panic!()
+        };
+        assert_eq!(
+            (*kernel, p.iv[1]),
+            (Kernel::Library("rlx_normalize_grad"), 0)
+        );
     }
 }
