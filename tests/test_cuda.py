@@ -101,6 +101,47 @@ def test_tensors_larger_than_an_update_chunk_match_cpu(opt):
         np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=1e-5, err_msg=k)
 
 
+class _Norms(rlx.nn.Module):
+    """Two layer norms: one on a residual branch (its input gradient has the residual's added:
+    `normalize_grad_add`), one alone (`normalize_grad`); random scales and shifts."""
+
+    def __init__(self, d, out):
+        rng = np.random.default_rng(1)
+        self.inp, self.mix, self.head = rlx.nn.Linear(d, d), rlx.nn.Linear(d, d), rlx.nn.Linear(d, out)
+        self.ln1, self.ln2 = rlx.nn.LayerNorm(d), rlx.nn.LayerNorm(d)
+        for ln in (self.ln1, self.ln2):
+            ln.weight = rlx.nn.Parameter((1 + 0.5 * rng.standard_normal(d)).astype(np.float32))
+            ln.bias = rlx.nn.Parameter((0.1 * rng.standard_normal(d)).astype(np.float32))
+
+    def __call__(self, x):
+        h = self.inp(x)
+        h = h + self.mix(self.ln1(h))
+        return self.head(self.ln2(h))
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows,width", [(5, 40), (1003, 200), (1024, 256), (4100, 768)])
+def test_layer_norm_backward_matches_cpu(rows, width):
+    """Up to 1024 rows a layer norm's backward is one launch on CUDA (the bias and weight
+    gradients summed by the same kernel, 8 rows a block): one block, many with a short last
+    one, the largest partial-sum area; widths not a multiple of 32. 4100 x 768 keeps the
+    separate launches. Momentum SGD: Adam would turn rounding differences of near-zero
+    gradients into steps of up to lr."""
+    cpu_m, gpu_m = _pair(lambda: _Norms(width, 10))
+    x, y = _data(n=rows, d=width)
+    specs = _specs({"x": x, "y": y})
+    s_cpu = rlx.compile_train_step(ce_loss, cpu_m, rlx.optim.SGD(lr=0.05, momentum=0.9), specs, device="cpu")
+    s_gpu = rlx.compile_train_step(ce_loss, gpu_m, rlx.optim.SGD(lr=0.05, momentum=0.9), specs, device="cuda")
+    for i in range(3):
+        xb, yb = _data(n=rows, d=width, seed=i)
+        np.testing.assert_allclose(s_gpu(x=xb, y=yb), s_cpu(x=xb, y=yb), rtol=1e-4, atol=1e-5, err_msg=f"step {i}")
+    for k, g in s_cpu.grads.items():
+        scale = np.abs(g).max()
+        np.testing.assert_allclose(s_gpu.grads[k], g, rtol=1e-3, atol=1e-4 * scale, err_msg=k)
+    for k, p in cpu_m.parameters().items():
+        np.testing.assert_allclose(gpu_m.parameters()[k].numpy(), p.numpy(), rtol=1e-3, atol=1e-5, err_msg=k)
+
+
 class _CNN(rlx.nn.Module):
     """Both conv2d lowerings: tap-major patches and per-image GEMMs on the 16x16 input (256
     positions), one tall GEMM over position-major patches on the pooled 8x8 one; batch norm,
@@ -253,6 +294,35 @@ def test_prefetch_matches_direct_calls():
         if i + 1 < len(batches):
             s_gpu.prefetch(x=batches[i + 1][0], y=batches[i + 1][1])
         np.testing.assert_allclose(s_gpu(), s_cpu(x=xb, y=yb), rtol=1e-4, err_msg=f"batch {i}")
+
+
+@needs_cuda
+def test_cross_entropy_and_its_gradient_match_cpu_with_ignored_rows_and_many_blocks():
+    """The loss and its gradient are one launch on CUDA (every block counts the labelled rows,
+    the last one averages the rows' losses): 5000 rows over the launch's 128 blocks, a tenth
+    ignored, a scaled loss (its gradient is not 1); every row ignored gives NaN on both; the
+    block count resets, so a second call gives the same result."""
+    from conftest import make_module
+
+    rng = np.random.default_rng(3)
+    z = (3 * rng.standard_normal((5000, 37))).astype(np.float32)
+    y = rng.integers(0, 37, 5000).astype(np.int32)
+    y[rng.random(5000) < 0.1] = -100
+
+    def loss(m, y):
+        return rlx.cross_entropy(m.z, y) * 2.5
+
+    results = {}
+    for device in ["cpu", "cuda"]:
+        step = rlx.compile_train_step(loss, make_module(z=z), rlx.optim.SGD(lr=0.0), _specs({"y": y}), device=device)
+        first = step(y=y)
+        grad = np.array(step.grads["z"], copy=True)
+        assert step(y=y) == first
+        results[device] = (first, grad, step(y=np.full_like(y, -100)))
+    (l_cpu, g_cpu, none_cpu), (l_gpu, g_gpu, none_gpu) = results["cpu"], results["cuda"]
+    np.testing.assert_allclose(l_gpu, l_cpu, rtol=1e-5)
+    np.testing.assert_allclose(g_gpu, g_cpu, rtol=1e-4, atol=1e-9)
+    assert np.isnan(none_cpu) and np.isnan(none_gpu)
 
 
 @needs_cuda

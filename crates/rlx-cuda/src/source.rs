@@ -497,6 +497,77 @@ extern "C" __global__ void rlx_ce_grad(const P p) {
     }
   }
 }
+/* Cross-entropy and its gradient in one launch (gpu_plan's CrossEntropyGrad): logits ptr0
+   (n rows of iv[0] classes), int labels ptr1, g ptr2 (a scalar), into the mean loss ptr3[0] and
+   (softmax - onehot) * g / N ptr4, N the rows not labelled -100 (those rows: loss 0, gradient
+   0); ptr5 the error word, ptr6 the rows' losses (n floats), ptr7 a u32 count of finished blocks
+   (0 between launches). Every block counts N itself, a warp takes a row (the formulas of
+   rlx_ce_rows and rlx_ce_grad); the block counted last sums the rows' losses in double and
+   resets the count. */
+extern "C" __global__ void rlx_ce_loss_grad(const P p) {
+  __shared__ int shi[32];
+  __shared__ double shd[32];
+  __shared__ bool last;
+  long long c = p.iv[0];
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  int cnt = 0;
+  for (long long i = threadIdx.x; i < p.n; i += blockDim.x) cnt += I(1)[i] != -100;
+  for (int o = 16; o > 0; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+  if (lane == 0) shi[w] = cnt;
+  __syncthreads();
+  int counted = 0;
+  for (int q = 0; q < nw; ++q) counted += shi[q];
+  float scale = F(2)[0] / (float)(counted > 0 ? counted : 1);
+  long long warps = (long long)gridDim.x * nw;
+  for (long long r = blockIdx.x * (long long)nw + w; r < p.n; r += warps) {
+    const float* x = F(0) + r * c;
+    float* out = F(4) + r * c;
+    int y = I(1)[r];
+    if (y == -100) {
+      if (lane == 0) F(6)[r] = 0.0f;
+      for (long long j = lane; j < c; j += 32) out[j] = 0.0f;
+      continue;
+    }
+    if (y < 0 || y >= c) { if (lane == 0) { rx_fail((int*)p.ptr[5], 1, y); F(6)[r] = 0.0f; } continue; }
+    float m = (-RX_INF);
+    for (long long j = lane; j < c; j += 32) m = rx_max(m, x[j]);
+    m = warp_max(m);
+    float s = 0.0f;
+    for (long long j = lane; j < c; j += 32) s += expf(x[j] - m);
+    s = warp_sum(s);
+    if (lane == 0) F(6)[r] = m + logf(s) - x[y];
+    if (m == (-RX_INF)) {
+      m = 0.0f;
+      s = 0.0f;
+      for (long long j = lane; j < c; j += 32) s += expf(x[j] - m);
+      s = warp_sum(s);
+    }
+    float inv = 1.0f / s;
+    for (long long j = lane; j < c; j += 32) {
+      float v = expf(x[j] - m) * inv;
+      if (j == y) v -= 1.0f;
+      out[j] = v * scale;
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(U(7), 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  double acc = 0.0;
+  for (long long i = threadIdx.x; i < p.n; i += blockDim.x) acc += (double)__ldcg(F(6) + i);
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  __syncthreads();
+  if (lane == 0) shd[w] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double t = 0.0;
+    for (int q = 0; q < nw; ++q) t += shd[q];
+    F(3)[0] = counted == 0 ? RX_NAN : (float)(t / (double)counted);
+    U(7)[0] = 0u;
+  }
+}
 /* Mean squared error of n elements (ptr0, ptr1) into ptr2[0], in double. */
 extern "C" __global__ void rlx_mse(const P p) {
   __shared__ double sh[32];
@@ -578,6 +649,62 @@ extern "C" __global__ void rlx_normalize_grad(const P p) {
       y[j] = a ? v + a[j] : v;
     }
   }
+}
+/* A layer norm's backward in one launch (gpu_plan's LayerNormGrad): x ptr0, dY ptr1, w ptr2
+   (iv[0] = C floats), r ptr3, with iv[1] acc ptr4; writes t = dY * w ptr5,
+   dx = normalize_grad(x, t) (+ acc) ptr6, dw = the column sums of dY * r ptr7 and db = those of
+   dY ptr8. n rows of C; a block of 8 warps takes a chunk of iv[2] rows. First its threads sum
+   the chunk's rows column by column, in row order; then, past a barrier, a warp takes a row
+   (dx may be written in place over x, acc, t, dY or r: each row's reads come first). One chunk:
+   the sums are stored. More: each block writes its partial sums to ptr9 (chunks x 2C floats)
+   and counts itself in ptr10 (one u32, 0 between launches); the block counted last adds the
+   chunks' partials in chunk order and resets the count. */
+extern "C" __global__ void rlx_layer_norm_grad(const P p) {
+  __shared__ bool last;
+  long long C = p.iv[0], rows = p.n, chunk = p.iv[2];
+  long long chunks = (rows + chunk - 1) / chunk;
+  long long r0 = (long long)blockIdx.x * chunk, r1 = min(rows, r0 + chunk);
+  for (long long c = threadIdx.x; c < C; c += blockDim.x) {
+    float sw = 0.0f, sb = 0.0f;
+    for (long long r = r0; r < r1; ++r) { float d = F(1)[r * C + c]; sw += d * F(3)[r * C + c]; sb += d; }
+    if (chunks == 1) { F(7)[c] = sw; F(8)[c] = sb; }
+    else { F(9)[blockIdx.x * 2 * C + c] = sw; F(9)[blockIdx.x * 2 * C + C + c] = sb; }
+  }
+  __syncthreads();
+  int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  const float* wt = F(2);
+  for (long long r = r0 + (threadIdx.x >> 5); r < r1; r += nw) {
+    const float* x = F(0) + r * C;
+    const float* dy = F(1) + r * C;
+    const float* a = p.iv[1] ? F(4) + r * C : 0;
+    float* t = F(5) + r * C;
+    float* y = F(6) + r * C;
+    float m, rs;
+    row_stats(x, C, p.fv[0], lane, &m, &rs);
+    float sg = 0.0f, sgx = 0.0f;
+    for (long long j = lane; j < C; j += 32) { float g = dy[j] * wt[j]; sg += g; sgx += g * (x[j] - m) * rs; }
+    float mg = warp_sum(sg) / (float)C, mgx = warp_sum(sgx) / (float)C;
+    for (long long j = lane; j < C; j += 32) {
+      float g = dy[j] * wt[j];
+      float v = rs * (g - mg - (x[j] - m) * rs * mgx);
+      if (a) v += a[j];
+      t[j] = g;
+      y[j] = v;
+    }
+  }
+  if (chunks == 1) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(U(10), 1u) == (unsigned int)(chunks - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (long long c = threadIdx.x; c < 2 * C; c += blockDim.x) {
+    float s = 0.0f;
+    for (long long k = 0; k < chunks; ++k) s += __ldcg(F(9) + k * 2 * C + c);
+    if (c < C) F(7)[c] = s; else F(8)[c - C] = s;
+  }
+  if (threadIdx.x == 0) U(10)[0] = 0u;
 }
 /* ---- convolution patches and pooling over [N*C planes of H x W]: iv H, W, Ho, Wo, kh, kw,
    max, C; st[0] stride h, w, padding h, w; fv[0] 1/(kh*kw). ---- */

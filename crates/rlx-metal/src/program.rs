@@ -33,6 +33,8 @@ pub fn target(update: UpdateMode) -> Target {
         fused_x4: false,
         update_end: false,
         normalize_grad_add: false,
+        layer_norm_grad: false,
+        cross_entropy_grad: false,
     }
 }
 

@@ -91,6 +91,8 @@ pub const SCRATCH: usize = 4;
 pub const PRODUCT: usize = 5;
 /// Where a cross-entropy gradient finds its count of rows not labelled -100 (int32, scratch).
 pub const COUNT_AT: usize = 64;
+/// The counter of `rlx_ce_loss_grad`'s blocks (a u32 in scratch, zero between launches).
+pub const CE_BLOCKS_AT: usize = 68;
 /// Scratch layout: the error word, the update's control block, the run's hyper-parameter row,
 /// then per-row cross-entropy losses.
 pub const ERR_AT: usize = 0;
@@ -104,6 +106,20 @@ pub const GEMM_ATTENTION_MAX_SCORES: usize = 512 << 20;
 /// Blocks a column reduction (`rlx_reduce_rows`) should spread over where it can: two per
 /// multiprocessor of an H100.
 const WIDE_GRID: usize = 264;
+
+/// Rows up to which a cross-entropy and its gradient are one launch (`rlx_ce_loss_grad`): a
+/// warp a row in at most 128 blocks, each of which counts every label. Measured on an H100:
+/// the digits MLP's 64 rows and the tiny GPT's 1024 gain, the 4096 of the MLP B4096 lost 3 %
+/// (four rows a warp, 16 KB of labels a block) and keep the four launches.
+const CE_ROWS_MAX: usize = 1024;
+
+/// A layer norm's backward is one launch (`rlx_layer_norm_grad`) up to this many rows (a
+/// warp a row, 8 rows a block) and this many partial sums for the last block to add
+/// (blocks x 2 x width). Measured on an H100: the tiny GPT's 1024 x 128 gains; GPT d768's
+/// 4096 x 768 lost 1.6 % a step (four rows a warp in sequence, 196K partial sums added by one
+/// block) and keeps its launches.
+const LN_GRAD_ROWS_MAX: usize = 1024;
+const LN_GRAD_PARTIALS_MAX: usize = 1 << 16;
 
 /// Elements a block of the multi-tensor update takes at a time: the fewest that still give
 /// [`UPDATE_BLOCKS`] blocks, between these bounds (multiples of [`UPDATE_CHUNK_MIN`]).
@@ -406,10 +422,15 @@ pub struct Target {
     pub update_end: bool,
     /// `rlx_normalize_grad` adds a tensor of its shape (`iv[1]` set, operand 3) to its result,
     /// so `NormalizeGradAdd` is one launch; without it, `normalize_grad` into the product buffer
-    /// and a fused add. The CUDA kernel has the operand, but no GPU has run it yet (none could
-    /// be had the stop it was written), so `Target::CUDA` keeps it off until a GPU run of the
-    /// conformance suite and `tests/test_cuda.py` passes with it on.
+    /// and a fused add (Metal). On CUDA it serves the layer norms `layer_norm_grad` leaves.
     pub normalize_grad_add: bool,
+    /// The backend has `rlx_layer_norm_grad`: a layer norm's backward (the bias and weight
+    /// gradients, `dY * w` and `normalize_grad` of it, plus a residual gradient) as one launch
+    /// ([`layer_norm_grads`] finds the four instructions it stands for).
+    pub layer_norm_grad: bool,
+    /// The backend has `rlx_ce_loss_grad`: a cross-entropy loss and its gradient, adjacent
+    /// instructions over the same logits and labels, as one launch ([`cross_entropy_grads`]).
+    pub cross_entropy_grad: bool,
 }
 
 impl Target {
@@ -422,7 +443,9 @@ impl Target {
         gemm_attention_forward: true,
         fused_x4: true,
         update_end: true,
-        normalize_grad_add: false,
+        normalize_grad_add: true,
+        layer_norm_grad: true,
+        cross_entropy_grad: true,
     };
 }
 
@@ -448,10 +471,39 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
         chunked_sums: (Vec::new(), 0, 0),
     };
     let pairs = bias_grad_pairs(program);
+    // Groups of adjacent instructions as one launch each (layer-norm backwards, cross-entropy
+    // losses with their gradients): the group's last instruction launches it, the others lower
+    // to nothing.
+    let mut groups: Vec<Option<Group>> = vec![None; program.instrs.len()];
+    if target.layer_norm_grad {
+        for g in layer_norm_grads(program) {
+            let last = g.instrs[3];
+            groups[last] = Some(Group::LayerNorm(Box::new(g)));
+        }
+    }
+    if target.cross_entropy_grad {
+        for g in cross_entropy_grads(program) {
+            let last = g.instrs[1];
+            groups[last] = Some(Group::CrossEntropy(Box::new(g)));
+        }
+    }
+    let grouped: Vec<usize> = groups.iter().flatten().flat_map(Group::before).collect();
     // The first step each instruction lowered to, and how many.
     let mut lowered: Vec<(usize, usize)> = Vec::with_capacity(program.instrs.len());
     for (i, instr) in program.instrs.iter().enumerate() {
         let first = b.plan.steps.len();
+        if grouped.contains(&i) {
+            lowered.push((first, 0));
+            continue;
+        }
+        if let Some(g) = &groups[i] {
+            match g {
+                Group::LayerNorm(g) => b.layer_norm_grad(g)?,
+                Group::CrossEntropy(g) => b.cross_entropy_grad(g),
+            }
+            lowered.push((first, b.plan.steps.len() - first));
+            continue;
+        }
         if matches!(instr, Instr::Update(_)) && i + 1 != program.instrs.len() {
             // The update's table sits past everything else in the scratch buffer.
             return Err(Error::Internal(
@@ -540,6 +592,222 @@ pub fn bias_grad_pairs(program: &Program) -> Vec<(usize, usize)> {
         }
     }
     pairs
+}
+
+/// Adjacent instructions a backend runs as one launch, standing where the last of them stood.
+#[derive(Clone, Debug, PartialEq)]
+enum Group {
+    LayerNorm(Box<LayerNormGrad>),
+    CrossEntropy(Box<CrossEntropyGrad>),
+}
+
+impl Group {
+    /// The instructions before the last: they lower to nothing.
+    fn before(&self) -> Vec<usize> {
+        match self {
+            Group::LayerNorm(g) => g.instrs[..3].to_vec(),
+            Group::CrossEntropy(g) => g.instrs[..1].to_vec(),
+        }
+    }
+}
+
+/// A cross-entropy loss and its gradient as adjacent instructions (what autodiff makes of
+/// `cross_entropy(logits, labels)`): `loss = cross_entropy(L, y)`, then
+/// `dL = cross_entropy_grad(L, y, g)` over the same logits and labels, `g` the loss's
+/// gradient (a scalar).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CrossEntropyGrad {
+    pub instrs: [usize; 2],
+    pub logits: TRef,
+    pub labels: TRef,
+    pub g: TRef,
+    pub loss: TRef,
+    pub dlogits: TRef,
+}
+
+/// The loss-and-gradient pairs of `program` one `rlx_ce_loss_grad` may stand for: float32
+/// logits of 1 to [`CE_ROWS_MAX`] rows, int32 labels, and the loss (written late, by the kernel's last
+/// block) and the gradient disjoint from every input and from each other.
+pub fn cross_entropy_grads(program: &Program) -> Vec<CrossEntropyGrad> {
+    use crate::validate::overlaps;
+    let same = |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
+    let mut out = Vec::new();
+    for i in 1..program.instrs.len() {
+        let (
+            Instr::Op {
+                op: Op::SoftmaxCrossEntropy,
+                ins: f,
+                out: loss,
+            },
+            Instr::Op {
+                op: Op::SoftmaxCrossEntropyGrad,
+                ins: b,
+                out: dl,
+            },
+        ) = (&program.instrs[i - 1], &program.instrs[i])
+        else {
+            continue;
+        };
+        let (l, y, g) = (&f[0], &f[1], &b[2]);
+        let fits = same(l, &b[0])
+            && same(y, &b[1])
+            && l.dtype == DType::F32
+            && y.dtype == DType::I32
+            && g.dtype == DType::F32
+            && loss.dtype == DType::F32
+            && dl.dtype == DType::F32
+            && l.shape.rank() == 2
+            && l.numel() > 0
+            && l.shape.dims()[0] <= CE_ROWS_MAX
+            && [l, y, g, dl].iter().all(|t| !overlaps(loss, t))
+            && [l, y, g].iter().all(|t| !overlaps(dl, t));
+        if fits {
+            out.push(CrossEntropyGrad {
+                instrs: [i - 1, i],
+                logits: l.clone(),
+                labels: y.clone(),
+                g: g.clone(),
+                loss: loss.clone(),
+                dlogits: dl.clone(),
+            });
+        }
+    }
+    out
+}
+
+/// A layer norm's backward as four adjacent instructions of a program (what autodiff and
+/// `fuse` make of `normalize(x) * w + b`), in any order with `normalize_grad` last:
+/// `db = sum_to(dY)`, `t = dY * w` (`w` of `[C]`), `dw = sum_to(dY * r)` (a `FusedSumTo`; `r`
+/// is the saved normalized `x`, though nothing here relies on that) and
+/// `dx = normalize_grad(x, t)` or `normalize_grad_add(x, t, acc)`, all float32, rows of `C`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNormGrad {
+    /// The instructions: the two sums and the product in program order, `normalize_grad` last.
+    pub instrs: [usize; 4],
+    pub eps: f32,
+    pub x: TRef,
+    pub dy: TRef,
+    pub w: TRef,
+    pub r: TRef,
+    pub acc: Option<TRef>,
+    pub t: TRef,
+    pub dx: TRef,
+    pub dw: TRef,
+    pub db: TRef,
+}
+
+/// The layer-norm backwards of `program` that one launch may stand for
+/// (`rlx_layer_norm_grad`, run where `normalize_grad` stood), up to the sizes where that was
+/// measured faster ([`LN_GRAD_ROWS_MAX`], [`LN_GRAD_PARTIALS_MAX`]). It writes `t` as well (the
+/// program may read it later: one store, no liveness argument), and `db` and `dw` late, so
+/// it takes a group only where that and its own reads and writes are unobservable: the
+/// product and the sums touch nothing the others read or write but what the pattern says; `t`,
+/// `dw` and `db` are disjoint from every input and from each other; `dx` is disjoint from `w`
+/// (read by every row), `dw` and `db`, and equal to or disjoint from `x`, `dY`, `r`, `acc` and
+/// `t` (the kernel sums a chunk's columns before it writes the chunk's rows, and a row is
+/// rewritten in place by the warp that read it). The planner often gives `dx` the place of
+/// `r` or `dY`, whose last reader was the weight gradient's sum.
+pub fn layer_norm_grads(program: &Program) -> Vec<LayerNormGrad> {
+    use crate::validate::overlaps;
+    let f32_all = |ts: &[&TRef]| ts.iter().all(|t| t.dtype == DType::F32);
+    let same = |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
+    let mul = |steps: &[FusedStep]| matches!(steps, [FusedStep::Binary(BinaryOp::Mul, 0, 1)]);
+    let mut out = Vec::new();
+    for d in 3..program.instrs.len() {
+        let Instr::Op { op, ins, out: dx } = &program.instrs[d] else {
+            continue;
+        };
+        let (eps, acc) = match op {
+            Op::NormalizeGrad { eps } => (*eps, None),
+            Op::NormalizeGradAdd { eps } => (*eps, Some(ins[2].clone())),
+            _ => continue,
+        };
+        let (x, t) = (&ins[0], &ins[1]);
+        let c = x.shape.dims().last().copied().unwrap_or(0);
+        let n = x.numel();
+        if c == 0 || n == 0 || n % c != 0 || dx.numel() != n || t.numel() != n {
+            continue;
+        }
+        let rows = n / c;
+        if rows > LN_GRAD_ROWS_MAX || rows.div_ceil(8) * 2 * c > LN_GRAD_PARTIALS_MAX {
+            continue;
+        }
+        // The three before it, each recognised by its op.
+        let (mut sum, mut prod, mut wsum) = (None, None, None);
+        for k in d - 3..d {
+            let Instr::Op { op, ins, out } = &program.instrs[k] else {
+                break;
+            };
+            let vector = out.shape.dims() == [c];
+            match op {
+                Op::SumTo { .. } if vector && ins[0].numel() == n => sum = Some((k, ins[0].clone(), out.clone())),
+                Op::FusedSumTo { expr, .. }
+                    if vector && mul(&expr.steps) && ins.iter().all(|i| i.numel() == n) =>
+                {
+                    wsum = Some((k, ins[0].clone(), ins[1].clone(), out.clone()))
+                }
+                Op::Binary(BinaryOp::Mul) if same(out, t) => prod = Some((k, ins[0].clone(), ins[1].clone())),
+                Op::Fused(f) if same(out, t) && mul(&f.steps) && ins.len() == 2 => {
+                    prod = Some((k, ins[0].clone(), ins[1].clone()))
+                }
+                _ => {}
+            }
+        }
+        let (Some((ka, dy, db)), Some((kb, p0, p1)), Some((kc, q0, q1, dw))) = (sum, prod, wsum)
+        else {
+            continue;
+        };
+        // `t = dY * w` (either order), `dw = sum(dY * r)` (either order).
+        let w = match (same(&p0, &dy), same(&p1, &dy)) {
+            (true, false) => p1,
+            (false, true) => p0,
+            _ => continue,
+        };
+        let r = match (same(&q0, &dy), same(&q1, &dy)) {
+            (true, _) => q1,
+            (false, true) => q0,
+            _ => continue,
+        };
+        if w.shape.dims() != [c] || r.numel() != n || dy.shape.dims().last() != Some(&c) {
+            continue;
+        }
+        let t = t.clone();
+        let mut ts: Vec<&TRef> = vec![x, &dy, &w, &r, &t, dx, &dw, &db];
+        ts.extend(acc.as_ref());
+        if !f32_all(&ts) {
+            continue;
+        }
+        let mut inputs: Vec<&TRef> = vec![x, &dy, &w, &r];
+        inputs.extend(acc.as_ref());
+        let apart = |a: &TRef, bs: &[&TRef]| bs.iter().all(|b| !overlaps(a, b));
+        let in_place_or_apart = |a: &TRef, b: &TRef| same(a, b) || !overlaps(a, b);
+        let ok = apart(&t, &inputs)
+            && apart(&dw, &inputs)
+            && apart(&db, &inputs)
+            && apart(&dw, &[&db, &t, dx])
+            && apart(&db, &[&t, dx])
+            && apart(dx, &[&w])
+            && [x, &dy, &r, &t].iter().all(|b| in_place_or_apart(dx, b))
+            && acc.as_ref().is_none_or(|a| in_place_or_apart(dx, a));
+        if ok {
+            let mut instrs = [ka, kb, kc, d];
+            instrs[..3].sort_unstable();
+            out.push(LayerNormGrad {
+                instrs,
+                eps,
+                x: x.clone(),
+                dy,
+                w,
+                r,
+                acc,
+                t,
+                dx: dx.clone(),
+                dw,
+                db,
+            });
+        }
+    }
+    out
 }
 
 /// Under mixed precision a GPU program holds bfloat16/float16 tensors only as casts of float32
@@ -660,11 +928,12 @@ struct AttentionGemm {
 struct Builder {
     plan: Plan,
     target: Target,
-    /// Column sums over several chunks (`rlx_reduce_rows`): the steps, and the largest
+    /// Column sums over several chunks (`rlx_reduce_rows`, `rlx_layer_norm_grad`): the steps
+    /// with the operand slot of their partial sums (the counters' is the next), and the largest
     /// counter and partial-sum areas one needs. One area of each serves them all (each launch
     /// consumes its partials and resets its counters); `finish` places them past everything
     /// else in the scratch buffer, where no other kernel writes.
-    chunked_sums: (Vec<usize>, usize, usize),
+    chunked_sums: (Vec<(usize, usize)>, usize, usize),
 }
 
 impl Builder {
@@ -679,11 +948,72 @@ impl Builder {
         let counters = self.plan.scratch_bytes.div_ceil(256) * 256;
         let partials = (counters + counter_bytes).div_ceil(256) * 256;
         self.plan.scratch_bytes = partials + partial_bytes;
-        for i in steps {
+        for (i, slot) in steps {
             if let Step::Launch { operands, .. } = &mut self.plan.steps[i] {
-                operands.extend([(2, scratch(partials)), (3, scratch(counters))]);
+                operands.extend([(slot, scratch(partials)), (slot + 1, scratch(counters))]);
             }
         }
+    }
+
+    /// A cross-entropy loss and its gradient (see [`CrossEntropyGrad`]) as one
+    /// `rlx_ce_loss_grad`: every block counts the labelled rows itself, a warp takes a row (its
+    /// loss to scratch, its gradient row), and the last block averages the rows' losses.
+    fn cross_entropy_grad(&mut self, g: &CrossEntropyGrad) {
+        let (rows, c) = (g.logits.shape.dims()[0], g.logits.shape.dims()[1]);
+        self.plan.classes.get_or_insert(c);
+        self.plan.scratch_bytes = self.plan.scratch_bytes.max(ROWS_AT + rows * 4);
+        let mut p = P::sized(rows);
+        p.iv[0] = c as i64;
+        let ops = vec![
+            (0, at(&g.logits)),
+            (1, at(&g.labels)),
+            (2, at(&g.g)),
+            (3, at(&g.loss)),
+            (4, at(&g.dlogits)),
+            (5, scratch(ERR_AT)),
+            (6, scratch(ROWS_AT)),
+            (7, scratch(CE_BLOCKS_AT)),
+        ];
+        let grid = grid_for(rows, 8);
+        self.launch(Kernel::Library("rlx_ce_loss_grad"), grid, THREADS, p, ops);
+    }
+
+    /// A layer norm's backward (see [`LayerNormGrad`]) as one `rlx_layer_norm_grad`: a block
+    /// of 8 warps takes 8 rows; it sums their columns (`dw`, `db`), then a warp takes a row
+    /// (`dx`, `t`); with more than one block the last one adds the blocks' partial sums.
+    fn layer_norm_grad(&mut self, g: &LayerNormGrad) -> Result<()> {
+        let c = g.w.numel();
+        let rows = g.x.numel() / c;
+        let chunk = 8;
+        let chunks = rows.div_ceil(chunk);
+        let blocks = u32::try_from(chunks)
+            .map_err(|_| Error::unsupported("normalize_grad", format!("{rows} rows of {c}")))?;
+        let mut p = P::sized(rows);
+        p.iv[0] = c as i64;
+        p.iv[1] = g.acc.is_some() as i64;
+        p.iv[2] = chunk as i64;
+        p.fv[0] = g.eps;
+        let mut ops = vec![
+            (0, at(&g.x)),
+            (1, at(&g.dy)),
+            (2, at(&g.w)),
+            (3, at(&g.r)),
+            (5, at(&g.t)),
+            (6, at(&g.dx)),
+            (7, at(&g.dw)),
+            (8, at(&g.db)),
+        ];
+        if let Some(a) = &g.acc {
+            ops.push((4, at(a)));
+        }
+        if chunks > 1 {
+            let cs = &mut self.chunked_sums;
+            cs.0.push((self.plan.steps.len(), 9));
+            cs.1 = cs.1.max(4);
+            cs.2 = cs.2.max(chunks * 2 * c * 4);
+        }
+        self.launch(Kernel::Library("rlx_layer_norm_grad"), blocks, THREADS, p, ops);
+        Ok(())
     }
 
     fn launch(&mut self, kernel: Kernel, grid: u32, block: u32, p: P, operands: Vec<(usize, Loc)>) {
@@ -1823,7 +2153,7 @@ impl Builder {
             })?;
             if chunk < count {
                 let c = &mut self.chunked_sums;
-                c.0.push(self.plan.steps.len());
+                c.0.push((self.plan.steps.len(), 2));
                 c.1 = c.1.max(colblocks * 4);
                 c.2 = c.2.max(count.div_ceil(chunk) * n * 4);
             }
@@ -2501,6 +2831,8 @@ mod tests {
             fused_x4: false,
             update_end: false,
             normalize_grad_add: false,
+            layer_norm_grad: false,
+            cross_entropy_grad: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -2800,6 +3132,8 @@ mod tests {
             fused_x4: false,
             update_end: false,
             normalize_grad_add: false,
+            layer_norm_grad: false,
+            cross_entropy_grad: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
@@ -3135,5 +3469,202 @@ mod tests {
             (*kernel, p.iv[1]),
             (Kernel::Library("rlx_normalize_grad"), 0)
         );
+    }
+
+    /// A layer norm's backward as the four instructions `fuse` leaves: `db = sum_to(dY)`,
+    /// `t = dY * w`, `dw = sum_to(dY * r)`, `dx = normalize_grad_add(x, t, acc)`, rows of `c`.
+    fn layer_norm_backward(rows: usize, c: usize, dx_at: usize) -> Program {
+        let n = rows * c * 4;
+        let (w, db, dw) = (6 * n, 6 * n + 256, 6 * n + 512);
+        let m = |d: &[usize]| Shape::from(d);
+        let mul = Fused {
+            shape: m(&[rows, c]),
+            n_inputs: 2,
+            steps: vec![FusedStep::Binary(BinaryOp::Mul, 0, 1)],
+        };
+        let full = |at: usize| t(at, &[rows, c]);
+        let op = |op: Op, ins: Vec<TRef>, out: TRef| Instr::Op { op, ins, out };
+        Program {
+            instrs: vec![
+                op(Op::SumTo { shape: m(&[c]) }, vec![full(n)], t(db, &[c])),
+                op(Op::Binary(BinaryOp::Mul), vec![full(n), t(w, &[c])], full(3 * n)),
+                op(
+                    Op::FusedSumTo {
+                        expr: std::sync::Arc::new(mul),
+                        shape: m(&[c]),
+                    },
+                    vec![full(2 * n), full(n)],
+                    t(dw, &[c]),
+                ),
+                op(
+                    Op::NormalizeGradAdd { eps: 1e-5 },
+                    vec![full(0), full(3 * n), full(5 * n)],
+                    full(dx_at),
+                ),
+            ],
+        }
+    }
+
+    #[test]
+    fn a_layer_norm_backward_is_one_launch_where_nothing_it_moves_is_observable() {
+        // x 0, dY n, r 2n, t 3n, dx 4n, acc 5n, w 6n; 1000 rows: 125 blocks of 8, partial
+        // sums and a counter in the scratch buffer.
+        let (rows, c) = (1000, 40);
+        let n = rows * c * 4;
+        let lens = [7 * n];
+        let pl = plan(&layer_norm_backward(rows, c, 4 * n), &lens, Target::CUDA).unwrap();
+        assert_eq!(pl.steps.len(), 1, "{:?}", pl.steps);
+        let Step::Launch {
+            kernel,
+            grid,
+            p,
+            operands,
+            ..
+        } = &pl.steps[0]
+        else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_layer_norm_grad"));
+        assert_eq!((p.n, p.iv[0], p.iv[1], p.iv[2], *grid), (1000, 40, 1, 8, 125));
+        let find = |k: usize| operands.iter().find(|(s, _)| *s == k).map(|(_, l)| *l);
+        let arena = |offset| Some(Loc { buf: 0, offset });
+        assert_eq!(
+            (0..9).map(find).collect::<Vec<_>>(),
+            vec![
+                arena(0),
+                arena(n),
+                arena(6 * n),
+                arena(2 * n),
+                arena(5 * n),
+                arena(3 * n),
+                arena(4 * n),
+                arena(6 * n + 512),
+                arena(6 * n + 256)
+            ]
+        );
+        let (part, count) = (find(9).unwrap(), find(10).unwrap());
+        assert_eq!((part.buf, count.buf), (SCRATCH, SCRATCH));
+        assert!(part.offset >= count.offset + 4 && pl.scratch_bytes >= part.offset + 125 * 2 * c * 4);
+        // A few rows: one chunk, the sums stored directly (no scratch operands).
+        let small = plan(&layer_norm_backward(6, c, 4 * 6 * c * 4), &[7 * 6 * c * 4], Target::CUDA)
+            .unwrap();
+        let Step::Launch { grid, operands, .. } = &small.steps[0] else {
+            panic!()
+        };
+        assert_eq!((small.steps.len(), *grid, operands.len()), (1, 1, 9));
+        // dx over half of dY and half of r (a place no planner gives it, rows the kernel
+        // would overwrite before other rows read them) and without the kernel: the four
+        // instructions lower one by one.
+        for (prog, target) in [
+            (layer_norm_backward(rows, c, n + n / 2), Target::CUDA),
+            (
+                layer_norm_backward(rows, c, 4 * n),
+                Target {
+                    layer_norm_grad: false,
+            cross_entropy_grad: false,
+                    ..Target::CUDA
+                },
+            ),
+        ] {
+            let pl = plan(&prog, &lens, target).unwrap();
+            let kernels: Vec<Kernel> = pl
+                .steps
+                .iter()
+                .filter_map(|s| match s {
+                    Step::Launch { kernel, .. } => Some(*kernel),
+                    _ => None,
+                })
+                .collect();
+            assert!(kernels.len() >= 4, "{kernels:?}");
+            assert!(!kernels.contains(&Kernel::Library("rlx_layer_norm_grad")));
+        }
+        // dx in place over x, dY, r, t or acc is a group.
+        for at in [0, n, 2 * n, 3 * n, 5 * n] {
+            assert_eq!(layer_norm_grads(&layer_norm_backward(rows, c, at)).len(), 1);
+        }
+        // More rows, or more partial sums, than measured faster as one launch: none.
+        for (rows, c) in [(1025, 40), (1000, 520)] {
+            let n = rows * c * 4;
+            assert!(layer_norm_grads(&layer_norm_backward(rows, c, 4 * n)).is_empty());
+        }
+    }
+
+    #[test]
+    fn a_cross_entropy_and_its_gradient_are_one_launch() {
+        // logits [64, 10] at 0, labels at 4096, g at 4352, loss at 4608, dL at 8192.
+        let labels = TRef {
+            dtype: DType::I32,
+            ..t(4096, &[64])
+        };
+        let prog = |loss: usize| Program {
+            instrs: vec![
+                Instr::Op {
+                    op: Op::SoftmaxCrossEntropy,
+                    ins: vec![t(0, &[64, 10]), labels.clone()],
+                    out: t(loss, &[]),
+                },
+                Instr::Op {
+                    op: Op::SoftmaxCrossEntropyGrad,
+                    ins: vec![t(0, &[64, 10]), labels.clone(), t(4352, &[])],
+                    out: t(8192, &[64, 10]),
+                },
+            ],
+        };
+        let pl = plan(&prog(4608), &[16384], Target::CUDA).unwrap();
+        assert_eq!(pl.steps.len(), 1);
+        let Step::Launch {
+            kernel,
+            grid,
+            p,
+            operands,
+            ..
+        } = &pl.steps[0]
+        else {
+            panic!()
+        };
+        assert_eq!(*kernel, Kernel::Library("rlx_ce_loss_grad"));
+        assert_eq!((*grid, p.n, p.iv[0]), (8, 64, 10));
+        let arena = |offset| Loc { buf: 0, offset };
+        assert_eq!(
+            operands.clone(),
+            vec![
+                (0, arena(0)),
+                (1, arena(4096)),
+                (2, arena(4352)),
+                (3, arena(4608)),
+                (4, arena(8192)),
+                (5, scratch(ERR_AT)),
+                (6, scratch(ROWS_AT)),
+                (7, scratch(CE_BLOCKS_AT)),
+            ]
+        );
+        assert!(pl.scratch_bytes >= ROWS_AT + 64 * 4 && CE_BLOCKS_AT >= COUNT_AT + 4);
+        // The loss over g (which the gradient reads after the loss is written: the kernel
+        // would write it last), or a backend without the kernel: four launches.
+        for (prog, target) in [
+            (prog(4352), Target::CUDA),
+            (
+                prog(4608),
+                Target {
+                    cross_entropy_grad: false,
+                    ..Target::CUDA
+                },
+            ),
+        ] {
+            let pl = plan(&prog, &[16384], target).unwrap();
+            let names: Vec<_> = pl
+                .steps
+                .iter()
+                .map(|s| match s {
+                    Step::Launch { kernel, .. } => *kernel,
+                    other => panic!("{other:?}"),
+                })
+                .collect();
+            assert_eq!(
+                names,
+                ["rlx_ce_rows", "rlx_mean_rows", "rlx_count_labels", "rlx_ce_grad"]
+                    .map(Kernel::Library)
+            );
+        }
     }
 }
