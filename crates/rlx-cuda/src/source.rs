@@ -628,6 +628,25 @@ extern "C" __global__ void rlx_normalize(const P p) {
     for (long long j = lane; j < w; j += 32) y[j] = (x[j] - m) * rs;
   }
 }
+/* A layer norm in one launch (gpu_plan's LayerNorm): x ptr0, w ptr1 and b ptr2 (iv[0] floats
+   each) into xhat = normalize(x) ptr3 and xhat * w + b ptr4, a warp a row (each may be x). */
+extern "C" __global__ void rlx_normalize_affine(const P p) {
+  long long w = p.iv[0];
+  int lane = threadIdx.x & 31;
+  long long warps = (long long)gridDim.x * (blockDim.x >> 5);
+  for (long long r = blockIdx.x * (long long)(blockDim.x >> 5) + (threadIdx.x >> 5); r < p.n; r += warps) {
+    const float* x = F(0) + r * w;
+    float* h = F(3) + r * w;
+    float* y = F(4) + r * w;
+    float m, rs;
+    row_stats(x, w, p.fv[0], lane, &m, &rs);
+    for (long long j = lane; j < w; j += 32) {
+      float v = (x[j] - m) * rs;
+      h[j] = v;
+      y[j] = v * F(1)[j] + F(2)[j];
+    }
+  }
+}
 /* normalize_grad(x ptr0, g ptr1) into ptr2, a warp a row of iv[0]; with iv[1] (NormalizeGradAdd)
    plus ptr3, a tensor of the same shape, added to each result. */
 extern "C" __global__ void rlx_normalize_grad(const P p) {

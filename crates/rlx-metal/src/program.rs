@@ -35,6 +35,7 @@ pub fn target(update: UpdateMode) -> Target {
         normalize_grad_add: false,
         layer_norm_grad: false,
         cross_entropy_grad: false,
+        layer_norm: false,
     }
 }
 

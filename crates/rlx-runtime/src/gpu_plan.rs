@@ -431,6 +431,9 @@ pub struct Target {
     /// The backend has `rlx_ce_loss_grad`: a cross-entropy loss and its gradient, adjacent
     /// instructions over the same logits and labels, as one launch ([`cross_entropy_grads`]).
     pub cross_entropy_grad: bool,
+    /// The backend has `rlx_normalize_affine`: `normalize` and the `xhat * w + b` after it as
+    /// one launch writing both ([`layer_norms`]).
+    pub layer_norm: bool,
 }
 
 impl Target {
@@ -446,6 +449,7 @@ impl Target {
         normalize_grad_add: true,
         layer_norm_grad: true,
         cross_entropy_grad: true,
+        layer_norm: true,
     };
 }
 
@@ -471,37 +475,49 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
         chunked_sums: (Vec::new(), 0, 0),
     };
     let pairs = bias_grad_pairs(program);
-    // Groups of adjacent instructions as one launch each (layer-norm backwards, cross-entropy
-    // losses with their gradients): the group's last instruction launches it, the others lower
+    // Groups of adjacent instructions as one launch each (layer norms and their backwards,
+    // cross-entropy losses with their gradients): the group's last instruction launches it, the others lower
     // to nothing.
-    let mut groups: Vec<Option<Group>> = vec![None; program.instrs.len()];
+    let mut found: Vec<(Vec<usize>, Group)> = Vec::new();
     if target.layer_norm_grad {
-        for g in layer_norm_grads(program) {
-            let last = g.instrs[3];
-            groups[last] = Some(Group::LayerNorm(Box::new(g)));
-        }
+        let gs = layer_norm_grads(program);
+        found.extend(gs.into_iter().map(|g| (g.instrs.to_vec(), Group::LayerNorm(Box::new(g)))));
     }
     if target.cross_entropy_grad {
-        for g in cross_entropy_grads(program) {
-            let last = g.instrs[1];
-            groups[last] = Some(Group::CrossEntropy(Box::new(g)));
-        }
+        let gs = cross_entropy_grads(program);
+        found.extend(gs.into_iter().map(|g| (g.instrs.to_vec(), Group::CrossEntropy(Box::new(g)))));
     }
-    let grouped: Vec<usize> = groups.iter().flatten().flat_map(Group::before).collect();
+    if target.layer_norm {
+        let gs = layer_norms(program);
+        found.extend(gs.into_iter().map(|g| (g.instrs.to_vec(), Group::Forward(Box::new(g)))));
+    }
+    // An instruction stands in one group at most (the first found).
+    let mut groups: Vec<Option<Group>> = vec![None; program.instrs.len()];
+    let mut grouped = vec![false; program.instrs.len()];
+    for (instrs, g) in found {
+        if instrs.iter().any(|&i| grouped[i]) {
+            continue;
+        }
+        for &i in &instrs {
+            grouped[i] = true;
+        }
+        groups[*instrs.last().expect("a group has instructions")] = Some(g);
+    }
     // The first step each instruction lowered to, and how many.
     let mut lowered: Vec<(usize, usize)> = Vec::with_capacity(program.instrs.len());
     for (i, instr) in program.instrs.iter().enumerate() {
         let first = b.plan.steps.len();
-        if grouped.contains(&i) {
-            lowered.push((first, 0));
-            continue;
-        }
         if let Some(g) = &groups[i] {
             match g {
                 Group::LayerNorm(g) => b.layer_norm_grad(g)?,
                 Group::CrossEntropy(g) => b.cross_entropy_grad(g),
+                Group::Forward(g) => b.layer_norm(g),
             }
             lowered.push((first, b.plan.steps.len() - first));
+            continue;
+        }
+        if grouped[i] {
+            lowered.push((first, 0));
             continue;
         }
         if matches!(instr, Instr::Update(_)) && i + 1 != program.instrs.len() {
@@ -594,21 +610,102 @@ pub fn bias_grad_pairs(program: &Program) -> Vec<(usize, usize)> {
     pairs
 }
 
-/// Adjacent instructions a backend runs as one launch, standing where the last of them stood.
+/// Adjacent instructions a backend runs as one launch, standing where the last of them stood
+/// (the others lower to nothing).
 #[derive(Clone, Debug, PartialEq)]
 enum Group {
     LayerNorm(Box<LayerNormGrad>),
     CrossEntropy(Box<CrossEntropyGrad>),
+    Forward(Box<LayerNorm>),
 }
 
-impl Group {
-    /// The instructions before the last: they lower to nothing.
-    fn before(&self) -> Vec<usize> {
-        match self {
-            Group::LayerNorm(g) => g.instrs[..3].to_vec(),
-            Group::CrossEntropy(g) => g.instrs[..1].to_vec(),
+
+/// A layer norm's forward as two adjacent instructions: `xhat = normalize(x)` and
+/// `y = xhat * w + b` (a `Fused` of one product and one sum, `w` and `b` of `[C]`; either
+/// operand order), all float32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LayerNorm {
+    pub instrs: [usize; 2],
+    pub eps: f32,
+    pub x: TRef,
+    pub w: TRef,
+    pub b: TRef,
+    pub xhat: TRef,
+    pub y: TRef,
+}
+
+/// The layer norms of `program` one `rlx_normalize_affine` may stand for (run where the
+/// affine step stood, writing `xhat` late): `xhat` and `y` each equal to or disjoint from `x`
+/// (a row is rewritten by the warp that read it) and disjoint from `w`, `b` and each other.
+pub fn layer_norms(program: &Program) -> Vec<LayerNorm> {
+    use crate::validate::overlaps;
+    let same = |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
+    let mut out = Vec::new();
+    for i in 1..program.instrs.len() {
+        let (
+            Instr::Op {
+                op: Op::Normalize { eps },
+                ins: nx,
+                out: xhat,
+            },
+            Instr::Op {
+                op: Op::Fused(f),
+                ins,
+                out: y,
+            },
+        ) = (&program.instrs[i - 1], &program.instrs[i])
+        else {
+            continue;
+        };
+        let x = &nx[0];
+        let c = x.shape.dims().last().copied().unwrap_or(0);
+        let n = x.numel();
+        if ins.len() != 3 || c == 0 || n == 0 || y.numel() != n || xhat.numel() != n {
+            continue;
+        }
+        // Registers: 0..3 the inputs, 3 the product, 4 the sum.
+        let [FusedStep::Binary(BinaryOp::Mul, p, q), FusedStep::Binary(BinaryOp::Add, s, t)] =
+            f.steps[..]
+        else {
+            continue;
+        };
+        let Some(h) = ins.iter().position(|t| same(t, xhat)) else {
+            continue;
+        };
+        let h = h as u16;
+        let wi = match (p == h, q == h) {
+            (true, false) => q,
+            (false, true) => p,
+            _ => continue,
+        };
+        let bi = match (s == 3, t == 3) {
+            (true, false) => t,
+            (false, true) => s,
+            _ => continue,
+        };
+        if wi >= 3 || bi >= 3 || wi == bi || bi == h {
+            continue;
+        }
+        let (w, b) = (&ins[wi as usize], &ins[bi as usize]);
+        let all = [x, w, b, xhat, y];
+        let ok = all.iter().all(|t| t.dtype == DType::F32)
+            && w.shape.dims() == [c]
+            && b.shape.dims() == [c]
+            && [xhat, y].iter().all(|o| (same(o, x) || !overlaps(o, x)) && !overlaps(o, w) && !overlaps(o, b))
+            && !overlaps(xhat, y);
+        if ok {
+            out.push(LayerNorm {
+                instrs: [i - 1, i],
+                eps: *eps,
+                x: x.clone(),
+                w: w.clone(),
+                b: b.clone(),
+                xhat: xhat.clone(),
+                y: y.clone(),
+            });
         }
     }
+    out
 }
 
 /// A cross-entropy loss and its gradient as adjacent instructions (what autodiff makes of
@@ -953,6 +1050,23 @@ impl Builder {
                 operands.extend([(slot, scratch(partials)), (slot + 1, scratch(counters))]);
             }
         }
+    }
+
+    /// A layer norm's forward (see [`LayerNorm`]) as one `rlx_normalize_affine`, a warp a row.
+    fn layer_norm(&mut self, g: &LayerNorm) {
+        let c = g.w.numel();
+        let rows = g.x.numel() / c;
+        let mut p = P::sized(rows);
+        p.iv[0] = c as i64;
+        p.fv[0] = g.eps;
+        let ops = vec![
+            (0, at(&g.x)),
+            (1, at(&g.w)),
+            (2, at(&g.b)),
+            (3, at(&g.xhat)),
+            (4, at(&g.y)),
+        ];
+        self.launch(Kernel::Library("rlx_normalize_affine"), grid_for(rows, 8), THREADS, p, ops);
     }
 
     /// A cross-entropy loss and its gradient (see [`CrossEntropyGrad`]) as one
@@ -2833,6 +2947,7 @@ mod tests {
             normalize_grad_add: false,
             layer_norm_grad: false,
             cross_entropy_grad: false,
+            layer_norm: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -3134,6 +3249,7 @@ mod tests {
             normalize_grad_add: false,
             layer_norm_grad: false,
             cross_entropy_grad: false,
+            layer_norm: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
@@ -3562,6 +3678,7 @@ mod tests {
                 Target {
                     layer_norm_grad: false,
             cross_entropy_grad: false,
+            layer_norm: false,
                     ..Target::CUDA
                 },
             ),
@@ -3647,6 +3764,7 @@ mod tests {
                 prog(4608),
                 Target {
                     cross_entropy_grad: false,
+            layer_norm: false,
                     ..Target::CUDA
                 },
             ),
@@ -3665,6 +3783,81 @@ mod tests {
                 ["rlx_ce_rows", "rlx_mean_rows", "rlx_count_labels", "rlx_ce_grad"]
                     .map(Kernel::Library)
             );
+        }
+    }
+
+    #[test]
+    fn a_layer_norm_is_one_launch_writing_the_normalized_rows_and_the_affine_result() {
+        // x [6, 40] at 0, xhat at n, y at 2n, w and b at 3n and 3n + 256.
+        let n = 6 * 40 * 4;
+        let (w, b) = (t(3 * n, &[40]), t(3 * n + 256, &[40]));
+        let prog = |ins: Vec<TRef>, steps: Vec<FusedStep>, y: usize| Program {
+            instrs: vec![
+                Instr::Op {
+                    op: Op::Normalize { eps: 1e-5 },
+                    ins: vec![t(0, &[6, 40])],
+                    out: t(n, &[6, 40]),
+                },
+                Instr::Op {
+                    op: Op::Fused(std::sync::Arc::new(Fused {
+                        shape: Shape::from(&[6, 40][..]),
+                        n_inputs: 3,
+                        steps,
+                    })),
+                    ins,
+                    out: t(y, &[6, 40]),
+                },
+            ],
+        };
+        let mul_add = |p, q, s, t| {
+            vec![
+                FusedStep::Binary(BinaryOp::Mul, p, q),
+                FusedStep::Binary(BinaryOp::Add, s, t),
+            ]
+        };
+        let xhat = t(n, &[6, 40]);
+        for (ins, steps) in [
+            (vec![xhat.clone(), w.clone(), b.clone()], mul_add(0, 1, 3, 2)),
+            (vec![b.clone(), w.clone(), xhat.clone()], mul_add(1, 2, 0, 3)),
+        ] {
+            let pl = plan(&prog(ins, steps, 2 * n), &[4 * n], Target::CUDA).unwrap();
+            assert_eq!(pl.steps.len(), 1);
+            let Step::Launch {
+                kernel,
+                p,
+                operands,
+                ..
+            } = &pl.steps[0]
+            else {
+                panic!()
+            };
+            assert_eq!(*kernel, Kernel::Library("rlx_normalize_affine"));
+            assert_eq!((p.n, p.iv[0], p.fv[0]), (6, 40, 1e-5));
+            let offsets: Vec<(usize, usize)> =
+                operands.iter().map(|(k, l)| (*k, l.offset)).collect();
+            assert_eq!(
+                offsets,
+                vec![(0, 0), (1, 3 * n), (2, 3 * n + 256), (3, n), (4, 2 * n)]
+            );
+        }
+        // y over half of x (rows another warp still reads), or an expression other than
+        // xhat * w + b: two steps.
+        let over_x = Program {
+            instrs: vec![
+                Instr::Op {
+                    op: Op::Normalize { eps: 1e-5 },
+                    ins: vec![t(n, &[6, 40])],
+                    out: t(2 * n, &[6, 40]),
+                },
+                prog(vec![t(2 * n, &[6, 40]), w.clone(), b.clone()], mul_add(0, 1, 3, 2), n / 2)
+                    .instrs[1]
+                    .clone(),
+            ],
+        };
+        let other = prog(vec![xhat.clone(), w, b], mul_add(0, 1, 3, 0), 2 * n);
+        for p in [over_x, other] {
+            assert!(layer_norms(&p).is_empty());
+            assert_eq!(plan(&p, &[4 * n], Target::CUDA).unwrap().steps.len(), 2);
         }
     }
 }
