@@ -355,3 +355,20 @@ def test_layer_norm_gradient_plus_a_residual_gradient_is_one_op(monkeypatch, row
     plain = loss_and_grads(monkeypatch, False, fn, arrays, inputs)
     assert_same(fused[:2], plain[:2], rtol=2e-4, atol=2e-4)
     assert "normalize_grad_add" in program_ops(fused[2]) and "normalize_grad_add" not in program_ops(plain[2])
+
+
+@settings(max_examples=30, deadline=None)
+@given(lead=st.integers(1, 3), rows=st.integers(1, 300), n=st.integers(1, 256), seed=st.integers(0, 2**16))
+def test_short_rows_with_per_row_operands_match_numpy(lead, rows, n, seed):
+    # Rows of at most half a tile take the row-group path: operands that are the same for every
+    # row (a layer norm's scale and shift: (n,), (1, n)) are expanded once for all tiles, one
+    # that differs between rows (rows, 1) tile by tile; short last tiles, one row, many.
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((lead, rows, n)).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    b = rng.standard_normal((1, n)).astype(np.float32)
+    c = rng.standard_normal((rows, 1)).astype(np.float32)
+
+    got = run_forward(lambda x, w, b, c: (x * w + b) * c - w, {"x": x, "w": w, "b": b, "c": c})
+    want = (x.astype(np.float64) * w + b) * c - w
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -490,6 +490,21 @@ fn row_groups(
     let row = cd[cd.len() - 1];
     let outer = &cd[..cd.len() - 1];
     let group = (TILE / row).max(1);
+    // An operand that is the same for every row (a layer norm's scale and shift over rows of
+    // the width) expands to the same tile everywhere: once, here, not once a tile. Tiles start
+    // at whole rows, so a short last tile reads a prefix.
+    let same_rows: Vec<Option<Vec<f32>>> = ins
+        .iter()
+        .enumerate()
+        .map(|(i, (x, _))| {
+            let step = cs[i][outer.len()];
+            let per_row = x.len() != total && x.len() != 1 && cs[i][..outer.len()].iter().all(|&s| s == 0);
+            per_row.then(|| {
+                let one: Vec<f32> = (0..row).map(|j| x[j * step]).collect();
+                one.repeat(group.min(total / row.max(1)))
+            })
+        })
+        .collect();
     let tile = |(c, chunk): (usize, &mut [f32])| {
         let (r0, len) = (c * group, chunk.len());
         thread_scratch(&EXPANDED, |e| {
@@ -497,7 +512,7 @@ fn row_groups(
                 e.resize(ins.len() * TILE, 0.0);
             }
             for (i, (x, _)) in ins.iter().enumerate() {
-                if x.len() == total || x.len() == 1 {
+                if x.len() == total || x.len() == 1 || same_rows[i].is_some() {
                     continue;
                 }
                 let step = cs[i][outer.len()];
@@ -524,6 +539,8 @@ fn row_groups(
                     Src::Slice(&x[r0 * row..r0 * row + len])
                 } else if x.len() == 1 {
                     Src::Scalar(x[0])
+                } else if let Some(same) = &same_rows[i] {
+                    Src::Slice(&same[..len])
                 } else {
                     Src::Slice(&e[i * TILE..i * TILE + len])
                 };
