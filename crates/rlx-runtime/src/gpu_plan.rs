@@ -481,15 +481,24 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
     let mut found: Vec<(Vec<usize>, Group)> = Vec::new();
     if target.layer_norm_grad {
         let gs = layer_norm_grads(program);
-        found.extend(gs.into_iter().map(|g| (g.instrs.to_vec(), Group::LayerNorm(Box::new(g)))));
+        found.extend(
+            gs.into_iter()
+                .map(|g| (g.instrs.to_vec(), Group::LayerNorm(Box::new(g)))),
+        );
     }
     if target.cross_entropy_grad {
         let gs = cross_entropy_grads(program);
-        found.extend(gs.into_iter().map(|g| (g.instrs.to_vec(), Group::CrossEntropy(Box::new(g)))));
+        found.extend(
+            gs.into_iter()
+                .map(|g| (g.instrs.to_vec(), Group::CrossEntropy(Box::new(g)))),
+        );
     }
     if target.layer_norm {
         let gs = layer_norms(program);
-        found.extend(gs.into_iter().map(|g| (g.instrs.to_vec(), Group::Forward(Box::new(g)))));
+        found.extend(
+            gs.into_iter()
+                .map(|g| (g.instrs.to_vec(), Group::Forward(Box::new(g)))),
+        );
     }
     // An instruction stands in one group at most (the first found).
     let mut groups: Vec<Option<Group>> = vec![None; program.instrs.len()];
@@ -619,7 +628,6 @@ enum Group {
     Forward(Box<LayerNorm>),
 }
 
-
 /// A layer norm's forward as two adjacent instructions: `xhat = normalize(x)` and
 /// `y = xhat * w + b` (a `Fused` of one product and one sum, `w` and `b` of `[C]`; either
 /// operand order), all float32.
@@ -639,7 +647,8 @@ pub struct LayerNorm {
 /// (a row is rewritten by the warp that read it) and disjoint from `w`, `b` and each other.
 pub fn layer_norms(program: &Program) -> Vec<LayerNorm> {
     use crate::validate::overlaps;
-    let same = |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
+    let same =
+        |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
     let mut out = Vec::new();
     for i in 1..program.instrs.len() {
         let (
@@ -691,7 +700,9 @@ pub fn layer_norms(program: &Program) -> Vec<LayerNorm> {
         let ok = all.iter().all(|t| t.dtype == DType::F32)
             && w.shape.dims() == [c]
             && b.shape.dims() == [c]
-            && [xhat, y].iter().all(|o| (same(o, x) || !overlaps(o, x)) && !overlaps(o, w) && !overlaps(o, b))
+            && [xhat, y]
+                .iter()
+                .all(|o| (same(o, x) || !overlaps(o, x)) && !overlaps(o, w) && !overlaps(o, b))
             && !overlaps(xhat, y);
         if ok {
             out.push(LayerNorm {
@@ -727,7 +738,8 @@ pub struct CrossEntropyGrad {
 /// block) and the gradient disjoint from every input and from each other.
 pub fn cross_entropy_grads(program: &Program) -> Vec<CrossEntropyGrad> {
     use crate::validate::overlaps;
-    let same = |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
+    let same =
+        |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
     let mut out = Vec::new();
     for i in 1..program.instrs.len() {
         let (
@@ -807,7 +819,8 @@ pub struct LayerNormGrad {
 pub fn layer_norm_grads(program: &Program) -> Vec<LayerNormGrad> {
     use crate::validate::overlaps;
     let f32_all = |ts: &[&TRef]| ts.iter().all(|t| t.dtype == DType::F32);
-    let same = |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
+    let same =
+        |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
     let mul = |steps: &[FusedStep]| matches!(steps, [FusedStep::Binary(BinaryOp::Mul, 0, 1)]);
     let mut out = Vec::new();
     for d in 3..program.instrs.len() {
@@ -837,13 +850,17 @@ pub fn layer_norm_grads(program: &Program) -> Vec<LayerNormGrad> {
             };
             let vector = out.shape.dims() == [c];
             match op {
-                Op::SumTo { .. } if vector && ins[0].numel() == n => sum = Some((k, ins[0].clone(), out.clone())),
+                Op::SumTo { .. } if vector && ins[0].numel() == n => {
+                    sum = Some((k, ins[0].clone(), out.clone()))
+                }
                 Op::FusedSumTo { expr, .. }
                     if vector && mul(&expr.steps) && ins.iter().all(|i| i.numel() == n) =>
                 {
                     wsum = Some((k, ins[0].clone(), ins[1].clone(), out.clone()))
                 }
-                Op::Binary(BinaryOp::Mul) if same(out, t) => prod = Some((k, ins[0].clone(), ins[1].clone())),
+                Op::Binary(BinaryOp::Mul) if same(out, t) => {
+                    prod = Some((k, ins[0].clone(), ins[1].clone()))
+                }
                 Op::Fused(f) if same(out, t) && mul(&f.steps) && ins.len() == 2 => {
                     prod = Some((k, ins[0].clone(), ins[1].clone()))
                 }
@@ -1066,7 +1083,13 @@ impl Builder {
             (3, at(&g.xhat)),
             (4, at(&g.y)),
         ];
-        self.launch(Kernel::Library("rlx_normalize_affine"), grid_for(rows, 8), THREADS, p, ops);
+        self.launch(
+            Kernel::Library("rlx_normalize_affine"),
+            grid_for(rows, 8),
+            THREADS,
+            p,
+            ops,
+        );
     }
 
     /// A cross-entropy loss and its gradient (see [`CrossEntropyGrad`]) as one
@@ -1126,7 +1149,13 @@ impl Builder {
             cs.1 = cs.1.max(4);
             cs.2 = cs.2.max(chunks * 2 * c * 4);
         }
-        self.launch(Kernel::Library("rlx_layer_norm_grad"), blocks, THREADS, p, ops);
+        self.launch(
+            Kernel::Library("rlx_layer_norm_grad"),
+            blocks,
+            THREADS,
+            p,
+            ops,
+        );
         Ok(())
     }
 
@@ -3603,7 +3632,11 @@ mod tests {
         Program {
             instrs: vec![
                 op(Op::SumTo { shape: m(&[c]) }, vec![full(n)], t(db, &[c])),
-                op(Op::Binary(BinaryOp::Mul), vec![full(n), t(w, &[c])], full(3 * n)),
+                op(
+                    Op::Binary(BinaryOp::Mul),
+                    vec![full(n), t(w, &[c])],
+                    full(3 * n),
+                ),
                 op(
                     Op::FusedSumTo {
                         expr: std::sync::Arc::new(mul),
@@ -3641,7 +3674,10 @@ mod tests {
             panic!()
         };
         assert_eq!(*kernel, Kernel::Library("rlx_layer_norm_grad"));
-        assert_eq!((p.n, p.iv[0], p.iv[1], p.iv[2], *grid), (1000, 40, 1, 8, 125));
+        assert_eq!(
+            (p.n, p.iv[0], p.iv[1], p.iv[2], *grid),
+            (1000, 40, 1, 8, 125)
+        );
         let find = |k: usize| operands.iter().find(|(s, _)| *s == k).map(|(_, l)| *l);
         let arena = |offset| Some(Loc { buf: 0, offset });
         assert_eq!(
@@ -3660,10 +3696,16 @@ mod tests {
         );
         let (part, count) = (find(9).unwrap(), find(10).unwrap());
         assert_eq!((part.buf, count.buf), (SCRATCH, SCRATCH));
-        assert!(part.offset >= count.offset + 4 && pl.scratch_bytes >= part.offset + 125 * 2 * c * 4);
+        assert!(
+            part.offset >= count.offset + 4 && pl.scratch_bytes >= part.offset + 125 * 2 * c * 4
+        );
         // A few rows: one chunk, the sums stored directly (no scratch operands).
-        let small = plan(&layer_norm_backward(6, c, 4 * 6 * c * 4), &[7 * 6 * c * 4], Target::CUDA)
-            .unwrap();
+        let small = plan(
+            &layer_norm_backward(6, c, 4 * 6 * c * 4),
+            &[7 * 6 * c * 4],
+            Target::CUDA,
+        )
+        .unwrap();
         let Step::Launch { grid, operands, .. } = &small.steps[0] else {
             panic!()
         };
@@ -3677,8 +3719,8 @@ mod tests {
                 layer_norm_backward(rows, c, 4 * n),
                 Target {
                     layer_norm_grad: false,
-            cross_entropy_grad: false,
-            layer_norm: false,
+                    cross_entropy_grad: false,
+                    layer_norm: false,
                     ..Target::CUDA
                 },
             ),
@@ -3764,7 +3806,7 @@ mod tests {
                 prog(4608),
                 Target {
                     cross_entropy_grad: false,
-            layer_norm: false,
+                    layer_norm: false,
                     ..Target::CUDA
                 },
             ),
@@ -3780,8 +3822,13 @@ mod tests {
                 .collect();
             assert_eq!(
                 names,
-                ["rlx_ce_rows", "rlx_mean_rows", "rlx_count_labels", "rlx_ce_grad"]
-                    .map(Kernel::Library)
+                [
+                    "rlx_ce_rows",
+                    "rlx_mean_rows",
+                    "rlx_count_labels",
+                    "rlx_ce_grad"
+                ]
+                .map(Kernel::Library)
             );
         }
     }
@@ -3817,8 +3864,14 @@ mod tests {
         };
         let xhat = t(n, &[6, 40]);
         for (ins, steps) in [
-            (vec![xhat.clone(), w.clone(), b.clone()], mul_add(0, 1, 3, 2)),
-            (vec![b.clone(), w.clone(), xhat.clone()], mul_add(1, 2, 0, 3)),
+            (
+                vec![xhat.clone(), w.clone(), b.clone()],
+                mul_add(0, 1, 3, 2),
+            ),
+            (
+                vec![b.clone(), w.clone(), xhat.clone()],
+                mul_add(1, 2, 0, 3),
+            ),
         ] {
             let pl = plan(&prog(ins, steps, 2 * n), &[4 * n], Target::CUDA).unwrap();
             assert_eq!(pl.steps.len(), 1);
@@ -3849,8 +3902,12 @@ mod tests {
                     ins: vec![t(n, &[6, 40])],
                     out: t(2 * n, &[6, 40]),
                 },
-                prog(vec![t(2 * n, &[6, 40]), w.clone(), b.clone()], mul_add(0, 1, 3, 2), n / 2)
-                    .instrs[1]
+                prog(
+                    vec![t(2 * n, &[6, 40]), w.clone(), b.clone()],
+                    mul_add(0, 1, 3, 2),
+                    n / 2,
+                )
+                .instrs[1]
                     .clone(),
             ],
         };

@@ -498,7 +498,8 @@ fn row_groups(
         .enumerate()
         .map(|(i, (x, _))| {
             let step = cs[i][outer.len()];
-            let per_row = x.len() != total && x.len() != 1 && cs[i][..outer.len()].iter().all(|&s| s == 0);
+            let per_row =
+                x.len() != total && x.len() != 1 && cs[i][..outer.len()].iter().all(|&s| s == 0);
             per_row.then(|| {
                 let one: Vec<f32> = (0..row).map(|j| x[j * step]).collect();
                 one.repeat(group.min(total / row.max(1)))
