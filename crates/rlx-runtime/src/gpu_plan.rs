@@ -3,7 +3,10 @@
 //! offset, patched to addresses at run time), GEMMs at fixed offsets, and fills. Each backend
 //! ships a kernel library implementing every named kernel with the record contract documented
 //! at the kernel (CUDA C in rlx-cuda, MSL in rlx-metal) and generates the fused kernels from
-//! the same expressions (`crate::expr_source`). No GPU is touched here, so it is unit-tested in CI.
+//! the same expressions (`crate::expr_source`). Where a backend has one kernel for a few adjacent
+//! instructions (a layer norm, its backward, a cross-entropy with its gradient: the `Target`
+//! flags), they are one launch where the program's tensors make that unobservable. No GPU is
+//! touched here, so it is unit-tested in CI.
 //! `grid`/`block` of a launch are the CUDA launch shape; backends with another execution model
 //! derive their own from the kernel and its record.
 use crate::{hyper_col, Instr, OptimRule, Program, TRef, UpdatePlan};
