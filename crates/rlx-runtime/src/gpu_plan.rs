@@ -622,6 +622,11 @@ pub fn bias_grad_pairs(program: &Program) -> Vec<(usize, usize)> {
     pairs
 }
 
+/// Whether two tensors are the same elements: one buffer, one offset, one count.
+fn same_place(a: &TRef, b: &TRef) -> bool {
+    a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel()
+}
+
 /// Adjacent instructions a backend runs as one launch, standing where the last of them stood
 /// (the others lower to nothing).
 #[derive(Clone, Debug, PartialEq)]
@@ -650,8 +655,7 @@ pub struct LayerNorm {
 /// (a row is rewritten by the warp that read it) and disjoint from `w`, `b` and each other.
 pub fn layer_norms(program: &Program) -> Vec<LayerNorm> {
     use crate::validate::overlaps;
-    let same =
-        |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
+    let same = same_place;
     let mut out = Vec::new();
     for i in 1..program.instrs.len() {
         let (
@@ -741,8 +745,7 @@ pub struct CrossEntropyGrad {
 /// block) and the gradient disjoint from every input and from each other.
 pub fn cross_entropy_grads(program: &Program) -> Vec<CrossEntropyGrad> {
     use crate::validate::overlaps;
-    let same =
-        |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
+    let same = same_place;
     let mut out = Vec::new();
     for i in 1..program.instrs.len() {
         let (
@@ -822,8 +825,7 @@ pub struct LayerNormGrad {
 pub fn layer_norm_grads(program: &Program) -> Vec<LayerNormGrad> {
     use crate::validate::overlaps;
     let f32_all = |ts: &[&TRef]| ts.iter().all(|t| t.dtype == DType::F32);
-    let same =
-        |a: &TRef, b: &TRef| a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel();
+    let same = same_place;
     let mul = |steps: &[FusedStep]| matches!(steps, [FusedStep::Binary(BinaryOp::Mul, 0, 1)]);
     let mut out = Vec::new();
     for d in 3..program.instrs.len() {
