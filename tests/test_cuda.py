@@ -297,20 +297,22 @@ def test_prefetch_matches_direct_calls():
 
 
 @needs_cuda
-def test_cross_entropy_and_its_gradient_match_cpu_with_ignored_rows_and_many_blocks():
-    """The loss and its gradient are one launch on CUDA (every block counts the labelled rows,
-    the last one averages the rows' losses): 5000 rows over the launch's 128 blocks, a tenth
-    ignored, a scaled loss (its gradient is not 1); every row ignored gives NaN on both; the
-    block count resets, so a second call gives the same result."""
+@pytest.mark.parametrize("rows", [3, 1000])
+def test_cross_entropy_and_its_gradient_match_cpu_with_ignored_rows(rows):
+    """The loss and its gradient are one launch on CUDA up to 1024 rows (every block counts the
+    labelled rows, the last one averages the rows' losses): one block or 125, a tenth of the
+    rows ignored; every row ignored gives NaN on both; the block count resets, so a second call
+    gives the same result."""
     from conftest import make_module
 
     rng = np.random.default_rng(3)
-    z = (3 * rng.standard_normal((5000, 37))).astype(np.float32)
-    y = rng.integers(0, 37, 5000).astype(np.int32)
-    y[rng.random(5000) < 0.1] = -100
+    z = (3 * rng.standard_normal((rows, 37))).astype(np.float32)
+    y = rng.integers(0, 37, rows).astype(np.int32)
+    y[rng.random(rows) < 0.1] = -100
+    y[0] = 5
 
     def loss(m, y):
-        return rlx.cross_entropy(m.z, y) * 2.5
+        return rlx.cross_entropy(m.z, y)
 
     results = {}
     for device in ["cpu", "cuda"]:
@@ -323,6 +325,41 @@ def test_cross_entropy_and_its_gradient_match_cpu_with_ignored_rows_and_many_blo
     np.testing.assert_allclose(l_gpu, l_cpu, rtol=1e-5)
     np.testing.assert_allclose(g_gpu, g_cpu, rtol=1e-4, atol=1e-9)
     assert np.isnan(none_cpu) and np.isnan(none_gpu)
+
+
+def _launched(monkeypatch, capfd, run):
+    """What `run()` launched on CUDA: with RLX_PROFILE=1 an executable prints its kernels by
+    name when it is dropped (its steps then run launch by launch, not replayed as a graph)."""
+    import gc
+
+    capfd.readouterr()
+    monkeypatch.setenv("RLX_PROFILE", "1")
+    try:
+        run()
+        gc.collect()
+    finally:
+        monkeypatch.delenv("RLX_PROFILE")
+    return capfd.readouterr().err
+
+
+@needs_cuda
+@pytest.mark.parametrize("rows,width,backward", [(1003, 200, True), (4100, 768, False)])
+def test_layer_norms_and_the_loss_are_one_launch_each_where_planned(monkeypatch, capfd, rows, width, backward):
+    """The groups form on a real model: a layer norm's forward always, its backward up to 1024
+    rows (not at 4100 x 768), the loss with its gradient up to 1024 rows."""
+    x, y = _data(n=rows, d=width)
+
+    def run():
+        rlx.seed(0)
+        step = rlx.compile_train_step(ce_loss, _Norms(width, 10), rlx.optim.SGD(lr=0.1), _specs({"x": x, "y": y}),
+                                      device="cuda")
+        step(x=x, y=y)
+
+    err = _launched(monkeypatch, capfd, run)
+    assert "rlx cuda profile" in err, err
+    assert "rlx_normalize_affine" in err and "rlx_normalize " not in err, err
+    assert ("rlx_layer_norm_grad" in err) == backward, err
+    assert ("rlx_ce_loss_grad" in err) == backward, err
 
 
 @needs_cuda

@@ -859,7 +859,10 @@ pub fn layer_norm_grads(program: &Program) -> Vec<LayerNormGrad> {
                     sum = Some((k, ins[0].clone(), out.clone()))
                 }
                 Op::FusedSumTo { expr, .. }
-                    if vector && mul(&expr.steps) && ins.iter().all(|i| i.numel() == n) =>
+                    if vector
+                        && mul(&expr.steps)
+                        && expr.shape.numel() == n
+                        && ins.iter().all(|i| i.numel() == n) =>
                 {
                     wsum = Some((k, ins[0].clone(), ins[1].clone(), out.clone()))
                 }
@@ -3741,6 +3744,22 @@ mod tests {
                 .collect();
             assert!(kernels.len() >= 4, "{kernels:?}");
             assert!(!kernels.contains(&Kernel::Library("rlx_layer_norm_grad")));
+        }
+        // t over x (which normalize_grad would then read as t), dw over w: none.
+        let mut t_over_x = layer_norm_backward(rows, c, 4 * n);
+        let mut dw_over_w = layer_norm_backward(rows, c, 4 * n);
+        if let (Instr::Op { out, .. }, Instr::Op { ins, .. }) = {
+            let (b, d) = t_over_x.instrs.split_at_mut(3);
+            (&mut b[1], &mut d[0])
+        } {
+            out.offset = 0;
+            ins[1].offset = 0;
+        }
+        if let Instr::Op { out, .. } = &mut dw_over_w.instrs[2] {
+            out.offset = 6 * n;
+        }
+        for p in [t_over_x, dw_over_w] {
+            assert!(layer_norm_grads(&p).is_empty());
         }
         // dx in place over x, dY, r, t or acc is a group.
         for at in [0, n, 2 * n, 3 * n, 5 * n] {
