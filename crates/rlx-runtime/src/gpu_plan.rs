@@ -627,6 +627,29 @@ fn same_place(a: &TRef, b: &TRef) -> bool {
     a.buf == b.buf && a.offset == b.offset && a.numel() == b.numel()
 }
 
+/// One operation of a program: its op, inputs and output.
+type OpRef<'a> = (&'a Op, &'a [TRef], &'a TRef);
+
+/// The adjacent operations of `program` (the update excluded): `(i, [instruction i - 1, i])`.
+fn adjacent_ops(program: &Program) -> impl Iterator<Item = (usize, [OpRef<'_>; 2])> {
+    program
+        .instrs
+        .windows(2)
+        .enumerate()
+        .filter_map(|(k, pair)| match pair {
+            [Instr::Op {
+                op: a,
+                ins: ia,
+                out: oa,
+            }, Instr::Op {
+                op: b,
+                ins: ib,
+                out: ob,
+            }] => Some((k + 1, [(a, &ia[..], oa), (b, &ib[..], ob)])),
+            _ => None,
+        })
+}
+
 /// Adjacent instructions a backend runs as one launch, standing where the last of them stood
 /// (the others lower to nothing).
 #[derive(Clone, Debug, PartialEq)]
@@ -657,20 +680,8 @@ pub fn layer_norms(program: &Program) -> Vec<LayerNorm> {
     use crate::validate::overlaps;
     let same = same_place;
     let mut out = Vec::new();
-    for i in 1..program.instrs.len() {
-        let (
-            Instr::Op {
-                op: Op::Normalize { eps },
-                ins: nx,
-                out: xhat,
-            },
-            Instr::Op {
-                op: Op::Fused(f),
-                ins,
-                out: y,
-            },
-        ) = (&program.instrs[i - 1], &program.instrs[i])
-        else {
+    for (i, [(first, nx, xhat), (second, ins, y)]) in adjacent_ops(program) {
+        let (Op::Normalize { eps }, Op::Fused(f)) = (first, second) else {
             continue;
         };
         let x = &nx[0];
@@ -747,20 +758,8 @@ pub fn cross_entropy_grads(program: &Program) -> Vec<CrossEntropyGrad> {
     use crate::validate::overlaps;
     let same = same_place;
     let mut out = Vec::new();
-    for i in 1..program.instrs.len() {
-        let (
-            Instr::Op {
-                op: Op::SoftmaxCrossEntropy,
-                ins: f,
-                out: loss,
-            },
-            Instr::Op {
-                op: Op::SoftmaxCrossEntropyGrad,
-                ins: b,
-                out: dl,
-            },
-        ) = (&program.instrs[i - 1], &program.instrs[i])
-        else {
+    for (i, [(first, f, loss), (second, b, dl)]) in adjacent_ops(program) {
+        let (Op::SoftmaxCrossEntropy, Op::SoftmaxCrossEntropyGrad) = (first, second) else {
             continue;
         };
         let (l, y, g) = (&f[0], &f[1], &b[2]);
