@@ -483,7 +483,9 @@ pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
     // to nothing.
     let mut found: Vec<(Vec<usize>, Group)> = Vec::new();
     if target.layer_norm_grad {
-        let gs = layer_norm_grads(program);
+        let gs = layer_norm_grads(program)
+            .into_iter()
+            .filter(LayerNormGrad::one_launch);
         found.extend(
             gs.into_iter()
                 .map(|g| (g.instrs.to_vec(), Group::LayerNorm(Box::new(g)))),
@@ -810,9 +812,19 @@ pub struct LayerNormGrad {
     pub db: TRef,
 }
 
-/// The layer-norm backwards of `program` that one launch may stand for
-/// (`rlx_layer_norm_grad`, run where `normalize_grad` stood), up to the sizes where that was
-/// measured faster ([`LN_GRAD_ROWS_MAX`], [`LN_GRAD_PARTIALS_MAX`]). It writes `t` as well (the
+impl LayerNormGrad {
+    /// Whether `rlx_layer_norm_grad` is faster than the separate launches at this size
+    /// ([`LN_GRAD_ROWS_MAX`], [`LN_GRAD_PARTIALS_MAX`]).
+    pub fn one_launch(&self) -> bool {
+        let c = self.w.numel();
+        let rows = self.x.numel() / c.max(1);
+        rows <= LN_GRAD_ROWS_MAX && rows.div_ceil(8) * 2 * c <= LN_GRAD_PARTIALS_MAX
+    }
+}
+
+/// The layer-norm backwards of `program` that one kernel may stand for (run where
+/// `normalize_grad` stood; on CUDA `rlx_layer_norm_grad`, taken up to the sizes where that was
+/// measured faster, [`LayerNormGrad::one_launch`]; the CPU runs them too). It writes `t` as well (the
 /// program may read it later: one store, no liveness argument), and `db` and `dw` late, so
 /// it takes a group only where that and its own reads and writes are unobservable: the
 /// product and the sums touch nothing the others read or write but what the pattern says; `t`,
@@ -840,10 +852,6 @@ pub fn layer_norm_grads(program: &Program) -> Vec<LayerNormGrad> {
         let c = x.shape.dims().last().copied().unwrap_or(0);
         let n = x.numel();
         if c == 0 || n == 0 || n % c != 0 || dx.numel() != n || t.numel() != n {
-            continue;
-        }
-        let rows = n / c;
-        if rows > LN_GRAD_ROWS_MAX || rows.div_ceil(8) * 2 * c > LN_GRAD_PARTIALS_MAX {
             continue;
         }
         // The three before it, each recognised by its op.
@@ -3627,7 +3635,7 @@ mod tests {
     /// `t = dY * w`, `dw = sum_to(dY * r)`, `dx = normalize_grad_add(x, t, acc)`, rows of `c`.
     fn layer_norm_backward(rows: usize, c: usize, dx_at: usize) -> Program {
         let n = rows * c * 4;
-        let (w, db, dw) = (6 * n, 6 * n + 256, 6 * n + 512);
+        let (w, db, dw) = (6 * n, 6 * n + 4 * c, 6 * n + 8 * c);
         let m = |d: &[usize]| Shape::from(d);
         let mul = Fused {
             shape: m(&[rows, c]),
@@ -3697,8 +3705,8 @@ mod tests {
                 arena(5 * n),
                 arena(3 * n),
                 arena(4 * n),
-                arena(6 * n + 512),
-                arena(6 * n + 256)
+                arena(6 * n + 8 * c),
+                arena(6 * n + 4 * c)
             ]
         );
         let (part, count) = (find(9).unwrap(), find(10).unwrap());
@@ -3764,10 +3772,14 @@ mod tests {
         for at in [0, n, 2 * n, 3 * n, 5 * n] {
             assert_eq!(layer_norm_grads(&layer_norm_backward(rows, c, at)).len(), 1);
         }
-        // More rows, or more partial sums, than measured faster as one launch: none.
+        // More rows, or more partial sums, than measured faster as one launch: separate
+        // launches on CUDA.
         for (rows, c) in [(1025, 40), (1000, 520)] {
             let n = rows * c * 4;
-            assert!(layer_norm_grads(&layer_norm_backward(rows, c, 4 * n)).is_empty());
+            let prog = layer_norm_backward(rows, c, 4 * n);
+            let gs = layer_norm_grads(&prog);
+            assert!(gs.len() == 1 && !gs[0].one_launch());
+            assert!(plan(&prog, &[7 * n], Target::CUDA).unwrap().steps.len() > 1);
         }
     }
 
