@@ -340,6 +340,129 @@ fn by_row_blocks<'a>(
     }
 }
 
+/// A layer norm's weight and bias gradients in one pass over the rows of `width`:
+/// `dw[j] = sum of dy * r` and `db[j] = sum of dy` down column `j`, with the bits of the two
+/// instructions they stand for: `db` in partial sums of [`super::reduce::SUM_ROWS`] rows (as
+/// `sum_to`), `dw` of the rounded products in partial sums of the rows in
+/// [`super::fused::SUM_BLOCK`] elements (as `fused_sum_to`), each added to the total in row
+/// order. Columns are split between the threads.
+pub fn column_sums_of_product(dy: &[f32], r: &[f32], width: usize, dw: &mut [f32], db: &mut [f32]) {
+    dw.fill(0.0);
+    db.fill(0.0);
+    if width == 0 || dy.is_empty() {
+        return;
+    }
+    let rows = dy.len() / width;
+    let (b_rows, w_rows) = (
+        super::reduce::SUM_ROWS,
+        (super::fused::SUM_BLOCK / width).clamp(1, rows),
+    );
+    let cols = |j0: usize, ow: &mut [f32], ob: &mut [f32]| {
+        let n = ow.len();
+        let (mut pw, mut pb) = (vec![0.0f32; n], vec![0.0f32; n]);
+        for i in 0..rows {
+            let d = &dy[i * width + j0..][..n];
+            let x = &r[i * width + j0..][..n];
+            for j in 0..n {
+                pw[j] += d[j] * x[j];
+                pb[j] += d[j];
+            }
+            if (i + 1) % w_rows == 0 || i + 1 == rows {
+                for j in 0..n {
+                    ow[j] += pw[j];
+                }
+                pw.fill(0.0);
+            }
+            if (i + 1) % b_rows == 0 || i + 1 == rows {
+                for j in 0..n {
+                    ob[j] += pb[j];
+                }
+                pb.fill(0.0);
+            }
+        }
+    };
+    if dy.len() >= NORM_PAR_MIN && width >= 64 {
+        let per = width.div_ceil(rayon::current_num_threads() * 2).max(16);
+        dw.par_chunks_mut(per)
+            .zip(db.par_chunks_mut(per))
+            .enumerate()
+            .for_each(|(c, (ow, ob))| {
+                crate::isa::dispatch(
+                    #[inline(always)]
+                    || cols(c * per, ow, ob),
+                )
+            });
+    } else {
+        crate::isa::dispatch(
+            #[inline(always)]
+            || cols(0, dw, db),
+        );
+    }
+}
+
+/// `t = dy * w` (a row vector of `width`) and `dx = normalize_grad(x, t) (+ acc)`, row by row
+/// while each row is in cache (a layer norm's input gradient: the product and
+/// `normalize_grad_add` of it, with their bits, without a pass of its own for the product).
+#[allow(clippy::too_many_arguments)]
+pub fn normalize_grad_of_product(
+    x: &[f32],
+    dy: &[f32],
+    w: &[f32],
+    acc: Option<&[f32]>,
+    width: usize,
+    eps: f32,
+    t: &mut [f32],
+    dx: &mut [f32],
+) {
+    if width == 0 || dx.is_empty() {
+        return;
+    }
+    let n = width as f32;
+    let rows = (NORM_TASK / width).max(1);
+    let block = |(b, (tb, ob)): (usize, (&mut [f32], &mut [f32]))| {
+        crate::isa::dispatch(
+            #[inline(always)]
+            || {
+                for k in 0..ob.len() / width {
+                    let at = (b * rows + k) * width;
+                    let row = &x[at..][..width];
+                    let d = &dy[at..][..width];
+                    let g = &mut tb[k * width..][..width];
+                    let o = &mut ob[k * width..][..width];
+                    for j in 0..width {
+                        g[j] = d[j] * w[j];
+                    }
+                    let (mean, rstd) = row_stats(row, eps);
+                    for j in 0..width {
+                        o[j] = g[j] * (row[j] - mean) * rstd;
+                    }
+                    let (mg, mgx) = (math::sum(g) / n, math::sum(o) / n);
+                    for j in 0..width {
+                        o[j] = rstd * (g[j] - mg - (row[j] - mean) * rstd * mgx);
+                    }
+                    if let Some(acc) = acc {
+                        let a = &acc[at..][..width];
+                        for j in 0..width {
+                            o[j] += a[j];
+                        }
+                    }
+                }
+            },
+        )
+    };
+    if dx.len() >= NORM_PAR_MIN {
+        t.par_chunks_mut(rows * width)
+            .zip(dx.par_chunks_mut(rows * width))
+            .enumerate()
+            .for_each(block);
+    } else {
+        t.chunks_mut(rows * width)
+            .zip(dx.chunks_mut(rows * width))
+            .enumerate()
+            .for_each(block);
+    }
+}
+
 /// `(x - mean) * rstd` per row of the last axis.
 #[inline(always)]
 pub fn normalize(x: &[f32], width: usize, eps: f32, out: &mut [f32]) {
