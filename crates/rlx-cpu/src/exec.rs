@@ -3,13 +3,10 @@ use crate::kernels;
 use crate::mem::Bases;
 use crate::schedule::Step;
 use rlx_ir::{BinaryOp, DType, Error, Op, Result};
-use rlx_runtime::gpu_plan::LayerNormGrad;
 use rlx_runtime::{Compiled, DeviceBuffer, Instr, OptimHyper, Program, TRef};
 
 pub struct CpuProgram {
     instrs: Vec<Instr>,
-    /// Layer-norm backwards run as one step each (`Step::LayerNormGrad`, see [`cpu_groups`]).
-    ln_groups: Vec<LayerNormGrad>,
     /// The order the instructions run in, some in pairs (`schedule`).
     steps: Vec<Step>,
     /// A copy of a paired convolution's image where the pair's output reuses its memory.
@@ -43,13 +40,9 @@ impl CpuProgram {
     pub fn new(program: &Program, lens: &[usize]) -> Result<CpuProgram> {
         rlx_runtime::validate::validate(program, lens, "cpu")?;
         let profile = rlx_runtime::profile::requested().then(Default::default);
-        let steps = crate::schedule::schedule(&program.instrs, crate::pool::thread_count());
-        let ln_groups = cpu_groups(program, &steps);
-        let members: Vec<[usize; 4]> = ln_groups.iter().map(|g| g.instrs).collect();
         Ok(CpuProgram {
             instrs: program.instrs.clone(),
-            ln_groups,
-            steps: crate::schedule::with_layer_norm_grads(steps, &members),
+            steps: crate::schedule::schedule(&program.instrs, crate::pool::thread_count()),
             snapshot: Vec::new(),
             lens: lens.to_vec(),
             profile,
@@ -102,11 +95,6 @@ impl CpuProgram {
                     x?;
                     y?;
                 }
-                // SAFETY: `cpu_groups` took the group only where its reads and writes allow
-                // the two passes (see `run_layer_norm_grad`).
-                Step::LayerNormGrad { group, .. } => unsafe {
-                    run_layer_norm_grad(b, &self.ln_groups[group])
-                },
                 // SAFETY: as for `Step::One`, and `schedule` formed the pair only where the
                 // two instructions' tensors allow it (see `run_pair`).
                 _ => unsafe { run_pair(b, &self.instrs, step, &mut self.snapshot)? },
@@ -123,68 +111,6 @@ impl CpuProgram {
         }
         Ok(())
     }
-}
-
-/// The layer-norm backwards (`rlx_runtime::gpu_plan::layer_norm_grads`) the CPU runs in two
-/// passes: the column sums (`dw`, `db`, reading `dY` and `r`), then the rows (`t = dY * w`
-/// and `dx`, reading `x`, `dY`, `w` and `acc`), with the same bits as the four instructions.
-/// The finder keeps `t`, `dw` and `db` apart from every input and each other; here `dx` must
-/// also be apart from `x`, `dY`, `acc`, `t` and `w`, and apart from `r` or exactly `r` (the
-/// planner often gives it `r`'s place: `r` is read only by the first pass). Its four
-/// instructions must each stand alone in `steps`. `RLX_CPU_LAYER_NORM_GRAD=0` (read at each
-/// compile) runs the four instructions instead.
-fn cpu_groups(program: &Program, steps: &[Step]) -> Vec<LayerNormGrad> {
-    use rlx_runtime::validate::overlaps;
-    if std::env::var("RLX_CPU_LAYER_NORM_GRAD").is_ok_and(|v| v == "0") {
-        return Vec::new();
-    }
-    let alone = |i: usize| steps.contains(&Step::One(i));
-    rlx_runtime::gpu_plan::layer_norm_grads(program)
-        .into_iter()
-        .filter(|g| {
-            let same_r =
-                g.dx.buf == g.r.buf && g.dx.offset == g.r.offset && g.dx.numel() == g.r.numel();
-            let mut apart: Vec<&TRef> = vec![&g.x, &g.dy, &g.t, &g.w];
-            apart.extend(g.acc.as_ref());
-            if !same_r {
-                apart.push(&g.r);
-            }
-            g.instrs.iter().all(|&i| alone(i)) && apart.iter().all(|t| !overlaps(&g.dx, t))
-        })
-        .collect()
-}
-
-/// Runs a layer norm's backward in two passes (see [`cpu_groups`]).
-///
-/// # Safety
-/// `CpuProgram::new` validated the program and took the group through `cpu_groups`.
-unsafe fn run_layer_norm_grad(b: &Bases, g: &LayerNormGrad) {
-    let width = g.w.numel();
-    // SAFETY: `dw` and `db` are disjoint from `dY`, `r` and each other (`layer_norm_grads`).
-    unsafe {
-        kernels::nn::column_sums_of_product(
-            b.get(&g.dy),
-            b.get(&g.r),
-            width,
-            b.get_mut(&g.dw),
-            b.get_mut(&g.db),
-        )
-    };
-    // SAFETY: `t` and `dx` are disjoint from each other and from `x`, `dY`, `w` and `acc`
-    // (`layer_norm_grads`, `cpu_groups`); `dx` may be `r`'s memory, which is not read past here.
-    unsafe {
-        let acc = g.acc.as_ref().map(|a| b.get::<f32>(a));
-        kernels::nn::normalize_grad_of_product(
-            b.get(&g.x),
-            b.get(&g.dy),
-            b.get(&g.w),
-            acc,
-            width,
-            g.eps,
-            b.get_mut(&g.t),
-            b.get_mut(&g.dx),
-        )
-    };
 }
 
 /// Runs a pair of instructions of the schedule together (`kernels::conv_gemm`); a pair whose
@@ -269,9 +195,7 @@ unsafe fn run_pair(b: &Bases, instrs: &[Instr], step: Step, snapshot: &mut Vec<f
                 )
             }
         }
-        Step::One(_) | Step::Both { .. } | Step::LayerNormGrad { .. } => {
-            unreachable!("not a pair run here")
-        }
+        Step::One(_) | Step::Both { .. } => unreachable!("not a pair run here"),
     }
     Ok(())
 }

@@ -35,9 +35,6 @@ pub enum Step {
     /// each on its own share of the threads (`RLX_CPU_MATMUL_PAIRS=0` turns this off, read at
     /// each compile).
     Both { first: usize, second: usize },
-    /// A layer norm's backward (`rlx_runtime::gpu_plan::LayerNormGrad`, entry `group` of the
-    /// program's list): its four instructions in two passes, where the last of them stood.
-    LayerNormGrad { group: usize, instrs: [usize; 4] },
 }
 
 impl Step {
@@ -48,32 +45,8 @@ impl Step {
             Step::Im2ColMatMul { im2col, matmul, .. } => vec![im2col, matmul],
             Step::MatMulCol2Im { matmul, col2im } => vec![matmul, col2im],
             Step::Both { first, second } => vec![first, second],
-            Step::LayerNormGrad { instrs, .. } => instrs.to_vec(),
         }
     }
-}
-
-/// `steps` with each layer-norm backward of `groups` as one step where its last instruction
-/// stood; its other instructions are dropped (the caller takes only groups whose instructions
-/// each stand alone in `steps`).
-pub fn with_layer_norm_grads(steps: Vec<Step>, groups: &[[usize; 4]]) -> Vec<Step> {
-    let mut out = Vec::with_capacity(steps.len());
-    for step in steps {
-        if let Step::One(i) = step {
-            if let Some(g) = groups.iter().position(|g| g[3] == i) {
-                out.push(Step::LayerNormGrad {
-                    group: g,
-                    instrs: groups[g],
-                });
-                continue;
-            }
-            if groups.iter().any(|g| g[..3].contains(&i)) {
-                continue;
-            }
-        }
-        out.push(step);
-    }
-    out
 }
 
 /// The schedule of `instrs` for a pool of `threads`: every instruction exactly once.

@@ -315,7 +315,7 @@ thread_local! {
 }
 
 /// Rows of one block of a fused sum (each block is evaluated, then added into a partial sum).
-pub(super) const SUM_BLOCK: usize = 16 * 1024;
+const SUM_BLOCK: usize = 16 * 1024;
 
 /// `out (od) = sum_to(f(ins..), od)` (see `rlx_ir::Op::FusedSumTo`). When `od` is the trailing
 /// dims of the expression's shape (the leading ones summed away: a bias gradient) and every

@@ -5,10 +5,6 @@ use super::PAR_MIN;
 use rayon::prelude::*;
 use rlx_ir::ReduceOp;
 
-/// Rows of one partial sum of a column reduction (see `reduce_with`); the layer norm's
-/// fused gradient sums (`nn::column_sums_of_product`) block the same way.
-pub(super) const SUM_ROWS: usize = 256;
-
 /// Reduces `x` (shape `xd`) over the sorted `axes`; `out` holds the kept dims in order.
 #[inline(always)]
 pub fn reduce(op: ReduceOp, x: &[f32], xd: &[usize], axes: &[usize], out: &mut [f32]) {
@@ -141,15 +137,16 @@ fn reduce_with<F: Fn(f32, f32) -> f32 + Copy + Sync + Send>(
     } else if is_prefix {
         out.fill(init);
         let inner = out.len();
-        // Rows are added in blocks of SUM_ROWS into a partial sum that is then added to the
-        // total, so rounding error grows with count / SUM_ROWS + SUM_ROWS rather than with count.
+        // Rows are added in blocks of ROWS into a partial sum that is then added to the
+        // total, so rounding error grows with count / ROWS + ROWS rather than with count.
+        const ROWS: usize = 256;
         let accumulate = crate::isa::inlined(
             #[inline(always)]
             |o: &mut [f32], j0: usize| {
                 let mut part = vec![init; o.len()];
-                for block in (0..count).step_by(SUM_ROWS) {
+                for block in (0..count).step_by(ROWS) {
                     part.fill(init);
-                    for i in block..(block + SUM_ROWS).min(count) {
+                    for i in block..(block + ROWS).min(count) {
                         let src = &x[i * inner + j0..i * inner + j0 + o.len()];
                         part.iter_mut()
                             .zip(src)
