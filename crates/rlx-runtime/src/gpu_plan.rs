@@ -824,7 +824,7 @@ impl LayerNormGrad {
 
 /// The layer-norm backwards of `program` that one kernel may stand for (run where
 /// `normalize_grad` stood; on CUDA `rlx_layer_norm_grad`, taken up to the sizes where that was
-/// measured faster, [`LayerNormGrad::one_launch`]; the CPU runs them too). It writes `t` as well (the
+/// measured faster, [`LayerNormGrad::one_launch`]). It writes `t` as well (the
 /// program may read it later: one store, no liveness argument), and `db` and `dw` late, so
 /// it takes a group only where that and its own reads and writes are unobservable: the
 /// product and the sums touch nothing the others read or write but what the pattern says; `t`,
