@@ -195,9 +195,13 @@ fn lt_units(dev: &Device, plan: &Plan) -> Result<Vec<Unit>> {
     if let Some(lt) = (mode != LtMode::Off).then(|| dev.lt()).flatten() {
         dev.bind()?;
         let tf32 = std::env::var("RLX_CUDA_TF32").is_ok_and(|v| v == "1");
+        let tune = crate::tune::enabled();
         for c in epilogue::candidates(plan, mode) {
             match lt.plan(&c.spec, tf32)? {
-                Some(m) => {
+                Some(mut m) => {
+                    if tune {
+                        crate::tune::tune(dev, &c.spec, tf32, &mut m)?;
+                    }
                     for &s in &c.steps {
                         skip[s] = true;
                     }

@@ -16,7 +16,9 @@
 //! cuBLAS use TF32 tensor cores for float32 matmuls (off by default: float32 stays exact);
 //! `RLX_CUDA_LT=epilogue` runs a product with its bias / activation / residual / bias-gradient
 //! neighbours as one cuBLASLt call, `=all` sends every other product through cuBLASLt too
-//! (default `0`: plain cuBLAS, each epilogue a launch of its own).
+//! (the default; `0`: plain cuBLAS, each epilogue a launch of its own); `RLX_CUDA_TUNE=1` times
+//! the heuristic's first few algorithms for each cuBLASLt product once per process and keeps
+//! the fastest (else the heuristic's first runs).
 #![warn(unsafe_op_in_unsafe_fn)]
 
 mod cache;
@@ -30,6 +32,7 @@ pub mod nccl;
 /// The lowering, shared with the Metal backend.
 pub use rlx_runtime::gpu_plan as plan;
 pub mod source;
+mod tune;
 
 use rlx_ir::{Error, Result};
 use rlx_runtime::{Backend, Compiled, CopyEngine, DeviceBuffer, Program};

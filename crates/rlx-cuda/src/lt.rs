@@ -1,6 +1,7 @@
 //! cuBLASLt, the FFI half: a matrix product described once at compile time (operation and
 //! matrix layouts, the epilogue, an algorithm picked by cuBLASLt's heuristic for the operands'
-//! alignments) and run at arena addresses with a bias vector read (or, for a bias gradient,
+//! alignments, or the fastest of its first few where `tune.rs` times them) and run at arena
+//! addresses with a bias vector read (or, for a bias gradient,
 //! written) at its own address. What to fuse is decided in `epilogue.rs`; every `unsafe` call
 //! here is FFI with its `// SAFETY:` note.
 use crate::epilogue::{Epi, LtSpec};
@@ -11,6 +12,9 @@ use std::ffi::c_void;
 /// Bytes of the workspace a product may use (one allocation a device, reused by every product:
 /// they run one after another on one stream).
 pub const WORKSPACE: usize = 32 << 20;
+
+/// How many of the heuristic's algorithms a product keeps to choose from (see `tune.rs`).
+pub const CANDIDATES: usize = 8;
 
 fn check(s: lt::cublasStatus_t, what: &str) -> Result<()> {
     if s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
@@ -45,8 +49,8 @@ impl Handle {
         (ok == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(Handle { h, workspace })
     }
 
-    /// Describes `spec` and asks the heuristic for an algorithm; `Ok(None)` where cuBLASLt has
-    /// none for it (the caller keeps the unfused steps).
+    /// Describes `spec` and asks the heuristic for up to [`CANDIDATES`] algorithms (the first
+    /// in use); `Ok(None)` where cuBLASLt has none for it (the caller keeps the unfused steps).
     pub fn plan(&self, spec: &LtSpec, tf32: bool) -> Result<Option<Matmul>> {
         let g = &spec.g;
         let ab = match g.dtype {
@@ -66,6 +70,7 @@ impl Handle {
             algo: lt::cublasLtMatmulAlgo_t { data: [0; 8] },
             workspace: 0,
             beta: if spec.residual { 1.0 } else { 0.0 },
+            choices: Vec::new(),
         };
         let epi = match spec.epi {
             Epi::None => lt::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT,
@@ -178,7 +183,8 @@ impl Handle {
                         "cublasLtMatmulPreferenceSetAttribute",
                     )?;
                 }
-                let mut result: lt::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+                let mut results: [lt::cublasLtMatmulHeuristicResult_t; CANDIDATES] =
+                    std::mem::zeroed();
                 let mut count = 0i32;
                 let s = lt::cublasLtMatmulAlgoGetHeuristic(
                     self.h,
@@ -188,25 +194,29 @@ impl Handle {
                     m.layouts[2],
                     m.layouts[3],
                     pref,
-                    1,
-                    &mut result,
+                    CANDIDATES as i32,
+                    results.as_mut_ptr(),
                     &mut count,
                 );
-                let usable = s == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && count > 0
-                    && result.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS
-                    && result.workspaceSize <= WORKSPACE;
-                Ok::<_, Error>(usable.then_some(result))
+                if s != lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                    return Ok::<_, Error>(Vec::new());
+                }
+                Ok(results[..(count.clamp(0, CANDIDATES as i32) as usize)]
+                    .iter()
+                    .filter(|r| {
+                        r.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                            && r.workspaceSize <= WORKSPACE
+                    })
+                    .map(|r| (r.algo, r.workspaceSize))
+                    .collect())
             })();
             lt::cublasLtMatmulPreferenceDestroy(pref);
-            match found? {
-                Some(r) => {
-                    m.algo = r.algo;
-                    m.workspace = r.workspaceSize;
-                    Ok(Some(m))
-                }
-                None => Ok(None),
+            m.choices = found?;
+            if m.choices.is_empty() {
+                return Ok(None);
             }
+            m.choose(0);
+            Ok(Some(m))
         }
     }
 
@@ -278,6 +288,21 @@ pub struct Matmul {
     algo: lt::cublasLtMatmulAlgo_t,
     workspace: usize,
     beta: f32,
+    /// The heuristic's usable algorithms (and their workspace bytes), best guess first;
+    /// `tune.rs` may pick another by timing them.
+    choices: Vec<(lt::cublasLtMatmulAlgo_t, usize)>,
+}
+
+impl Matmul {
+    /// How many algorithms the heuristic offered for this product.
+    pub fn candidates(&self) -> usize {
+        self.choices.len()
+    }
+
+    /// Runs later products with the heuristic's `i`-th algorithm.
+    pub fn choose(&mut self, i: usize) {
+        (self.algo, self.workspace) = self.choices[i];
+    }
 }
 
 // SAFETY: descriptors are host objects; a program's products are queued under its device's
