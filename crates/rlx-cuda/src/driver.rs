@@ -344,6 +344,15 @@ impl Device {
         }
         // Not while a run is being captured on this stream.
         let _run = self.run_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.write_holding_run_lock(dst, data)
+    }
+
+    /// [`Device::write`] for a caller that holds `run_lock` (a run, before it queues or
+    /// captures anything).
+    pub fn write_holding_run_lock(&self, dst: u64, data: &[u8]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
         self.bind()?;
         // SAFETY: the caller checked `dst..dst+len` lies inside one allocation; `data` lives
         // until the stream is synchronised below.
@@ -541,6 +550,72 @@ impl Device {
                     g.batch as i32,
                 ),
                 "cublasSgemmStridedBatched",
+            )
+        }
+    }
+}
+
+impl Device {
+    /// Queues a column-major pointer-array batched GEMM (`plan::Step::GemmGrid`): `g` without
+    /// its strides, the `g.batch` addresses of each operand's matrices in device memory at
+    /// `a`, `b` and `c`; float32 or bfloat16/float16 operands summing in float32 into
+    /// float32 `C`.
+    pub fn gemm_grid(&self, g: &crate::plan::Gemm, [a, b, c]: [u64; 3]) -> Result<()> {
+        let op = |t: bool| {
+            if t {
+                blas::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                blas::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
+        let ab = match g.dtype {
+            DType::F32 => blas::cudaDataType::CUDA_R_32F,
+            DType::BF16 => blas::cudaDataType::CUDA_R_16BF,
+            DType::F16 => blas::cudaDataType::CUDA_R_16F,
+            d => {
+                return Err(Error::unsupported(
+                    "matmul",
+                    format!("the cuda backend has no {d} matrix product"),
+                ))
+            }
+        };
+        // float32 stays float32 unless TF32 was asked for, as the handle's math mode says.
+        let compute =
+            if g.dtype == DType::F32 && std::env::var("RLX_CUDA_TF32").is_ok_and(|v| v == "1") {
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+            } else {
+                blas::cublasComputeType_t::CUBLAS_COMPUTE_32F
+            };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let h = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: `a`, `b` and `c` hold `g.batch` device addresses each (written by the
+        // program before its run, from the plan's grids of matrices inside their tensors);
+        // the handle is used under its lock; alpha/beta are float32 as the compute type asks.
+        unsafe {
+            check_blas(
+                blas::cublasGemmBatchedEx(
+                    *h,
+                    op(g.ta),
+                    op(g.tb),
+                    g.m as i32,
+                    g.n as i32,
+                    g.k as i32,
+                    &alpha as *const f32 as *const c_void,
+                    a as *const *const c_void,
+                    ab,
+                    g.lda as i32,
+                    b as *const *const c_void,
+                    ab,
+                    g.ldb as i32,
+                    &beta as *const f32 as *const c_void,
+                    c as *const *mut c_void,
+                    blas::cudaDataType::CUDA_R_32F,
+                    g.ldc as i32,
+                    g.batch as i32,
+                    compute,
+                    blas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                ),
+                "cublasGemmBatchedEx",
             )
         }
     }

@@ -28,6 +28,8 @@ pub struct CudaProgram {
     hyper: Pinned,
     /// The error word, copied back by every run of a program with kernels that can fail.
     err: Option<Pinned>,
+    /// The pointer arrays of the plan's `GemmGrid` steps (see [`Grids`]).
+    grids: Grids,
     /// The captured run and what it was captured with (base addresses, host copies).
     graph: Option<(GraphKey, GraphExec)>,
     /// The host copies of the current run, through pinned memory (see [`Compiled::run_io`]).
@@ -50,6 +52,82 @@ pub struct CudaProgram {
 enum Unit {
     Step(usize),
     Lt(Box<(LtStep, Matmul)>),
+}
+
+/// The device addresses `Step::GemmGrid` products read their matrices from: three arrays of
+/// `batch` addresses a step (A, B, C) in one allocation, written before a run whenever the
+/// buffers' base addresses differ from the last run's (a captured graph replays only with the
+/// bases it was captured with).
+struct Grids {
+    /// Per plan step, the byte offset of its arrays (steps that are not grids: none).
+    at: Vec<Option<usize>>,
+    tables: Option<CudaBuffer>,
+    written_for: Option<[u64; 6]>,
+}
+
+impl Grids {
+    fn new(dev: &Arc<Device>, plan: &Plan) -> Result<Grids> {
+        let mut end = 0;
+        let at: Vec<Option<usize>> = plan
+            .steps
+            .iter()
+            .map(|s| match s {
+                Step::GemmGrid { g, .. } => {
+                    let here = end;
+                    end += 3 * g.batch * 8;
+                    Some(here)
+                }
+                _ => None,
+            })
+            .collect();
+        let tables = match end {
+            0 => None,
+            n => Some(CudaBuffer::zeroed(dev.clone(), n)?),
+        };
+        Ok(Grids {
+            at,
+            tables,
+            written_for: None,
+        })
+    }
+
+    /// Writes the arrays for the buffers at `bases` unless they hold those already (the caller
+    /// holds the device's run lock; nothing is queued or being captured).
+    fn write(&mut self, dev: &Device, plan: &Plan, bases: &[u64; 6]) -> Result<()> {
+        let Some(tables) = &self.tables else {
+            return Ok(());
+        };
+        if self.written_for == Some(*bases) {
+            return Ok(());
+        }
+        let mut bytes = Vec::new();
+        for s in &plan.steps {
+            if let Step::GemmGrid { a, b, c, .. } = s {
+                for grid in [a, b, c] {
+                    let base = bases[grid.at.buf];
+                    for off in grid.offsets() {
+                        bytes.extend_from_slice(&(base + off as u64).to_le_bytes());
+                    }
+                }
+            }
+        }
+        dev.write_holding_run_lock(tables.device_ptr(), &bytes)?;
+        self.written_for = Some(*bases);
+        Ok(())
+    }
+
+    /// The device addresses of step `i`'s three arrays.
+    fn arrays(&self, i: usize, batch: usize) -> Result<[u64; 3]> {
+        match (&self.tables, self.at.get(i).copied().flatten()) {
+            (Some(t), Some(at)) => {
+                let base = t.device_ptr() + at as u64;
+                Ok([0, 1, 2].map(|k| base + (k * batch * 8) as u64))
+            }
+            _ => Err(Error::Internal(
+                "a pointer-array product without its arrays".into(),
+            )),
+        }
+    }
 }
 
 /// One host copy of a run: `len` bytes between byte `pos` of the pinned memory and the device
@@ -149,6 +227,7 @@ fn profile_key(plan: &Plan, unit: &Unit) -> String {
         },
         Step::Fill { bytes, .. } => format!("fill {bytes} B"),
         Step::Gemm { g, .. } => gemm_key(g),
+        Step::GemmGrid { g, .. } => format!("{} (pointer arrays)", gemm_key(g)),
         Step::HyperRow { .. } => "hyper-parameter row".into(),
         Step::HostUpdate(_) => "host update".into(),
     }
@@ -156,7 +235,8 @@ fn profile_key(plan: &Plan, unit: &Unit) -> String {
 
 /// The plan target: `RLX_CUDA_ATTENTION=gemm` runs every attention as batched GEMMs,
 /// `=gemm-grad` only gradients, `=fused` none (the register-tiled and warp kernels); unset or
-/// `auto` decides by size (see `Target::gemm_attention`).
+/// `auto` decides by size (see `Target::gemm_attention`). `RLX_CUDA_GRIDS=1` makes those GEMMs
+/// read packed heads in place through pointer arrays, `=0` copy them head-major first.
 fn target() -> Result<plan::Target> {
     let cuda = plan::Target::CUDA;
     let (gemm_attention, gemm_attention_forward) = match std::env::var("RLX_CUDA_ATTENTION")
@@ -177,6 +257,11 @@ fn target() -> Result<plan::Target> {
     Ok(plan::Target {
         gemm_attention,
         gemm_attention_forward,
+        gemm_grids: match std::env::var("RLX_CUDA_GRIDS").as_deref().map(str::trim) {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => cuda.gemm_grids,
+        },
         ..cuda
     })
 }
@@ -268,6 +353,7 @@ impl CudaProgram {
             scratch.write(*off, bytes)?;
         }
         let product = CudaBuffer::zeroed(dev.clone(), plan.product_bytes)?;
+        let grids = Grids::new(&dev, &plan)?;
         let hyper = Pinned::new(dev.clone(), rlx_runtime::hyper_col::LEN * 4)?;
         let err_at = plan::Loc {
             buf: plan::SCRATCH,
@@ -292,6 +378,7 @@ impl CudaProgram {
             product,
             hyper,
             err,
+            grids,
             graph: None,
             io: Io::default(),
             use_graphs: graphs_enabled() && !profiling,
@@ -320,7 +407,7 @@ impl CudaProgram {
         }
         for unit in &self.units {
             match unit {
-                Unit::Step(i) => self.enqueue_step(&self.plan.steps[*i], self.funcs[*i], bases)?,
+                Unit::Step(i) => self.enqueue_step(*i, bases)?,
                 Unit::Lt(l) => self.enqueue_lt(&l.0, &l.1, bases)?,
             }
             if self.profile.is_some() {
@@ -339,7 +426,8 @@ impl CudaProgram {
         Ok(())
     }
 
-    fn enqueue_step(&self, step: &Step, func: Option<Func>, bases: &[u64; 6]) -> Result<()> {
+    fn enqueue_step(&self, i: usize, bases: &[u64; 6]) -> Result<()> {
+        let (step, func) = (&self.plan.steps[i], self.funcs[i]);
         let addr = |l: &plan::Loc| bases[l.buf] + l.offset as u64;
         match step {
             Step::Launch {
@@ -358,6 +446,7 @@ impl CudaProgram {
             }
             Step::Fill { at, bytes } => self.dev.memset_async(addr(at), *bytes),
             Step::Gemm { g, a, b, c } => self.dev.gemm(g, addr(a), addr(b), addr(c)),
+            Step::GemmGrid { g, .. } => self.dev.gemm_grid(g, self.grids.arrays(i, g.batch)?),
             Step::HyperRow { at } => self.hyper.copy_to(addr(at)),
             Step::HostUpdate(_) => Err(Error::Internal("a host-side update in a cuda plan".into())),
         }
@@ -416,6 +505,7 @@ impl CudaProgram {
             None => {}
         }
         self.runs += 1;
+        self.grids.write(&self.dev, &self.plan, bases)?;
         let key: GraphKey = (*bases, self.io.writes.clone(), self.io.reads.clone());
         if self.graph.as_ref().is_some_and(|(k, _)| *k != key) {
             self.graph = None;

@@ -36,6 +36,7 @@ pub fn target(update: UpdateMode) -> Target {
         layer_norm_grad: false,
         cross_entropy_grad: false,
         layer_norm: false,
+        gemm_grids: false,
     }
 }
 
@@ -141,6 +142,12 @@ impl MetalProgram {
                         kernels::threads(name, p)?;
                     }
                     may_fail |= operands.iter().any(|(_, l)| *l == err_at);
+                }
+                // The Metal target never asks for them (`gemm_grids: false`).
+                Step::GemmGrid { .. } => {
+                    return Err(Error::Internal(
+                        "[metal] the plan has a pointer-array product, which Metal lacks".into(),
+                    ));
                 }
                 Step::HyperRow { .. } | Step::HostUpdate(_)
                     if (options.update == UpdateMode::Host) != matches!(s, Step::HostUpdate(_)) =>
@@ -610,6 +617,10 @@ impl Compiled for MetalProgram {
                 }
                 // written above, before the submission
                 Step::HyperRow { .. } => {}
+                // refused when the program was made
+                Step::GemmGrid { .. } => {
+                    return Err(Error::Internal("a pointer-array product on Metal".into()))
+                }
             }
         }
         flush(&mut pending)?;

@@ -169,6 +169,26 @@ fn scratch(offset: usize) -> Loc {
     }
 }
 
+/// A `[units, heads]` grid of equally shaped matrices: matrix `u * heads + h` starts at byte
+/// `at.offset + u * su + h * sh` of buffer `at.buf`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grid {
+    pub at: Loc,
+    pub units: usize,
+    pub heads: usize,
+    pub su: usize,
+    pub sh: usize,
+}
+
+impl Grid {
+    /// The byte offset of every matrix, in batch order.
+    pub fn offsets(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.units).flat_map(move |u| {
+            (0..self.heads).map(move |h| self.at.offset + u * self.su + h * self.sh)
+        })
+    }
+}
+
 /// Which module a kernel is in.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Kernel {
@@ -217,6 +237,16 @@ pub enum Step {
         a: Loc,
         b: Loc,
         c: Loc,
+    },
+    /// A batched GEMM whose matrices are not one stride apart (attention's heads read in place
+    /// from a packed `[blocks, rows, 3 * heads * E]` tensor): `g` without its strides, each
+    /// operand a [`Grid`] of `g.batch` matrices; the backend gives the GEMM the matrices'
+    /// addresses as pointer arrays (only with [`Target::gemm_grids`]).
+    GemmGrid {
+        g: Gemm,
+        a: Grid,
+        b: Grid,
+        c: Grid,
     },
     /// Writes the run's hyper-parameters (`OptimHyper`) as one table row at `at`.
     HyperRow {
@@ -437,6 +467,9 @@ pub struct Target {
     /// The backend has `rlx_normalize_affine`: `normalize` and the `xhat * w + b` after it as
     /// one launch writing both ([`layer_norms`]).
     pub layer_norm: bool,
+    /// The backend runs [`Step::GemmGrid`] (pointer-array batched GEMMs), so the GEMM
+    /// attention reads and writes packed heads in place instead of copying them head-major.
+    pub gemm_grids: bool,
 }
 
 impl Target {
@@ -453,6 +486,8 @@ impl Target {
         layer_norm_grad: true,
         cross_entropy_grad: true,
         layer_norm: true,
+        // Not yet measured on a GPU (`RLX_CUDA_GRIDS=1` turns it on).
+        gemm_grids: false,
     };
 }
 
@@ -1052,6 +1087,16 @@ struct AttentionGemm {
     scale: f32,
     causal: Option<i64>,
     operands: DType,
+}
+
+/// The `[units, heads]` matrices of one attention tensor: element strides between units,
+/// heads and rows (columns contiguous), the first matrix at `at`.
+#[derive(Clone, Copy)]
+struct Heads {
+    at: Loc,
+    su: i64,
+    sh: i64,
+    sr: i64,
 }
 
 struct Builder {
@@ -1978,7 +2023,9 @@ impl Builder {
             // The scores are materialised (twice for the gradient): past a bound, the fused
             // kernels' memory-light path instead.
             let scores = units * h * l * s * 4;
-            if units * h * l * s * e.max(ev) >= min
+            // (Degenerate shapes, a product summing nothing, take the kernels.)
+            if units * h * l * s * e.min(ev) > 0
+                && units * h * l * s * e.max(ev) >= min
                 && scores <= GEMM_ATTENTION_MAX_SCORES
                 && (grad || forward_too)
             {
@@ -2065,17 +2112,21 @@ impl Builder {
         Ok(())
     }
 
-    /// Attention as batched GEMMs (see [`Target::gemm_attention`]): `q`, `k`, `v` (and for
-    /// the gradient `g`, the output's gradient) are copied head-major into the product buffer
-    /// unless they already are, the scores `q k^T` are one batched product, a row kernel turns
-    /// them into probabilities in place (scale, causal mask, softmax), and `p v` is the output.
-    /// The gradient recomputes the probabilities, then `dv = p^T g`, `dp = g v^T`,
-    /// `ds = scale p (dp - rowsum(p dp))` in place, `dq = ds k`, `dk = ds^T q`, each product
-    /// written straight into the output where its layout allows, else copied there.
+    /// Attention as batched GEMMs (see [`Target::gemm_attention`]): the scores `q k^T` are one
+    /// batched product, a row kernel turns them into probabilities in place (scale, causal
+    /// mask, softmax), and `p v` is the output. The gradient recomputes the probabilities,
+    /// then `dv = p^T g`, `dp = g v^T`, `ds = scale p (dp - rowsum(p dp))` in place,
+    /// `dq = ds k`, `dk = ds^T q`.
     ///
-    /// With low-precision operands (`a.operands`, from `Op::Attention`'s `lowp`) the head-major
-    /// copies are casts, the row kernels also write the probabilities and score gradients in
-    /// that dtype, and every product reads those copies and sums in float32.
+    /// Each head's matrices are read and written where they are: one strided batched product
+    /// where a tensor's heads are one stride apart (head-major), a pointer-array product
+    /// ([`Step::GemmGrid`], with [`Target::gemm_grids`]) where they are not
+    /// (packed heads). Without those, `q`, `k`, `v` and `g` are copied head-major into the
+    /// product buffer and the products written there and copied out.
+    ///
+    /// With low-precision operands (`a.operands`, from `Op::Attention`'s `lowp`) the
+    /// head-major copies are casts, the row kernels also write the probabilities and score
+    /// gradients in that dtype, and every product reads those copies and sums in float32.
     fn attention_gemm(
         &mut self,
         a: &AttentionGemm,
@@ -2087,6 +2138,9 @@ impl Builder {
         let bh = units * h;
         let (f, lo) = (DType::F32, a.operands);
         let low = lo != f;
+        // (An output never shares bytes with an input: `validate` refuses such programs, so
+        // the products may read the inputs in place while writing the output.)
+        let grids = self.target.gemm_grids;
         // Workspace in the product buffer, 256-byte aligned pieces.
         let ws = std::cell::Cell::new(0usize);
         let alloc = |elems: usize, dtype: DType| {
@@ -2097,42 +2151,52 @@ impl Builder {
             ws.set(ws.get() + (elems * dtype.size()).div_ceil(256) * 256);
             at
         };
-        // Tensor `x` of the description (0 q, 1 k, 2 v, 3 o/g, 4 dq, 5 dk, 6 dv) at `base`:
-        // its [blocks, heads, rows, cols] view.
-        let view = |x: usize, base: Loc, rows: usize, cols: usize| {
+        // Tensor `x` of the description (0 q, 1 k, 2 v, 3 o/g, 4 dq, 5 dk, 6 dv) at `base`.
+        let view = |x: usize, base: Loc| {
             let [su, sh, sr, b] = a.st[x];
             let mut at = base;
             at.offset += b as usize * 4;
-            (at, [units, h, rows, cols], [su, sh, sr, 1i64])
+            Heads { at, su, sh, sr }
         };
-        let head_major = |dims: [usize; 4], st: [i64; 4]| {
-            let want = contiguous(&dims);
-            (0..4).all(|d| dims[d] == 1 || st[d] == want[d])
+        let packed = |rows: usize, cols: usize, at: Loc| Heads {
+            at,
+            su: (h * rows * cols) as i64,
+            sh: (rows * cols) as i64,
+            sr: cols as i64,
+        };
+        let uniform = |t: &Heads, rows: usize, cols: usize| {
+            let want = packed(rows, cols, t.at);
+            (units == 1 || t.su == want.su)
+                && (h == 1 || t.sh == want.sh)
+                && (rows == 1 || t.sr == want.sr)
         };
         let mut places = Vec::new();
         let srcs = [(0, q, l, e), (1, k, s, e), (2, v, s, ev)];
         for (x, base, rows, cols) in srcs.into_iter().chain(g.map(|g| (3, g, l, ev))) {
-            let (at, dims, st) = view(x, base, rows, cols);
-            if !low && head_major(dims, st) {
-                places.push(at);
+            let t = view(x, base);
+            if !low && (grids || uniform(&t, rows, cols)) {
+                places.push(t);
             } else {
                 let to = alloc(bh * rows * cols, lo);
-                self.rows_copy(&dims, (at, st), (to, contiguous(&dims)), lo);
-                places.push(to);
+                let dims = [units, h, rows, cols];
+                self.rows_copy(
+                    &dims,
+                    (t.at, [t.su, t.sh, t.sr, 1]),
+                    (to, contiguous(&dims)),
+                    lo,
+                );
+                places.push(packed(rows, cols, to));
             }
         }
         let (qh, kh, vh) = (places[0], places[1], places[2]);
         let probs = alloc(bh * l * s, f);
         // The probabilities as the products read them.
         let probs_lo = if low { alloc(bh * l * s, lo) } else { probs };
-        self.matmul_at(
-            lo,
-            (qh, &[bh, l, e]),
-            (kh, &[bh, s, e]),
-            (probs, &[bh, l, s]),
-            false,
-            true,
-        )?;
+        let (pr, pr_lo) = (packed(l, s, probs), packed(l, s, probs_lo));
+        let mm = |b: &mut Self, x: (Heads, usize, usize), y: (Heads, usize, usize), c, ta, tb| {
+            b.matmul_heads(lo, (units, h), x, y, c, ta, tb)
+        };
+        mm(self, (qh, l, e), (kh, s, e), pr, false, true)?;
         let mut p = P::sized(bh * l);
         p.iv[0] = l as i64;
         p.iv[1] = s as i64;
@@ -2152,53 +2216,45 @@ impl Builder {
         ps.iv[5] = (low && g.is_none()) as i64;
         self.launch(Kernel::Library("rlx_att_softmax"), rows, THREADS, ps, ops);
         // A product into output tensor `x` (`rows` x `cols` per head): straight there when it
-        // is head-major, else through the product buffer.
+        // can be, else through the product buffer.
         let into = |b: &mut Self,
                     x: usize,
                     rows: usize,
                     cols: usize,
-                    product: &dyn Fn(&mut Self, Loc) -> Result<()>|
+                    product: &dyn Fn(&mut Self, Heads) -> Result<()>|
          -> Result<()> {
-            let (at, dims, st) = view(x, out, rows, cols);
-            if head_major(dims, st) {
-                return product(b, at);
+            let t = view(x, out);
+            if grids || uniform(&t, rows, cols) {
+                return product(b, t);
             }
             let tmp = alloc(bh * rows * cols, f);
-            product(b, tmp)?;
-            b.rows_copy(&dims, (tmp, contiguous(&dims)), (at, st), f);
+            product(b, packed(rows, cols, tmp))?;
+            let dims = [units, h, rows, cols];
+            b.rows_copy(
+                &dims,
+                (tmp, contiguous(&dims)),
+                (t.at, [t.su, t.sh, t.sr, 1]),
+                f,
+            );
             Ok(())
         };
         let Some(gh) = g.map(|_| places[3]) else {
             into(self, 3, l, ev, &|b, o| {
-                b.matmul_at(
-                    lo,
-                    (probs_lo, &[bh, l, s]),
-                    (vh, &[bh, s, ev]),
-                    (o, &[bh, l, ev]),
-                    false,
-                    false,
-                )
+                mm(b, (pr_lo, l, s), (vh, s, ev), o, false, false)
             })?;
             self.plan.product_bytes = self.plan.product_bytes.max(ws.get());
             return Ok(());
         };
         into(self, 6, s, ev, &|b, dv| {
-            b.matmul_at(
-                lo,
-                (probs_lo, &[bh, l, s]),
-                (gh, &[bh, l, ev]),
-                (dv, &[bh, s, ev]),
-                true,
-                false,
-            )
+            mm(b, (pr_lo, l, s), (gh, l, ev), dv, true, false)
         })?;
         let ds = alloc(bh * l * s, f);
         let ds_lo = if low { alloc(bh * l * s, lo) } else { ds };
-        self.matmul_at(
-            lo,
-            (gh, &[bh, l, ev]),
-            (vh, &[bh, s, ev]),
-            (ds, &[bh, l, s]),
+        mm(
+            self,
+            (gh, l, ev),
+            (vh, s, ev),
+            packed(l, s, ds),
             false,
             true,
         )?;
@@ -2210,27 +2266,94 @@ impl Builder {
         let mut pd = p;
         pd.iv[5] = low as i64;
         self.launch(Kernel::Library("rlx_att_dscore"), rows, THREADS, pd, ops);
+        let dsh = packed(l, s, ds_lo);
         into(self, 4, l, e, &|b, dq| {
-            b.matmul_at(
-                lo,
-                (ds_lo, &[bh, l, s]),
-                (kh, &[bh, s, e]),
-                (dq, &[bh, l, e]),
-                false,
-                false,
-            )
+            mm(b, (dsh, l, s), (kh, s, e), dq, false, false)
         })?;
         into(self, 5, s, e, &|b, dk| {
-            b.matmul_at(
-                lo,
-                (ds_lo, &[bh, l, s]),
-                (qh, &[bh, l, e]),
-                (dk, &[bh, s, e]),
-                true,
-                false,
-            )
+            mm(b, (dsh, l, s), (qh, l, e), dk, true, false)
         })?;
         self.plan.product_bytes = self.plan.product_bytes.max(ws.get());
+        Ok(())
+    }
+
+    /// `c = op(x) op(y)` for each of the `units x heads` matrices of three [`Heads`] (`x` is
+    /// `rx x cx` row-major, `y` `ry x cy`; `x` and `y` in `dtype`, `c` float32): one strided
+    /// batched GEMM where each operand's matrices are one stride apart, else one
+    /// [`Step::GemmGrid`].
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_heads(
+        &mut self,
+        dtype: DType,
+        (units, heads): (usize, usize),
+        (x, rx, cx): (Heads, usize, usize),
+        (y, ry, cy): (Heads, usize, usize),
+        c: Heads,
+        tx: bool,
+        ty: bool,
+    ) -> Result<()> {
+        let (m, k) = if tx { (cx, rx) } else { (rx, cx) };
+        let n = if ty { ry } else { cy };
+        if units * heads * m * n == 0 {
+            return Ok(());
+        }
+        if k == 0 {
+            return Err(Error::Internal(
+                "an attention product with nothing to sum".into(),
+            ));
+        }
+        // One stride for the whole batch, where there is one.
+        let stride = |t: &Heads| -> Option<usize> {
+            let s = if heads == 1 {
+                t.su
+            } else if units == 1 || t.su == heads as i64 * t.sh {
+                t.sh
+            } else {
+                return None;
+            };
+            usize::try_from(s).ok()
+        };
+        let batch = units * heads;
+        // Row-major C = X Y is column-major C^T = Y^T X^T: cuBLAS's A is our Y.
+        let mut g = Gemm {
+            dtype,
+            ta: ty,
+            tb: tx,
+            m: n,
+            n: m,
+            k,
+            lda: y.sr as usize,
+            ldb: x.sr as usize,
+            ldc: c.sr as usize,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+            batch,
+        };
+        if let (Some(sa), Some(sb), Some(sc)) = (stride(&y), stride(&x), stride(&c)) {
+            (g.stride_a, g.stride_b, g.stride_c) = (sa, sb, sc);
+            self.plan.steps.push(Step::Gemm {
+                g,
+                a: y.at,
+                b: x.at,
+                c: c.at,
+            });
+            return Ok(());
+        }
+        let grid = |t: &Heads, size: usize| Grid {
+            at: t.at,
+            units,
+            heads,
+            su: t.su as usize * size,
+            sh: t.sh as usize * size,
+        };
+        let es = dtype.size();
+        self.plan.steps.push(Step::GemmGrid {
+            g,
+            a: grid(&y, es),
+            b: grid(&x, es),
+            c: grid(&c, 4),
+        });
         Ok(())
     }
 
@@ -2992,6 +3115,7 @@ mod tests {
             layer_norm_grad: false,
             cross_entropy_grad: false,
             layer_norm: false,
+            gemm_grids: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -3294,6 +3418,7 @@ mod tests {
             layer_norm_grad: false,
             cross_entropy_grad: false,
             layer_norm: false,
+            gemm_grids: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
@@ -3359,6 +3484,7 @@ mod tests {
     fn gemm_attention_reads_and_writes_in_place_where_head_major() {
         let gemm = Target {
             gemm_attention: Some(0),
+            gemm_grids: true,
             ..Target::CUDA
         };
         let name = |s: &Step| match s {
@@ -3423,7 +3549,12 @@ mod tests {
                 out: t(2048, &[b, tt, hh * e]),
             }],
         };
-        let pl = plan(&prog, &[4096], gemm).unwrap();
+        // Without pointer-array products (the Metal target's choice).
+        let copying = Target {
+            gemm_grids: false,
+            ..gemm
+        };
+        let pl = plan(&prog, &[4096], copying).unwrap();
         let names: Vec<String> = pl.steps.iter().map(name).collect();
         assert_eq!(names[..3], ["rlx_att_copy", "rlx_att_copy", "rlx_att_copy"]);
         assert_eq!(names[4], "rlx_att_softmax");
@@ -3434,6 +3565,69 @@ mod tests {
         };
         assert_eq!((p.n, p.iv[0], p.iv[1], p.iv[2], p.iv[3]), (30, 5, 5, 1, 0));
         assert!(pl.product_bytes >= 4 * 6 * 5 * 4 * 4 + 6 * 5 * 5 * 4);
+        // With them, each head is read and written where it is: no copies.
+        let pl = plan(&prog, &[4096], gemm).unwrap();
+        let grid = |buf: usize, offset: usize, su: usize, sh: usize| Grid {
+            at: Loc { buf, offset },
+            units: b,
+            heads: hh,
+            su,
+            sh,
+        };
+        // q, k and v rows are 3 * hh * e = 36 floats apart, a block 5 rows, heads 4 floats.
+        let (su, sh) = (tt * 36 * 4, e * 4);
+        let mut scores = Gemm {
+            dtype: DType::F32,
+            ta: true,
+            tb: false,
+            m: tt,
+            n: tt,
+            k: e,
+            lda: 36,
+            ldb: 36,
+            ldc: tt,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+            batch: b * hh,
+        };
+        let Step::GemmGrid { g, a: ka, b: qb, c } = pl.steps[0] else {
+            panic!("{:?}", pl.steps[0])
+        };
+        assert_eq!(g, scores);
+        assert_eq!(ka, grid(0, hh * e * 4, su, sh));
+        assert_eq!(qb, grid(0, 0, su, sh));
+        assert_eq!(c, grid(PRODUCT, 0, hh * tt * tt * 4, tt * tt * 4));
+        assert!(matches!(
+            pl.steps[1],
+            Step::Launch {
+                kernel: Kernel::Library("rlx_att_softmax"),
+                ..
+            }
+        ));
+        // The output o = p v, written into the [b, tt, hh * e] output: rows 12 floats apart.
+        let Step::GemmGrid { g, a: va, b: pb, c } = pl.steps[2] else {
+            panic!("{:?}", pl.steps[2])
+        };
+        (scores.ta, scores.m, scores.k, scores.ldb, scores.ldc) = (false, e, tt, tt, hh * e);
+        assert_eq!(g, scores);
+        assert_eq!(va, grid(0, 2 * hh * e * 4, su, sh));
+        assert_eq!(pb, c_probs(pl.steps[0].clone()));
+        assert_eq!(c, grid(0, 2048, tt * hh * e * 4, e * 4));
+        assert_eq!(pl.steps.len(), 3);
+        // Offsets in batch order: unit-major, then head.
+        assert_eq!(
+            va.offsets().collect::<Vec<_>>(),
+            [96, 112, 128, 816, 832, 848]
+        );
+    }
+
+    /// The probabilities' grid (the output of the scores product).
+    fn c_probs(s: Step) -> Grid {
+        match s {
+            Step::GemmGrid { c, .. } => c,
+            other => panic!("{other:?}"),
+        }
     }
 
     /// Attention marked for low-precision products (mixed precision) on the GEMM path: every
@@ -3736,6 +3930,7 @@ mod tests {
                     layer_norm_grad: false,
                     cross_entropy_grad: false,
                     layer_norm: false,
+                    gemm_grids: false,
                     ..Target::CUDA
                 },
             ),
@@ -3842,6 +4037,7 @@ mod tests {
                 Target {
                     cross_entropy_grad: false,
                     layer_norm: false,
+                    gemm_grids: false,
                     ..Target::CUDA
                 },
             ),
