@@ -102,8 +102,9 @@ impl Grids {
         }
         let mut bytes = Vec::new();
         for s in &plan.steps {
-            if let Step::GemmGrid { a, b, c, .. } = s {
+            if let Step::GemmGrid { g, a, b, c } = s {
                 for grid in [a, b, c] {
+                    debug_assert_eq!(grid.units * grid.heads, g.batch);
                     let base = bases[grid.at.buf];
                     for off in grid.offsets() {
                         bytes.extend_from_slice(&(base + off as u64).to_le_bytes());

@@ -45,7 +45,9 @@ fn extents(spec: &LtSpec) -> [usize; 3] {
     [
         span(ar, ac, g.lda, g.stride_a) * ab,
         span(br, bc, g.ldb, g.stride_b) * ab,
-        span(g.m, g.n, g.ldc, g.stride_c) * 4 + bias_bytes(spec),
+        // The bias vector after `C`/`D`, 256-byte aligned as real runs' vectors are at least
+        // 16-byte aligned.
+        (span(g.m, g.n, g.ldc, g.stride_c) * 4).div_ceil(256) * 256 + bias_bytes(spec),
     ]
 }
 
@@ -70,7 +72,18 @@ pub fn tune(dev: &Device, spec: &LtSpec, tf32: bool, m: &mut Matmul) -> Result<(
         return Ok(());
     }
     let bytes = extents(spec);
-    let bufs = Scratch::new(dev, bytes)?;
+    let debug = std::env::var("RLX_CUDA_DEBUG").is_ok_and(|v| v == "1");
+    // Timing is optional: without room for the operands the heuristic's choice stays.
+    let bufs = match Scratch::new(dev, bytes) {
+        Ok(b) => b,
+        Err(e) => {
+            if debug {
+                eprintln!("rlx cuda: not timing {:?}: {e}", spec.g);
+            }
+            m.choose(0);
+            return Ok(());
+        }
+    };
     let [a, b, cd] = bufs.at;
     // The bias vector sits past `C`/`D` in the same allocation.
     let bias = match bias_bytes(spec) {
@@ -83,21 +96,29 @@ pub fn tune(dev: &Device, spec: &LtSpec, tf32: bool, m: &mut Matmul) -> Result<(
         dev.bind()?;
         for i in 0..m.candidates() {
             m.choose(i);
-            // A candidate cuBLASLt refuses to run (a status, not a device fault) is not taken.
-            let timed = (|| {
+            // A candidate cuBLASLt refuses to queue (a status it returns) is not taken; a
+            // fault of the device (reported by the events) ends the compile.
+            let queued = (|| {
                 dev.lt_matmul(m, [a, b, cd, cd], bias)?;
                 let start = dev.timing()?;
                 for _ in 0..REPS {
                     dev.lt_matmul(m, [a, b, cd, cd], bias)?;
                 }
-                let end = dev.timing()?;
-                end.wait()?;
-                end.ms_since(&start)
+                Ok::<_, rlx_ir::Error>((start, dev.timing()?))
             })();
-            match timed {
-                Ok(ms) => times.push(ms),
-                Err(_) if i > 0 => times.push(f32::INFINITY),
-                Err(e) => return Err(e),
+            match queued {
+                Ok((start, end)) => {
+                    end.wait()?;
+                    times.push(end.ms_since(&start)?);
+                }
+                Err(e) => {
+                    // Whatever was queued before the refusal completes before the next.
+                    dev.sync()?;
+                    if debug {
+                        eprintln!("rlx cuda: candidate {i} for {:?} refused: {e}", spec.g);
+                    }
+                    times.push(f32::INFINITY);
+                }
             }
         }
     }
@@ -107,7 +128,7 @@ pub fn tune(dev: &Device, spec: &LtSpec, tf32: bool, m: &mut Matmul) -> Result<(
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .insert(key, best);
-    if std::env::var("RLX_CUDA_DEBUG").is_ok_and(|v| v == "1") {
+    if debug {
         eprintln!(
             "rlx cuda: tuned {:?} {:?}: candidate {best} of {:?} ms",
             spec.g, spec.epi, times
@@ -130,7 +151,7 @@ fn pick(times: &[f32]) -> usize {
                 }
             },
         );
-    if times[0] <= t * (1.0 + MARGIN) {
+    if times[0] <= t * (1.0 + MARGIN) || !t.is_finite() {
         0
     } else {
         best
@@ -195,12 +216,14 @@ mod tests {
         // A is stored k x m = 3 x 8 with ld 4: the last column starts at 4 * 7.
         assert_eq!(
             extents(&spec(Epi::None, 1)),
-            [(4 * 7 + 3) * 2, (3 * 4 + 3) * 2, 40 * 4]
+            [(4 * 7 + 3) * 2, (3 * 4 + 3) * 2, 256]
         );
         let [a, b, cd] = extents(&spec(Epi::Bias, 3));
         assert_eq!(a, (2 * 40 + 4 * 7 + 3) * 2);
         assert_eq!(b, (2 * 15 + 3 * 4 + 3) * 2);
-        assert_eq!(cd, (2 * 40 + 8 * 4 + 8) * 4 + 8 * 3 * 4);
+        // C/D spans (2 * 40 + 8 * 4 + 8) floats = 480 bytes; the bias starts 256-aligned.
+        assert_eq!(cd, 512 + 8 * 3 * 4);
+        assert_eq!((cd - bias_bytes(&spec(Epi::Bias, 3))) % 256, 0);
     }
 
     #[test]
@@ -209,5 +232,8 @@ mod tests {
         assert_eq!(pick(&[1.0, 0.9, 0.95]), 1);
         assert_eq!(pick(&[1.0]), 0);
         assert_eq!(pick(&[2.0, 1.5, 1.0]), 2);
+        // A refused candidate (never timed) is never taken.
+        assert_eq!(pick(&[1.0, f32::INFINITY]), 0);
+        assert_eq!(pick(&[f32::INFINITY, f32::INFINITY]), 0);
     }
 }

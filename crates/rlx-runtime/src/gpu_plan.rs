@@ -2302,8 +2302,9 @@ impl Builder {
                 "an attention product with nothing to sum".into(),
             ));
         }
-        // One stride for the whole batch, where there is one.
-        let stride = |t: &Heads| -> Option<usize> {
+        // One stride for the whole batch, where there is one and the matrices do not
+        // interleave (a matrix of `rows` rows spans `(rows - 1) * sr + cols` elements).
+        let stride = |t: &Heads, rows: usize, cols: usize| -> Option<usize> {
             let s = if heads == 1 {
                 t.su
             } else if units == 1 || t.su == heads as i64 * t.sh {
@@ -2311,8 +2312,10 @@ impl Builder {
             } else {
                 return None;
             };
-            usize::try_from(s).ok()
+            let span = (rows as i64 - 1) * t.sr + cols as i64;
+            (units * heads == 1 || s >= span).then_some(s as usize)
         };
+        debug_assert!([x, y, c].iter().all(|t| t.su >= 0 && t.sh >= 0 && t.sr > 0));
         let batch = units * heads;
         // Row-major C = X Y is column-major C^T = Y^T X^T: cuBLAS's A is our Y.
         let mut g = Gemm {
@@ -2330,7 +2333,9 @@ impl Builder {
             stride_c: 0,
             batch,
         };
-        if let (Some(sa), Some(sb), Some(sc)) = (stride(&y), stride(&x), stride(&c)) {
+        if let (Some(sa), Some(sb), Some(sc)) =
+            (stride(&y, ry, cy), stride(&x, rx, cx), stride(&c, m, n))
+        {
             (g.stride_a, g.stride_b, g.stride_c) = (sa, sb, sc);
             self.plan.steps.push(Step::Gemm {
                 g,
