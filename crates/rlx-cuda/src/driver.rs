@@ -470,27 +470,10 @@ impl Device {
     /// operands; for bfloat16/float16 ones a tensor-core GEMM summing in float32 into a
     /// float32 `C`.
     pub fn gemm(&self, g: &crate::plan::Gemm, a: u64, b: u64, c: u64) -> Result<()> {
-        let op = |t: bool| {
-            if t {
-                blas::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                blas::cublasOperation_t::CUBLAS_OP_N
-            }
-        };
         let (alpha, beta) = (1.0f32, 0.0f32);
         let h = self.blas.lock().unwrap_or_else(|p| p.into_inner());
-        let low = match g.dtype {
-            DType::F32 => None,
-            DType::BF16 => Some(blas::cudaDataType::CUDA_R_16BF),
-            DType::F16 => Some(blas::cudaDataType::CUDA_R_16F),
-            d => {
-                return Err(Error::unsupported(
-                    "matmul",
-                    format!("the cuda backend has no {d} matrix product"),
-                ))
-            }
-        };
-        if let Some(ab) = low {
+        let ab = operand_type(g.dtype)?;
+        if g.dtype != DType::F32 {
             // SAFETY: as for the SGEMM below; A and B hold 2-byte elements of type `ab` (the
             // plan's offsets and strides count in them), C float32, alpha/beta float32 as the
             // float32 compute type requires.
@@ -555,30 +538,35 @@ impl Device {
     }
 }
 
+/// cuBLAS's transpose flag.
+fn op(t: bool) -> blas::cublasOperation_t {
+    if t {
+        blas::cublasOperation_t::CUBLAS_OP_T
+    } else {
+        blas::cublasOperation_t::CUBLAS_OP_N
+    }
+}
+
+/// cuBLAS's type of a product's `A` and `B` operands in `dtype`.
+fn operand_type(dtype: DType) -> Result<blas::cudaDataType> {
+    match dtype {
+        DType::F32 => Ok(blas::cudaDataType::CUDA_R_32F),
+        DType::BF16 => Ok(blas::cudaDataType::CUDA_R_16BF),
+        DType::F16 => Ok(blas::cudaDataType::CUDA_R_16F),
+        d => Err(Error::unsupported(
+            "matmul",
+            format!("the cuda backend has no {d} matrix product"),
+        )),
+    }
+}
+
 impl Device {
     /// Queues a column-major pointer-array batched GEMM (`plan::Step::GemmGrid`): `g` without
     /// its strides, the `g.batch` addresses of each operand's matrices in device memory at
     /// `a`, `b` and `c`; float32 or bfloat16/float16 operands summing in float32 into
     /// float32 `C`.
     pub fn gemm_grid(&self, g: &crate::plan::Gemm, [a, b, c]: [u64; 3]) -> Result<()> {
-        let op = |t: bool| {
-            if t {
-                blas::cublasOperation_t::CUBLAS_OP_T
-            } else {
-                blas::cublasOperation_t::CUBLAS_OP_N
-            }
-        };
-        let ab = match g.dtype {
-            DType::F32 => blas::cudaDataType::CUDA_R_32F,
-            DType::BF16 => blas::cudaDataType::CUDA_R_16BF,
-            DType::F16 => blas::cudaDataType::CUDA_R_16F,
-            d => {
-                return Err(Error::unsupported(
-                    "matmul",
-                    format!("the cuda backend has no {d} matrix product"),
-                ))
-            }
-        };
+        let ab = operand_type(g.dtype)?;
         // float32 stays float32 unless TF32 was asked for, as the handle's math mode says.
         let compute =
             if g.dtype == DType::F32 && std::env::var("RLX_CUDA_TF32").is_ok_and(|v| v == "1") {
