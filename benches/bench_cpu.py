@@ -11,6 +11,7 @@ Workloads (the same specs as the reference figures):
                  float. Median over 200 full-size steps after a warm-up of 2 epochs.
   gpt            tiny byte-level GPT (B16 x T64, d128, 4 heads, 2 pre-LN blocks, AdamW(1e-3, wd
                  0.01)); median of steps 20..120.
+  gpt256         the same GPT at d256, 8 heads, 4 blocks, B8 x T128 (--gpt-steps // 2 steps).
   compile        first-step time: from calling compile_train_step until the first step returned
                  (rlx); the first call of the jitted step (JAX). Taken from the gpt and mlp64 runs.
   rss            peak RSS (ru_maxrss) of each training process; the digits MLP B=64 process is
@@ -47,7 +48,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "examples")
 
-WORKLOADS = ("mlp64", "mlp512", "gpt", "sgemm", "rss", "compile")
+WORKLOADS = ("mlp64", "mlp512", "gpt", "gpt256", "sgemm", "rss", "compile")
 SGEMM_SIZES = (256, 512, 1024, 2048)
 
 # PyTorch (and, for context, JAX/numpy) reference figures of these workloads, recorded here
@@ -70,8 +71,8 @@ TARGETS = {"mlp64.rss_mb": ("<=", 0.4 * 392)}
 MLP_SIZES = (64, 256, 256, 10)
 GPT = dict(vocab=256, dim=128, heads=4, layers=2, mlp=4, seq=64, batch=16, lr=1e-3, wd=0.01,
            std=0.02, ln_eps=1e-5)
-# A larger GPT for the fusion benchmark (issue 11: "one larger GPT"): d256, 8 heads, 4 blocks,
-# T128, B8. Run only when asked for (benches/fusion_ab.sh), not in the default table.
+# A larger GPT (issue 11's "other sizes"): d256, 8 heads, 4 blocks, T128, B8 (workload `gpt256`;
+# its child is `gpt_large`). About 20 GFLOP a step, 80 % of it matrix products.
 GPT_LARGE = dict(dim=256, heads=8, layers=4, seq=128, batch=8)
 BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
 
@@ -574,6 +575,8 @@ def main() -> None:
         jobs.append(("mlp512", ["--steps", str(mlp_steps)]))
     if "gpt" in only or "compile" in only:
         jobs.append(("gpt", ["--steps", str(gpt_steps if "gpt" in only else 4)]))
+    if "gpt256" in only:
+        jobs.append(("gpt_large", ["--steps", str(max(8, gpt_steps // 2))]))
     if "sgemm" in only:
         jobs.append(("sgemm", ["--repeats", str(3 if q else 5), "--min-time", str(0.03 if q else 0.1)]))
 
@@ -631,6 +634,9 @@ def main() -> None:
     if "gpt" in only:
         add(f"tiny GPT B16xT64, step (ms, median of steps 20..{gpt_steps})", "gpt.step_ms", "ms", "gpt",
             lambda x: x["step_ms"])
+    if "gpt256" in only:
+        add(f"GPT d256 L4 B8xT128, step (ms, median of steps {min(20, max(8, gpt_steps // 2) // 4)}.."
+            f"{max(8, gpt_steps // 2)})", "gpt_large.step_ms", "ms", "gpt_large", lambda x: x["step_ms"])
     if "compile" in only:
         add("tiny GPT, compile + first step (s)", "gpt.first_step_s", "s", "gpt", lambda x: x["first_step_s"])
         add("digits MLP B=64, compile + first step (s)", "mlp64.first_step_s", "s", "mlp64",
@@ -646,13 +652,27 @@ def main() -> None:
             add(f"sgemm n={n} (GFLOP/s, higher is better)", f"sgemm.{n}", "GFLOP/s", "sgemm",
                 lambda x, n=n: x["sgemm"][str(n)]["gflops"], lower_better=False)
 
+    def round_ratios(row) -> str:
+        """rlx/PyTorch of each round (the two ran back to back, so they saw much the same load)."""
+        wl = row["key"].split(".")[0]
+        if not tv or row["unit"] != "ms" or not row["key"].endswith("step_ms"):
+            return "–"
+        rs = []
+        for r in range(rounds):
+            a, b = (next((x for x in records if x["fw"] == fw and x["workload"] == wl and x["round"] == r
+                          and "error" not in x), None) for fw in ("rlx", "torch"))
+            if a and b:
+                rs.append(a["step_ms"] / b["step_ms"])
+        return " / ".join(f"{x:.2f}" for x in rs) if rs else "–"
+
     torch_hdr = f"PyTorch {tv} (live)" if tv else "PyTorch (reference figures)"
-    lines = [f"| workload | rlx | JAX | {torch_hdr} | rlx/JAX | rlx/PyTorch | target |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"| workload | rlx | JAX | {torch_hdr} | rlx/JAX | rlx/PyTorch | each round | target |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         u = row["unit"]
         lines.append(f"| {row['label']} | {fmt(row['rlx'], u)} | {fmt(row['jax'], u)} | {fmt(row['torch'], u)} | "
-                     f"{ratio(row['rlx'], row['jax'])} | {ratio(row['rlx'], row['torch'])} | {row['target']} |")
+                     f"{ratio(row['rlx'], row['jax'])} | {ratio(row['rlx'], row['torch'])} | {round_ratios(row)} | "
+                     f"{row['target']} |")
     sg = [row for row in rows if row["key"].startswith("sgemm.")]
     if sg:
         lines += ["", "| sgemm (float32, square) | rlx GFLOP/s | numpy `a @ b` GFLOP/s | rlx/numpy |",
@@ -668,7 +688,8 @@ def main() -> None:
         f"jax/jaxlib {m['jax']}/{m['jaxlib']}, rlx {m['rlx']} (extension built {m['rlx_so_built']}), torch {m['torch']}.",
         f"Cells: median over {rounds} round(s), frameworks alternating, each (framework, workload) in its own process; "
         f"MLP: {mlp_steps} timed full-size steps after >= 2 warm-up epochs; GPT: {gpt_steps} steps. "
-        "Ratios are rlx/anchor (below 1x is better for ms, s and MB; above 1x is better for GFLOP/s).",
+        "Ratios are rlx/anchor (below 1x is better for ms, s and MB; above 1x is better for GFLOP/s); "
+        "'each round' is rlx/PyTorch of each round's two back-to-back processes.",
         "Compile + first step: rlx from calling compile_train_step until the first step returned; JAX the first call "
         "of the jitted step (trace + compile + run).",
     ]

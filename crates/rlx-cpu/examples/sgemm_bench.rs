@@ -36,7 +36,7 @@ fn thread_seconds() -> f64 {
     START.get_or_init(Instant::now).elapsed().as_secs_f64()
 }
 
-const SHAPES: [(&str, usize, usize, usize, bool, bool); 27] = [
+const SHAPES: [(&str, usize, usize, usize, bool, bool); 35] = [
     ("gpt qkv fwd", 1024, 128, 384, false, true),
     ("gpt proj fwd", 1024, 128, 128, false, true),
     ("gpt fc1 fwd", 1024, 128, 512, false, true),
@@ -49,6 +49,15 @@ const SHAPES: [(&str, usize, usize, usize, bool, bool); 27] = [
     ("gpt fc1 dW", 512, 1024, 128, true, false),
     ("gpt fc2 dW", 128, 1024, 512, true, false),
     ("gpt head dW", 256, 1024, 128, true, false),
+    // GPT d256 (`bench_cpu.py`'s gpt_large: B8 x T128, weights stored [out, in]).
+    ("gpt256 qkv fwd", 1024, 256, 768, false, true),
+    ("gpt256 fc1 fwd", 1024, 256, 1024, false, true),
+    ("gpt256 fc2 fwd", 1024, 1024, 256, false, true),
+    ("gpt256 fc1 dX", 1024, 1024, 256, false, false),
+    ("gpt256 fc2 dX", 1024, 256, 1024, false, false),
+    ("gpt256 fc1 dW", 1024, 1024, 256, true, false),
+    ("gpt256 fc2 dW", 256, 1024, 1024, true, false),
+    ("gpt256 qkv dW", 768, 1024, 256, true, false),
     ("mlp64 l1 fwd", 64, 64, 256, false, true),
     ("mlp64 l2 fwd", 64, 256, 256, false, true),
     ("mlp64 l2 dW", 256, 64, 256, true, false),
