@@ -447,6 +447,12 @@ def busy_jiffies() -> tuple[int, int]:
     return sum(v) - v[3] - v[4], sum(v)  # (busy, total); idle and iowait are not busy
 
 
+def steal_jiffies() -> int:
+    """Time the hypervisor ran something else on this VM's cores (the 8th /proc/stat column)."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8])
+
+
 def busy_fraction(dt: float = 0.5) -> float:
     b0, t0 = busy_jiffies()
     time.sleep(dt)
@@ -461,6 +467,7 @@ def run_child(fw: str, workload: str, extra: list[str], wait_quiet: float) -> di
         pass
     hz = os.sysconf("SC_CLK_TCK")
     b0, _ = busy_jiffies()
+    s0 = steal_jiffies()
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", fw, workload, *extra],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -469,14 +476,16 @@ def run_child(fw: str, workload: str, extra: list[str], wait_quiet: float) -> di
     p.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - t0
     b1, _ = busy_jiffies()
+    steal = (steal_jiffies() - s0) / hz / wall
     own = ru.ru_utime + ru.ru_stime
     lines = [line[7:] for line in out.splitlines() if line.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         sys.stderr.write(f"child {fw} {workload} failed (rc {p.returncode}):\n{out[-3000:]}\n")
         return dict(fw=fw, workload=workload, error=out[-3000:])
     res = json.loads(lines[-1])
-    res.update(rss_wait4_mb=ru.ru_maxrss / 1024, proc_wall_s=wall, proc_cpu_s=own,
-               others_cores=max(0.0, ((b1 - b0) / hz - own) / wall))
+    # Steal counts as busy in /proc/stat: it is not another process of this machine.
+    res.update(rss_wait4_mb=ru.ru_maxrss / 1024, proc_wall_s=wall, proc_cpu_s=own, steal_cores=steal,
+               others_cores=max(0.0, ((b1 - b0) / hz - own) / wall - steal))
     return res
 
 
@@ -597,7 +606,8 @@ def main() -> None:
                 else:
                     what = f"step {rec['step_ms']:.3f} ms, first step {rec['first_step_s']:.3f} s, loss {rec['loss_last']:.3f}"
                 print(f"[round {r + 1}/{rounds}] {fw:5s} {workload:6s} {what}; rss {rec['rss_mb']:.0f} MB, "
-                      f"wall {rec['proc_wall_s']:.1f} s, others {rec['others_cores']:.2f} cores",
+                      f"wall {rec['proc_wall_s']:.1f} s, others {rec['others_cores']:.2f} cores, "
+                      f"steal {rec['steal_cores']:.2f} cores",
                       file=sys.stderr, flush=True)
 
     def pick(fw: str, workload: str, key) -> tuple[float | None, bool]:
@@ -723,6 +733,11 @@ def main() -> None:
                      + ", ".join(data_rss) + ".")
     if any(row["label"].endswith(" *") for row in rows):
         notes.append("* a run behind this row had > 0.3 cores taken by other processes (see --json others_cores).")
+    steals = [x["steal_cores"] for x in records if "steal_cores" in x]
+    if steals and max(steals) > 0.02:
+        notes.append(f"Hypervisor steal during the children: {min(steals):.2f}-{max(steals):.2f} cores of "
+                     f"{os.cpu_count()} (time the host gave this VM's cores to others; it moves step times "
+                     "from round to round).")
     notes.append(f"Total wall {time.time() - t_start:.0f} s.")
     print("\n".join(lines + notes))
 
