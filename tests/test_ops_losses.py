@@ -154,6 +154,45 @@ def test_cross_entropy_default_path_ignores_minus_100_and_checks_other_labels():
         run_forward(lambda z, y: rlx.cross_entropy(z, y), {"z": z, "y": np.array([0, -3, 1], np.int32)})
 
 
+@pytest.mark.parametrize("call", [
+    lambda z, y: rlx.cross_entropy(z, y, label_smoothing=0.1),
+    lambda z, y: rlx.cross_entropy(z, y, reduction="sum"),
+    lambda z, y: rlx.cross_entropy(z, y, ignore_index=2),
+    lambda z, y: rlx.nll_loss(rlx.log_softmax(z, axis=1), y),
+], ids=["smoothing", "sum", "ignore_index", "nll_loss"])
+@pytest.mark.parametrize("bad", [4, 99, -5])
+def test_every_class_loss_path_refuses_labels_out_of_range(call, bad):
+    """Not only the fused default: each path's labels are range-checked (they used to pick nothing
+    and give a wrong loss silently)."""
+    z = _x((3, 4), 11)
+    with pytest.raises(rlx.InputError, match=rf"id {bad} is out of range \[0, 4\)"):
+        run_forward(call, {"z": z, "y": np.array([0, bad, 1], np.int32)})
+
+
+def test_minus_100_is_out_of_range_when_another_label_is_ignored():
+    """PyTorch refuses -100 when ignore_index is something else; rlx used to add 0 for the row but
+    count it in the mean's denominator."""
+    z = _x((5, 4), 12)
+    fn = lambda z, y: rlx.cross_entropy(z, y, ignore_index=3)  # noqa: E731
+    with pytest.raises(rlx.InputError, match=r"id -100 is out of range \[0, 4\)"):
+        run_forward(fn, {"z": z, "y": np.array([0, 3, -100, 1, 2], np.int32)})
+    y = np.array([0, 3, 3, 1, 2], np.int32)
+    assert_close(run_forward(fn, {"z": z, "y": y}), np_ce(z, y, ignore=3), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_label_stops_a_smoothed_training_step_before_the_update():
+    model = rlx.nn.Linear(4, 3)
+    step = rlx.compile_train_step(lambda m, x, y: rlx.cross_entropy(m(x), y, label_smoothing=0.1), model,
+                                  rlx.optim.Adam(1e-2), {"x": rlx.InputSpec((2, 4)), "y": rlx.InputSpec((2,), "int32")})
+    x = _x((2, 4), 13)
+    step(x=x, y=np.array([0, 2], np.int32))
+    before = model.state_dict()
+    with pytest.raises(rlx.InputError, match=r"id 3 is out of range \[0, 3\)"):
+        step(x=x, y=np.array([0, 3], np.int32))
+    for k, v in model.state_dict().items():
+        np.testing.assert_array_equal(v, before[k], err_msg=k)
+
+
 def test_nll_loss():
     lp = _np_log_softmax(_x((5, 3), 9).astype(np.float64)).astype(np.float32)
     y = np.array([0, 2, 1, 1, 0], np.int32)

@@ -41,18 +41,29 @@ def _class_inputs(op: str, logits: Any, labels: Any) -> tuple[Tensor, Tensor]:
     return lg, lb
 
 
+def _labels_in_range(labels: Tensor, classes: int, ignore_index: int) -> Tensor:
+    """A float32 0.0 that depends on ``labels`` through an embedding lookup of ``classes`` rows, so
+    a label outside ``[0, classes)`` that is not ``ignore_index`` stops the run with an
+    ``InputError`` (the lookup's range check) instead of picking nothing. Adding it to a loss
+    changes no value or gradient."""
+    t = labels._trace
+    kept = where(labels == ignore_index, 0, labels).astype("int32")
+    table = _as_tensor(np.zeros((classes, 1), dtype=np.float32), t)
+    return Tensor(t, t.graph.gather(table._id, kept._id)).sum()
+
+
 def _picked_nll(op: str, logp: Tensor, labels: Tensor, ignore_index: int, smoothing: float,
                 reduction: str) -> Tensor:
     """``-logp[i, labels[i]]`` (mixed with the mean over classes by ``smoothing``), reduced over
-    the rows whose label is not ``ignore_index``. Labels out of range (and not ignored) pick
-    nothing; use the default cross_entropy path for a run-time range check."""
+    the rows whose label is not ``ignore_index``. A label out of ``[0, C)`` that is not
+    ``ignore_index`` is an ``InputError`` when the step runs (as on the fused path)."""
     c = logp.shape[1]
     onehot = labels.reshape(-1, 1) == np.arange(c, dtype=np.int32).reshape(1, c)  # float32 (N, C)
     nll = -(logp * onehot).sum(axis=1)
     if smoothing:
         nll = nll * (1.0 - smoothing) - logp.mean(axis=1) * smoothing
     valid = labels != ignore_index
-    total = (nll * valid).sum()
+    total = (nll * valid).sum() + _labels_in_range(labels, c, ignore_index)
     return total / valid.sum() if reduction == "mean" else total
 
 
