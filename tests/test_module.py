@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 
 import rlx
 from conftest import assert_close, specs
@@ -188,3 +189,59 @@ def test_linear_on_3d_input():
     x = np.random.default_rng(2).standard_normal((2, 5, 4)).astype(np.float32)
     fn = rlx.compile(lambda m, x: m(x), lin, specs({"x": x}))
     assert_close(fn(x=x), x.astype(np.float64) @ p["weight"].T + p["bias"], rtol=1e-5, atol=1e-5)
+
+
+class _EncoderHead(rlx.nn.Module):
+    def __init__(self):
+        self.encoder = rlx.nn.Linear(3, 4)
+        self.head = rlx.nn.Linear(4, 2)
+
+    def __call__(self, x):
+        return self.head(rlx.relu(self.encoder(x)))
+
+
+def test_compiling_a_sub_module_stops_the_parents_step_loudly_and_keeps_its_weights():
+    """A sub-module compiled on its own takes its weights into a store of its own; the parent's
+    step used to go on updating weights nothing read (state_dict and save were stale)."""
+    model = _EncoderHead()
+    spec = {"x": rlx.InputSpec((8, 3))}
+    step = rlx.compile_train_step(lambda m, x: (m(x) ** 2).mean(), model, rlx.optim.SGD(lr=0.05), spec)
+    x = np.random.default_rng(0).random((8, 3), dtype=np.float32)
+    for _ in range(3):
+        step(x=x)
+    trained = model.state_dict()
+    embed = rlx.compile(lambda m, x: m(x), model.encoder, spec)
+    np.testing.assert_allclose(embed(x=x), x @ trained["encoder.weight"].T + trained["encoder.bias"],
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(rlx.RlxError, match="weights moved to the store of a model compiled since"):
+        step(x=x)
+    for k, v in model.state_dict().items():  # nothing the parent trained is lost
+        np.testing.assert_array_equal(v, trained[k], err_msg=k)
+    # Compiled as a function of the whole model, the sub-module shares the parent's weights.
+    step = rlx.compile_train_step(lambda m, x: (m(x) ** 2).mean(), model, rlx.optim.SGD(lr=0.05), spec)
+    encode = rlx.compile(lambda m, x: m.encoder(x), model, spec)
+    step(x=x)
+    w = model.state_dict()
+    np.testing.assert_allclose(encode(x=x), x @ w["encoder.weight"].T + w["encoder.bias"], rtol=1e-5, atol=1e-6)
+    step(x=x)
+    assert not np.array_equal(model.state_dict()["encoder.weight"], w["encoder.weight"])
+
+
+def test_two_models_sharing_a_layer_cannot_both_train_it_silently():
+    shared = rlx.nn.Linear(3, 3)
+
+    class Wrap(rlx.nn.Module):
+        def __init__(self, layer):
+            self.layer = layer
+
+        def __call__(self, x):
+            return self.layer(x)
+
+    a, b = Wrap(shared), Wrap(shared)
+    spec = {"x": rlx.InputSpec((2, 3))}
+    x = np.ones((2, 3), np.float32)
+    step_a = rlx.compile_train_step(lambda m, x: m(x).sum(), a, rlx.optim.SGD(lr=0.1), spec)
+    step_a(x=x)
+    rlx.compile(lambda m, x: m(x), b, spec)
+    with pytest.raises(rlx.RlxError, match="weights moved"):
+        step_a(x=x)

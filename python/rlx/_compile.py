@@ -200,6 +200,7 @@ class _Compiled:
         self._model, self._specs = model, specs
         self._variants, self._last, self._queue = {}, None, deque()
         self._dynamic = any(s.dynamic for s in specs.values())
+        model._store_for(self._device)  # the signature names the store this compile uses
         self._signature = model._signature()
         self._generation = _STRUCTURE[0]
         # Dropout: a key drawn from rlx's generator at the first build that needs one, and the
@@ -223,7 +224,13 @@ class _Compiled:
     def _check_model(self) -> None:
         """Raises when a parameter or sub-module was added, replaced or removed since compile."""
         if _STRUCTURE[0] != self._generation:
-            if self._model._signature() != self._signature:
+            now = self._model._signature()
+            if now != self._signature:
+                if [s[:4] for s in now] == [s[:4] for s in self._signature]:
+                    raise RlxError(
+                        "model changed since compile: its weights moved to the store of a model compiled "
+                        "since (a sub-module of it, or a model sharing its layers); compile again, or compile "
+                        "the sub-module's function as a function of the whole model")
                 raise RlxError("model changed since compile; compile again")
             self._generation = _STRUCTURE[0]
 

@@ -607,15 +607,22 @@ class Module:
             store = _rlx.Store(device, layout)
             for n, p in params.items():
                 store.write(n, raw(contiguous(p.numpy(), _NP[p.dtype]).reshape(-1)))
+            # A parameter held by another model's store (this is a sub-module of a compiled model,
+            # or shares layers with one) moves to this one: the executables of the other store
+            # would go on updating weights nothing reads, so they must see the move and refuse
+            # to run (their signature holds the stores; see `_signature`).
+            moved = any(p._store is not None and p._store is not self._stores.get(device) for p in params.values())
             for n, p in params.items():
                 p._bind(store, n)
             self._stores[device] = store
+            if moved:
+                _bump()
             return store
 
     def _signature(self) -> tuple[Any, ...]:
-        """What compiled executables depend on: every tensor's name, identity, trainability and
-        dtype."""
-        return tuple((n, id(p), p._requires_grad, p._dtype) for n, p in self._tensors().items())
+        """What compiled executables depend on: every tensor's name, identity, trainability,
+        dtype and the weight store holding it."""
+        return tuple((n, id(p), p._requires_grad, p._dtype, id(p._store)) for n, p in self._tensors().items())
 
     # --- copies --------------------------------------------------------------------------------
 
