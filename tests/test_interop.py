@@ -123,6 +123,16 @@ def test_old_in_out_layout_is_refused_and_convertible(tmp_path):
     assert meta["rlx.layout"] == "out_in"
     third = MLP()
     third.load(str(new))
+    # legacy_layout=True on a file in today's layout is refused (a square weight would transpose
+    # silently), and nothing changes.
+    sq = rlx.nn.Sequential(rlx.nn.Linear(4, 4), rlx.nn.Linear(4, 4))
+    sq.save(str(tmp_path / "sq.safetensors"))
+    sq2 = rlx.nn.Sequential(rlx.nn.Linear(4, 4), rlx.nn.Linear(4, 4))
+    before = sq2.state_dict()
+    with pytest.raises(rlx.CheckpointError, match="legacy_layout=True is for files saved by rlx before 0.2"):
+        sq2.load(str(tmp_path / "sq.safetensors"), legacy_layout=True)
+    for k, v in sq2.state_dict().items():
+        np.testing.assert_array_equal(v, before[k])
     np.testing.assert_array_equal(third.fc1.weight.numpy(), sd["fc1.weight"])
 
 

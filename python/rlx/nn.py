@@ -788,6 +788,12 @@ class Module:
                 raise CheckpointError(f"{path}: '{name}' is {shown} {shape} in the checkpoint but {p.dtype} {p.shape} in the model")
         expected = sum(_FILE_SIZES[header[n][0]] * int(np.prod(p.shape)) for n, p in params.items())
         tensors, metadata = _rlx.load_checkpoint_raw(str(path), expected)
+        if legacy_layout and metadata.get(LAYOUT_KEY) == LAYOUT:
+            # A square weight would transpose silently: the file says it is in today's layout.
+            raise CheckpointError(
+                f"{path}: legacy_layout=True is for files saved by rlx before 0.2, but this file was written in "
+                f"today's (out_features, in_features) layout (its '{LAYOUT_KEY}' metadata is '{LAYOUT}'); load it "
+                "without legacy_layout")
         arrays = {}
         for name, file_dtype, file_shape, data in tensors:
             if not _loads_into(file_dtype, params[name].dtype):
