@@ -299,3 +299,13 @@ def test_a_rust_panic_becomes_an_rlx_error_and_the_process_lives_on():
     # the interpreter and the library keep working afterwards
     fn = rlx.compile(lambda m, x: x * 2.0, Empty(), {"x": rlx.InputSpec((2,))})
     np.testing.assert_array_equal(fn(x=np.ones(2, np.float32)), [2.0, 2.0])
+
+
+def test_a_nan_setting_names_the_setting_without_a_bogus_range():
+    """A number checked for finiteness only used to read 'must be a finite number >= None'."""
+    from conftest import run_forward
+    x = {"x": np.ones((2, 2), np.float32)}
+    with pytest.raises(rlx.InputError, match=r"^\[leaky_relu\] negative_slope must be a finite number, got nan$"):
+        run_forward(lambda x: rlx.leaky_relu(x, float("nan")), x)
+    with pytest.raises(rlx.InputError, match=r"^\[dropout\] p must be a finite number, got nan$"):
+        run_forward(lambda x: rlx.dropout(x, float("nan"), True), x)

@@ -32,8 +32,11 @@ def number(where: str, what: str, v: Any, lo: float | None = None, hi: float | N
     v = float(v)
     bad = not math.isfinite(v) or (lo is not None and v < lo) or (hi is not None and (v >= hi if hi_open else v > hi))
     if bad:
-        rng = f"[{lo}, {hi}{')' if hi_open else ']'}" if hi is not None else f">= {lo}"
-        raise InputError(f"[{where}] {what} must be a finite number {rng}, got {v}")
+        if hi is not None:
+            rng = f" in [{'-inf' if lo is None else lo}, {hi}{')' if hi_open else ']'}"
+        else:
+            rng = f" >= {lo}" if lo is not None else ""
+        raise InputError(f"[{where}] {what} must be a finite number{rng}, got {v}")
     return v
 
 
