@@ -143,3 +143,14 @@ def test_generate_produces_tokens(model):
     assert out[:3] == [1, 2, 3] and len(out) == 7 and all(0 <= t < V for t in out)
     with pytest.raises(rlx.InputError):
         gen.generate([1] * T, 1)
+
+
+def test_a_bad_prompt_is_refused_before_anything_is_fed(model):
+    """The prompt's ids are checked first: a bad one used to leave the generator mid-sequence."""
+    gen = rlx.models.Generator(model)
+    gen.step(np.array([[5]], np.int32))
+    with pytest.raises(rlx.InputError, match=rf"prompt\[1\] = {V} is out of range \[0, {V}\)"):
+        gen.generate([1, V], 3)
+    with pytest.raises(rlx.DTypeError, match=r"prompt\[0\] must be an int token id, got float 1.5"):
+        gen.generate([1.5], 3)
+    assert gen.pos == 1

@@ -165,6 +165,12 @@ class Generator:
             raise InputError("[Generator.generate] the prompt must hold at least one token")
         if len(prompt) + n > self.max_len:
             raise InputError(f"[Generator.generate] {len(prompt)} + {n} tokens exceed max_len {self.max_len}")
+        vocab = self.model.vocab
+        for i, tok in enumerate(prompt):  # before anything is fed: a bad prompt leaves the generator as it was
+            if isinstance(tok, (bool, np.bool_)) or not isinstance(tok, (int, np.integer)):
+                raise DTypeError(f"[Generator.generate] prompt[{i}] must be an int token id, got {type(tok).__name__} {tok!r}")
+            if not 0 <= tok < vocab:
+                raise InputError(f"[Generator.generate] prompt[{i}] = {tok} is out of range [0, {vocab})")
         self.reset()
         out = list(prompt)
         for tok in prompt:
