@@ -245,3 +245,13 @@ def test_two_models_sharing_a_layer_cannot_both_train_it_silently():
     rlx.compile(lambda m, x: m(x), b, spec)
     with pytest.raises(rlx.RlxError, match="weights moved"):
         step_a(x=x)
+
+
+def test_assigning_an_array_over_a_parameter_is_refused():
+    """It used to unregister the parameter silently (no longer trained or saved)."""
+    lin = rlx.nn.Linear(3, 2)
+    with pytest.raises(rlx.RlxError, match=r"\[Linear.weight\] assigning a numpy array would unregister the parameter"):
+        lin.weight = np.ones((2, 3), np.float32)
+    assert "weight" in lin.parameters()
+    lin.weight = rlx.nn.Parameter(np.ones((2, 3), np.float32))
+    np.testing.assert_array_equal(lin.state_dict()["weight"], np.ones((2, 3)))

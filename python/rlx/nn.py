@@ -453,6 +453,12 @@ class Module:
                 f"(its parameters would not be trained or saved); use {holder}(...)"
             )
         old = self._children.get(name)
+        if isinstance(old, Parameter) and isinstance(value, np.ndarray):
+            kind = "buffer" if old._is_buffer else "parameter"
+            raise RlxError(
+                f"[{type(self).__name__}.{name}] assigning a numpy array would unregister the {kind} (it would no "
+                f"longer be {'saved' if old._is_buffer else 'trained or saved'}); wrap it, "
+                f"rlx.nn.{'Buffer' if old._is_buffer else 'Parameter'}(array), or load values with load_state_dict")
         if isinstance(value, (Parameter, Module)):
             self._children[name] = value
             if old is not value:
