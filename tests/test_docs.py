@@ -11,13 +11,14 @@ import sys
 import pytest
 
 import rlx
+import rlx.distributed
 import rlx.models
 import rlx.nn
 import rlx.optim
 import rlx.optim.lr_scheduler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = [rlx, rlx.nn, rlx.optim, rlx.optim.lr_scheduler, rlx.models]
+MODULES = [rlx, rlx.nn, rlx.optim, rlx.optim.lr_scheduler, rlx.models, rlx.distributed]
 
 
 def public_objects():
@@ -27,6 +28,15 @@ def public_objects():
             if inspect.ismodule(obj):
                 continue
             yield f"{mod.__name__}.{name}", obj
+
+
+def test_every_public_layer_is_exported():
+    """A class missing from ``__all__`` is missing from the API reference (pdoc) and from the
+    docstring checks below."""
+    for mod, base in ((rlx.nn, (rlx.nn.Module, rlx.nn.Parameter)), (rlx.optim, (rlx.optim.Optimizer,))):
+        missing = [n for n, o in vars(mod).items() if inspect.isclass(o) and issubclass(o, base)
+                   and o.__module__ == mod.__name__ and not n.startswith("_") and n not in mod.__all__]
+        assert not missing, f"{mod.__name__}.__all__ lacks {missing}"
 
 
 def has_example(doc):

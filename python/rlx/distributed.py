@@ -35,7 +35,12 @@ __all__ = ["Communicator", "DistributedError", "MPICommunicator", "NCCLCommunica
 class Communicator(Protocol):
     """What a data-parallel step needs from a process group. Arrays are numpy views of device
     memory the host can see (the arena's gradient region, parameters); every call is collective:
-    every rank makes it, in the same order."""
+    every rank makes it, in the same order.
+
+    Example:
+        >>> comm = rlx.distributed.init()          # under mpirun -n 2
+        >>> comm.allreduce_mean_(grads)            # every rank now holds the mean
+    """
 
     rank: int
     size: int
@@ -66,7 +71,13 @@ def _timeout() -> float:
 class MPICommunicator:
     """The MPI process group (mpi4py's ``COMM_WORLD``). Collectives are non-blocking requests
     polled until done, so a rank that stopped calling is reported after ``RLX_DIST_TIMEOUT``
-    seconds instead of hanging the others forever."""
+    seconds instead of hanging the others forever.
+
+    Example:
+        >>> comm = rlx.distributed.init("mpi")     # mpirun -n 2 python train.py
+        >>> comm.rank, comm.size
+        (0, 2)
+    """
 
     def __init__(self) -> None:
         try:
@@ -95,6 +106,7 @@ class MPICommunicator:
             pause = min(1e-3, pause + 2e-5)
 
     def allreduce_mean_(self, array: np.ndarray) -> None:
+        """Replaces ``array`` (float32, contiguous) in place by its mean over the ranks."""
         if array.dtype != np.float32 or not array.flags.c_contiguous:
             raise InputError(f"[allreduce] needs a contiguous float32 array, got {array.dtype}")
         if self.size == 1:
@@ -103,15 +115,19 @@ class MPICommunicator:
         array *= np.float32(1.0 / self.size)
 
     def broadcast_(self, array: np.ndarray, root: int = 0) -> None:
+        """Overwrites ``array`` in place with rank ``root``'s values."""
         if self.size == 1:
             return
         self._wait(self._comm.Ibcast(array, root=root), "broadcast")
 
     def barrier(self) -> None:
+        """Returns once every rank has called it."""
         if self.size > 1:
             self._wait(self._comm.Ibarrier(), "barrier")
 
     def abort(self, code: int = 1) -> None:
+        """Ends every rank of the job with exit ``code`` (after an error on one rank, so the others
+        do not wait for it)."""
         self._comm.Abort(code)
 
 
@@ -159,7 +175,13 @@ class NCCLCommunicator:
     arena's gradient region and rank 0's weights are broadcast over the weight store, both on
     the GPU, stream-ordered with the step (no copy through the host). The host group (MPI, or a
     group of one) makes the NCCL unique id known to every rank and carries the small host-side
-    collectives (the model check at compile)."""
+    collectives (the model check at compile).
+
+    Example:
+        >>> comm = rlx.distributed.init("nccl")    # mpirun -n 2, one GPU per rank
+        >>> comm.device
+        'cuda:0'
+    """
 
     def __init__(self, host: Any | None = None) -> None:
         from . import _rlx
@@ -184,15 +206,22 @@ class NCCLCommunicator:
             raise
 
     def allreduce_mean_(self, array: np.ndarray) -> None:
+        """Replaces ``array`` (float32, contiguous) in place by its mean over the ranks (a host array, through
+        the host group)."""
         self._host.allreduce_mean_(array)
 
     def broadcast_(self, array: np.ndarray, root: int = 0) -> None:
+        """Overwrites ``array`` in place with rank ``root``'s values (a host array, through the
+        host group)."""
         self._host.broadcast_(array, root)
 
     def barrier(self) -> None:
+        """Returns once every rank has called it."""
         self._host.barrier()
 
     def abort(self, code: int = 1) -> None:
+        """Ends every rank of the job with exit ``code`` (after an error on one rank, so the others
+        do not wait for it)."""
         self._host.abort(code)
 
     def allreduce_grads_(self, exe: Any) -> None:
@@ -252,34 +281,60 @@ def init(backend: str | None = None) -> Communicator:
 
 
 def is_initialized() -> bool:
-    """Whether :func:`init` has been called in this process."""
+    """Whether :func:`init` has been called in this process.
+
+    Example:
+        >>> rlx.distributed.is_initialized()
+        False
+    """
     return _COMM is not None
 
 
 def communicator() -> Communicator:
-    """The communicator :func:`init` returned; raises ``RlxError`` before ``init``."""
+    """The communicator :func:`init` returned; raises ``RlxError`` before ``init``.
+
+    Example:
+        >>> rlx.distributed.communicator().barrier()
+    """
     if _COMM is None:
         raise RlxError("[distributed] call rlx.distributed.init() first (and launch with mpirun -n N)")
     return _COMM
 
 
 def rank() -> int:
-    """This process's rank (0 when :func:`init` was not called)."""
+    """This process's rank (0 when :func:`init` was not called).
+
+    Example:
+        >>> if rlx.distributed.rank() == 0:
+        ...     print("loss", loss)
+    """
     return _COMM.rank if _COMM is not None else 0
 
 
 def world_size() -> int:
-    """The number of ranks (1 when :func:`init` was not called)."""
+    """The number of ranks (1 when :func:`init` was not called).
+
+    Example:
+        >>> batch_per_rank = 256 // rlx.distributed.world_size()
+    """
     return _COMM.size if _COMM is not None else 1
 
 
 def local_rank() -> int:
-    """This process's rank among the ranks on its host (0 when :func:`init` was not called)."""
+    """This process's rank among the ranks on its host (0 when :func:`init` was not called).
+
+    Example:
+        >>> device = f"cuda:{rlx.distributed.local_rank()}"
+    """
     return _COMM.local_rank if _COMM is not None else 0
 
 
 def barrier() -> None:
-    """Waits until every rank calls it (no-op before :func:`init`)."""
+    """Waits until every rank calls it (no-op before :func:`init`).
+
+    Example:
+        >>> rlx.distributed.barrier()              # e.g. before rank 0 reads a file others wrote
+    """
     if _COMM is not None:
         _COMM.barrier()
 

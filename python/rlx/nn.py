@@ -1438,4 +1438,6 @@ class TransformerBlock(Module):
 
 
 __all__ = ["Module", "Parameter", "Buffer", "ModuleList", "ModuleDict", "IncompatibleKeys", "Linear", "ReLU", "GELU",
-           "Sequential", "Embedding", "LayerNorm", "MultiHeadAttention", "TransformerBlock"]
+           "SiLU", "Tanh", "Sigmoid", "LeakyReLU", "Identity", "Flatten", "Dropout", "Sequential", "Embedding",
+           "LayerNorm", "BatchNorm1d", "BatchNorm2d", "Conv2d", "MaxPool2d", "AvgPool2d", "MultiHeadAttention",
+           "TransformerBlock"]
