@@ -389,9 +389,21 @@ def test_prefetch_bad_feed_changes_nothing(trained, case):
 
 def test_step_positional_arguments_refused(trained):
     snap = trained.snapshot()
-    with pytest.raises(TypeError):
+    with pytest.raises(rlx.InputError, match=r"\[step\] inputs are passed by name: step\(x=\.\.\., y=\.\.\.\)"):
         trained.step(trained.x, trained.y)
     trained.assert_unchanged(snap)
+
+
+def test_a_loss_fn_whose_parameters_do_not_match_the_inputs_is_an_input_error():
+    """Python's TypeError ('unexpected keyword argument') named neither the calling convention nor
+    the inputs."""
+    spec = {"x": rlx.InputSpec((2, 3)), "y": rlx.InputSpec((2,), "int32")}
+    with pytest.raises(rlx.InputError, match=r"called as fn\(model, \*\*inputs\) with inputs \['x', 'y'\].*\(m, inp, y\)"):
+        rlx.compile_train_step(lambda m, inp, y: m(inp).sum(), rlx.nn.Linear(3, 2), rlx.optim.SGD(0.1), spec)
+    with pytest.raises(rlx.InputError, match=r"multiple values for argument 'x'"):
+        rlx.compile(lambda x, y: x, rlx.nn.Linear(3, 2), spec)
+    with pytest.raises(TypeError, match="has no len"):  # an error inside the function is its own
+        rlx.compile(lambda m, x, y: len(3), rlx.nn.Linear(3, 2), spec)
 
 
 # ----------------------------------------------------------------------------------------------

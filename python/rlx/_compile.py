@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import struct
 import threading
@@ -120,6 +121,7 @@ def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], s
         nodes[name] = node
     inputs = {n: Tensor(t, t.graph.input(n, list(s.shape), s.dtype)) for n, s in specs.items()}
     modes = [(m, m.__dict__.get("training")) for _, m in model.modules()]
+    _check_signature(fn, model, inputs)
     model.train(training)
     try:
         with t:
@@ -131,6 +133,22 @@ def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], s
             else:
                 object.__setattr__(m, "training", mode)
     return t, out, nodes
+
+
+def _check_signature(fn: Callable[..., Any], model: Module, inputs: dict[str, Any]) -> None:
+    """An ``InputError`` when ``fn`` cannot be called as ``fn(model, **inputs)`` (Python's own
+    ``TypeError`` names neither rlx's calling convention nor the input names)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: let the call speak for itself
+        return
+    try:
+        sig.bind(model, **inputs)
+    except TypeError as e:
+        raise InputError(
+            f"[compile] the function is called as fn(model, **inputs) with inputs {sorted(inputs)}, but its "
+            f"signature is {getattr(fn, '__name__', 'fn')}{sig}: {e}. Name its parameters after the input "
+            "specs, after a first parameter for the model") from None
 
 
 #: ``compile_train_step(precision=...)`` / ``compile(precision=...)`` values.
@@ -150,6 +168,14 @@ def _check_precision(where: str, precision: Any, device: str) -> str:
             f"[{where}] precision={precision!r} (mixed precision) runs on the CPU and CUDA only so far; "
             f"device {device!r} computes in float32: use precision='fp32' there")
     return precision
+
+
+def _keywords_only(what: str, args: tuple[Any, ...], specs: Mapping[str, Any]) -> None:
+    if args:
+        names = list(specs)
+        example = ", ".join(f"{n}=..." for n in names) or "..."
+        raise InputError(f"[{what}] inputs are passed by name: {what}({example}) (got {len(args)} positional "
+                         f"argument(s); the inputs are {names})")
 
 
 def _check_feeds(names: Sequence[str], arrays: Mapping[str, Any], specs: dict[str, InputSpec], bound: set[str]) -> dict[str, np.ndarray]:
@@ -432,7 +458,8 @@ class TrainStep(_Compiled):
                 var.region = np.frombuffer(region[0], dtype=np.float32)
         return self._with_rng(var)
 
-    def __call__(self, **arrays: Any) -> Any:
+    def __call__(self, *args: Any, **arrays: Any) -> Any:
+        _keywords_only("step", args, self._specs)
         var = self._pick(arrays)
         feeds = _check_feeds(var.names, arrays, var.specs, _HIDDEN)
         hyper = self._optimizer._prepare(var.state)
@@ -680,7 +707,8 @@ class Function(_Compiled):
         var.tuple = isinstance(out, tuple)
         return self._with_rng(var)
 
-    def __call__(self, **arrays: Any) -> Any:
+    def __call__(self, *args: Any, **arrays: Any) -> Any:
+        _keywords_only("fn", args, self._specs)
         var = self._pick(arrays)
         self._last = var
         feeds = _check_feeds(var.names, arrays, var.specs, self._bound | _HIDDEN)
