@@ -170,7 +170,7 @@ class Optimizer:
         if entry is None or entry[0] is not params:
             state = _rlx.Store.for_optimizer(self._rule, params)
             if self._pending is not None:
-                self._apply_state(state, params, self._pending["state"], "[optimizer state] ")
+                state.write_many(self._plan_state(state, params, self._pending["state"], "[optimizer state] "))
                 self._pending = None
             entry = (params, state)
             self._states[id(params)] = entry
@@ -250,7 +250,11 @@ class Optimizer:
             >>> sd = opt.state_dict()
             >>> opt2.load_state_dict(sd)
         """
-        self._hyper()
+        try:
+            self._hyper()  # what is saved must load again, and loading checks the settings
+        except RlxError as e:
+            raise type(e)(f"{e}; the state is saved with the settings, so set a valid value first "
+                          "(nothing was changed or written)") from None
         out: dict[str, Any] = {"type": type(self).__name__, "settings": self._settings_dict(),
                                "groups": [dict(g) for g in self.groups], "state": {}}
         if self._current is None:
@@ -266,9 +270,30 @@ class Optimizer:
             out["state"].setdefault(pname, {})[slot] = arr.copy()
         return out
 
-    def _apply_state(self, store: Any, params: Any, state: Mapping[str, Any], where: str) -> None:
-        """Checks every tensor of ``state`` against ``store`` first, then writes them (parameters
-        absent from ``state`` get fresh zero state)."""
+    def _check_state(self, state: Any, where: str) -> dict[str, dict[str, np.ndarray]]:
+        """Checks the structure and values of loaded ``state`` (shapes: against a store, in
+        ``_plan_state``) and returns copies as arrays, the int32 counters already converted."""
+        if not isinstance(state, Mapping):
+            raise CheckpointError(f"{where}'state' must map parameter names to dicts, got {type(state).__name__}")
+        known = [*self._slots(), "step", *self._extra()]
+        ints = {"step", *self._extra()}
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for pname, d in state.items():
+            if not isinstance(pname, str) or not isinstance(d, Mapping):
+                raise CheckpointError(f"{where}'state' must map parameter names to dicts of arrays, got "
+                                      f"{pname!r}: {type(d).__name__}")
+            extra = sorted(map(repr, set(d) - set(known)))
+            if extra:
+                raise CheckpointError(f"{where}'{pname}' has unknown state [{', '.join(extra)}] "
+                                      f"(this optimizer keeps {known})")
+            out[pname] = {slot: _state_array(where, f"{pname}.{slot}", v, np.int32 if slot in ints else None)
+                          for slot, v in d.items()}
+        return out
+
+    def _plan_state(self, store: Any, params: Any, state: Mapping[str, Mapping[str, np.ndarray]],
+                    where: str) -> list[tuple[str, Any]]:
+        """Checks ``state`` (from ``_check_state``) against ``store`` and returns the writes that
+        place it (parameters absent from ``state`` get fresh zero state); writes nothing."""
         entries = {n: (tuple(s), d) for n, s, d in store.entries() if n != "hyper"}
         names = {n for n, _, _ in params.entries()}
         unknown = sorted(set(state) - names)
@@ -277,62 +302,74 @@ class Optimizer:
         writes = []
         for full, (shape, dtype) in entries.items():
             pname, slot = full.rsplit(".", 1)
-            value = state.get(pname, {}).get(slot) if isinstance(state.get(pname, {}), Mapping) else None
+            value = state.get(pname, {}).get(slot)
             want = _STATE_NP[dtype]
             if value is None:
                 if pname in state:
                     raise CheckpointError(f"{where}'{pname}' has no '{slot}' (this optimizer keeps {self._slots() + ['step']})")
                 arr = np.zeros(shape, want)
             else:
-                arr = np.asarray(value)
-                if tuple(arr.shape) != shape:
-                    raise CheckpointError(f"{where}'{pname}.{slot}' has shape {tuple(arr.shape)}; the model's is {shape}")
-                arr = np.ascontiguousarray(arr, dtype=want)
-            writes.append((full, arr))
+                if tuple(value.shape) != shape:
+                    raise CheckpointError(f"{where}'{pname}.{slot}' has shape {tuple(value.shape)}; the model's is {shape}")
+                arr = _state_array(where, full, value, want)
+            writes.append((full, arr.reshape(-1)))
         for pname, d in state.items():
             extra = sorted(set(d) - {full.rsplit(".", 1)[1] for full in entries if full.startswith(pname + ".")})
             if extra:
                 raise CheckpointError(f"{where}'{pname}' has unknown state {extra}")
-        store.write_many([(full, arr.reshape(-1)) for full, arr in writes])
+        return writes
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restores settings, groups and state from ``state_dict()``. Everything is checked
-        before anything changes (``CheckpointError``). Before a step is compiled, the state is
-        kept and placed at the compile.
+        (for every model the optimizer trains) before anything changes (``CheckpointError``).
+        Before a step is compiled, the state is kept and placed at the compile.
 
         Example:
             >>> opt.load_state_dict(saved)
         """
         where = "[optimizer state] "
         if not isinstance(state_dict, Mapping) or "state" not in state_dict:
-            raise CheckpointError(f"{where}expects a dict from Optimizer.state_dict()")
+            raise CheckpointError(f"{where}expects a dict from Optimizer.state_dict() (keys 'type', 'settings', "
+                                  f"'groups', 'state'), got {type(state_dict).__name__}")
         if state_dict.get("type") != type(self).__name__:
             raise CheckpointError(f"{where}holds {state_dict.get('type')!r} state; this is {type(self).__name__}")
-        settings = dict(state_dict.get("settings", {}))
-        unknown = sorted(set(settings) - set(self._settings))
+        settings = state_dict.get("settings", {})
+        if not isinstance(settings, Mapping):
+            raise CheckpointError(f"{where}'settings' must be a dict of setting names to values, got "
+                                  f"{type(settings).__name__}")
+        unknown = sorted(map(repr, set(settings) - set(self._settings)))
         if unknown:
-            raise CheckpointError(f"{where}unknown settings {unknown}")
+            raise CheckpointError(f"{where}unknown settings [{', '.join(unknown)}]")
+        groups = state_dict.get("groups", [])
+        groups = [] if groups is None else groups  # None: no groups, as in the constructor
+        if not isinstance(groups, (list, tuple)):
+            raise CheckpointError(f"{where}'groups' must be a list of dicts, got {type(groups).__name__}")
+        for i, g in enumerate(groups):
+            if not isinstance(g, Mapping) or not all(isinstance(k, str) for k in g):
+                raise CheckpointError(f"{where}group {i} must be a dict of setting names (and 'params') to values, "
+                                      f"got {type(g).__name__} {g!r:.80}")
         # Check the settings on a scratch copy first.
         probe = object.__new__(type(self))
         probe.__dict__.update(self.__dict__)
         probe.__dict__.pop("_checked", None)
         for k, v in settings.items():
             object.__setattr__(probe, k, tuple(v) if isinstance(v, list) else v)
-        probe.groups = [dict(g) for g in state_dict.get("groups", [])]
+        probe.groups = [dict(g) for g in groups]
         try:
             probe._hyper()
         except RlxError as e:
             raise CheckpointError(f"{where}bad settings: {e}") from None
-        state = state_dict["state"]
-        if not isinstance(state, Mapping):
-            raise CheckpointError(f"{where}'state' must map parameter names to dicts")
-        for params, store in self._states.values():
-            self._apply_state(store, params, state, where)  # raises before writing on a mismatch
+        state = self._check_state(state_dict["state"], where)
+        # Every store is checked before any is written: an optimizer shared by several models
+        # changes all of them or none.
+        plans = [(store, self._plan_state(store, params, state, where)) for params, store in self._states.values()]
+        for store, writes in plans:
+            store.write_many(writes)
         for k, v in settings.items():
             object.__setattr__(self, k, tuple(v) if isinstance(v, list) else v)
         self.groups = probe.groups
         # Without a compiled step yet, the state waits for the first one.
-        self._pending = None if self._states else {"state": {n: dict(d) for n, d in state.items()}}
+        self._pending = None if self._states else {"state": state}
 
     def save(self, path: str) -> None:
         """Writes settings and state to a safetensors file, atomically (after
@@ -385,6 +422,36 @@ class Optimizer:
 
 # The dtypes of optimizer state: a float32 or float64 parameter's buffers, int32 counters.
 _STATE_NP = {"float32": np.float32, "float64": np.float64, "int32": np.int32}
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _state_array(where: str, name: str, value: Any, want: Any) -> np.ndarray:
+    """``value`` as a contiguous array of ``want`` (None: its own real dtype), a copy; a
+    CheckpointError naming ``name`` for anything that is not real numbers, a counter that is not
+    a whole number in the int32 range, or a finite value that float32 cannot hold."""
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CheckpointError(f"{where}'{name}' is not an array of numbers: {e}") from None
+    if arr.dtype.kind not in "iuf":
+        raise CheckpointError(f"{where}'{name}' must hold real numbers, got dtype {arr.dtype}")
+    if want is None:
+        return np.array(arr)
+    if want is np.int32:
+        ok = np.isfinite(arr) & (arr == np.trunc(arr)) & (arr >= 0) & (arr <= _INT32_MAX)
+        if not ok.all():
+            bad = arr.reshape(-1)[~ok.reshape(-1)][0].item()
+            raise CheckpointError(f"{where}'{name}' must be a whole number in [0, {_INT32_MAX}], got {bad!r}")
+        return np.array(arr, dtype=np.int32)
+    with np.errstate(over="ignore"):
+        out = np.array(arr, dtype=want)
+    lost = np.isinf(out) & np.isfinite(arr)
+    if lost.any():
+        bad = arr.reshape(-1)[lost.reshape(-1)][0].item()
+        raise CheckpointError(f"{where}'{name}' holds {bad!r}, beyond the range of {np.dtype(want).name}")
+    return out
 
 
 def _read(store: Any, name: str, shape: list[int], dtype: str) -> np.ndarray:

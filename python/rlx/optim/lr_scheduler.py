@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from .. import _check
-from ..errors import InputError
+from ..errors import CheckpointError, InputError
 
 
 class _Holder:
@@ -126,12 +128,35 @@ class LRScheduler:
         return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restores ``state_dict()``.
+        """Restores ``state_dict()`` (of a scheduler of this kind on this optimizer). Everything is
+        checked before anything changes (``CheckpointError``).
 
         Example:
             >>> sched.load_state_dict(saved)
         """
-        self.__dict__.update(state_dict)
+        self._restore(self._checked_state(state_dict))
+
+    def _checked_state(self, state_dict: Any) -> dict[str, Any]:
+        """A checked copy of ``state_dict``: the keys of this scheduler's ``state_dict()``, each
+        value shaped like the current one."""
+        where = f"[{type(self).__name__} state] "
+        if not isinstance(state_dict, Mapping):
+            raise CheckpointError(f"{where}expects a dict from {type(self).__name__}.state_dict(), "
+                                  f"got {type(state_dict).__name__}")
+        mine = self.state_dict()
+        unknown = sorted(map(repr, set(state_dict) - set(mine)))
+        missing = sorted(set(mine) - set(state_dict))
+        if unknown or missing:
+            parts = ([f"unknown keys [{', '.join(unknown)}]"] if unknown else []) + (
+                [f"missing keys {missing}"] if missing else [])
+            raise CheckpointError(f"{where}does not match {type(self).__name__}.state_dict(): {'; '.join(parts)}")
+        return {k: self._check_value(where, k, mine[k], state_dict[k]) for k in mine}
+
+    def _check_value(self, where: str, key: str, cur: Any, new: Any) -> Any:
+        return _like(where, key, cur, new)
+
+    def _restore(self, checked: dict[str, Any]) -> None:
+        self.__dict__.update(checked)
 
 
 class StepLR(LRScheduler):
@@ -355,12 +380,58 @@ class SequentialLR(LRScheduler):
         d["_schedulers"] = [s.state_dict() for s in self._schedulers]
         return d
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        d = dict(state_dict)
+    def _check_value(self, where: str, key: str, cur: Any, new: Any) -> Any:
+        if key != "_schedulers":
+            return super()._check_value(where, key, cur, new)
+        if not isinstance(new, (list, tuple)) or len(new) != len(self._schedulers):
+            raise CheckpointError(f"{where}'_schedulers' must be a list of {len(self._schedulers)} scheduler states, "
+                                  f"got {type(new).__name__} {new!r:.80}")
+        return [s._checked_state(sd) for s, sd in zip(self._schedulers, new)]
+
+    def _restore(self, checked: dict[str, Any]) -> None:
+        d = dict(checked)
         subs = d.pop("_schedulers")
         self.__dict__.update(d)
         for s, sd in zip(self._schedulers, subs):
-            s.load_state_dict(sd)
+            s._restore(sd)
+
+
+# Counters and step numbers in schedulers' state, with their least value (the rest are real numbers).
+_INT_MIN = {"last_epoch": -1, "_step_count": 0, "step_size": 1, "T_max": 1, "total_iters": 1, "total_steps": 1,
+            "_milestones": 0}
+
+
+def _like(where: str, key: str, cur: Any, new: Any) -> Any:
+    """A copy of loaded value ``new`` of state ``key``, checked to be shaped like ``cur``."""
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}'{key}' must be {what}, got {type(new).__name__} {new!r:.80}")
+
+    is_bool = isinstance(new, (bool, np.bool_))
+    if isinstance(cur, bool):
+        if not is_bool:
+            raise bad("True or False")
+        return bool(new)
+    if isinstance(cur, (int, float)):
+        if key in _INT_MIN:
+            if is_bool or not isinstance(new, (int, np.integer)) or new < _INT_MIN[key]:
+                raise bad(f"an int >= {_INT_MIN[key]}")
+            return int(new)
+        if is_bool or not isinstance(new, (int, float, np.integer, np.floating)) or not math.isfinite(new):
+            raise bad("a finite number")
+        return float(new) if isinstance(new, (float, np.floating)) else int(new)
+    if isinstance(cur, (list, tuple)):
+        if not isinstance(new, (list, tuple)) or len(new) != len(cur):
+            raise bad(f"a list of {len(cur)}")
+        return type(cur)(_like(where, key, c, n) for c, n in zip(cur, new))
+    if isinstance(cur, dict):
+        if not isinstance(new, Mapping) or set(new) != set(cur):
+            raise bad(f"a dict with keys {sorted(cur)}")
+        return {k: _like(where, key, cur[k], new[k]) for k in cur}
+    if isinstance(cur, str) and not isinstance(new, str):
+        raise bad("a str")
+    if callable(cur) and not callable(new):
+        raise bad("a function")
+    return new
 
 
 def _undo(s: LRScheduler) -> None:
