@@ -49,9 +49,11 @@ class Graph:
         return _check.name(kind, name), list(_check.shape(kind, shape)), parse_dtype(kind, dtype)
 
     def constant(self, value: Any, dtype: str | None = None) -> Tensor:
-        """A constant (numpy array or Python number) in the graph: float values become float32
-        and integers int32 (int64 where a value needs it) unless ``dtype`` (``"float32"``,
-        ``"float64"``, ``"int32"``, ``"int64"``) says otherwise.
+        """A constant (numpy array, nested list or Python number) in the graph: float values
+        become float32 and integers int32 (int64 where a value needs it) unless ``dtype``
+        (``"float32"``, ``"float64"``, ``"int32"``, ``"int64"``) says otherwise. An integer
+        ``dtype`` takes only values it holds exactly: a fraction, NaN, inf or a value out of its
+        range is a DTypeError (round first); ragged nested lists are a ShapeError.
 
         Example:
             >>> c = g.constant(np.eye(3, dtype=np.float32))

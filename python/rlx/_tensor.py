@@ -38,43 +38,88 @@ class Trace:
         """A constant node from a Python scalar or numpy array. A scalar's dtype is ``dtype`` when
         given, else int32 for an int next to an int32 ``like``, else float32; an array's follows
         its kind (floats become float32, integers int32, or int64 where a value needs it) unless
-        ``dtype`` says otherwise."""
+        ``dtype`` says otherwise. An integer ``dtype`` takes only values it holds exactly
+        (DTypeError for 1.5, NaN, inf or a value out of its range); ragged lists are a ShapeError."""
         if isinstance(value, (bool, int, float, np.number)) and not isinstance(value, np.ndarray):
+            if isinstance(value, np.complexfloating):
+                raise DTypeError(f"[constant] cannot use the complex number {value!r} in rlx")
             if dtype is None:
                 is_int = isinstance(value, (int, np.integer))
                 dtype = "int32" if (like is not None and like.dtype == "int32" and is_int) else "float32"
-            key = (dtype, int(value) if dtype == "int64" else float(value))
+            if dtype in _INTS:
+                key: tuple = (dtype, _exact_int(value, dtype))
+            else:
+                try:
+                    key = (dtype, float(value))
+                except OverflowError:
+                    raise DTypeError(f"[constant] {value} does not fit in {dtype}") from None
             if key not in self._consts:
-                if dtype in _INTS and not -_INT_BOUND[dtype] <= int(value) < _INT_BOUND[dtype]:
-                    hint = "; cast the tensor with .astype('int64')" if dtype == "int32" else ""
-                    raise DTypeError(f"[constant] {value} does not fit in {dtype}{hint}")
-                arr = np.asarray(value, dtype={"float32": np.float32, "float64": np.float64, "int32": np.int32,
-                                               "int64": np.int64}[dtype])
+                arr = np.asarray(key[1], dtype={"float32": np.float32, "float64": np.float64, "int32": np.int32,
+                                                "int64": np.int64}[dtype])
                 self._consts[key] = self.graph.constant(arr.reshape(-1), [], dtype)
             return Tensor(self, self._consts[key])
-        arr = np.asarray(value)
-        if dtype in ("float32", "float64") and arr.dtype.kind in "iubf":
-            arr = arr.astype(dtype)
-        if arr.dtype.kind == "f" and dtype == "float64":
-            pass
-        elif arr.dtype.kind == "f":
-            arr = arr.astype(np.float32)
-            dtype = "float32"
-        elif arr.dtype.kind in "iub" and (dtype == "int64" or (
-                dtype is None and arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31))):
-            if arr.size and (int(arr.min()) < -(2**63) or int(arr.max()) >= 2**63):
-                raise DTypeError(f"[constant] integer values do not fit in int64 (range {arr.min()}..{arr.max()})")
-            arr = arr.astype(np.int64)
-            dtype = "int64"
-        elif arr.dtype.kind in "iub":
-            if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
-                raise DTypeError(f"[constant] integer values do not fit in int32 (range {arr.min()}..{arr.max()})")
-            arr = arr.astype(np.int32)
-            dtype = "int32"
-        else:
+        arr = _array_of("constant", value)
+        if arr.dtype.kind not in "iubf":
             raise DTypeError(f"[constant] cannot use an array of dtype {arr.dtype} in rlx (float32 or int32)")
+        if dtype in _INTS:
+            arr = _exact_ints(arr, dtype)
+        elif dtype in ("float32", "float64"):
+            arr = arr.astype(dtype)
+        elif arr.dtype.kind == "f":
+            arr, dtype = arr.astype(np.float32), "float32"
+        else:
+            wide = arr.size and (int(arr.min()) < -(2**31) or int(arr.max()) >= 2**31)
+            dtype = "int64" if wide else "int32"
+            arr = _exact_ints(arr, dtype)
         arr = contiguous(arr)
         return Tensor(self, self.graph.constant(arr.reshape(-1), list(arr.shape), dtype))
+
+
+def _exact_int(value: Any, dtype: str) -> int:
+    """A scalar as the int an ``dtype`` (int32 / int64) constant holds; DTypeError where it has
+    none (NaN, inf, a fraction) or it is out of range."""
+    if not isinstance(value, (bool, int, np.integer, np.bool_)):
+        f = float(value)
+        if not np.isfinite(f) or f != np.floor(f):
+            what = "NaN and infinities are not integers" if not np.isfinite(f) else "it is not a whole number"
+            raise DTypeError(f"[constant] {f!r} has no exact {dtype} value ({what}); round it first "
+                             "or use a float dtype")
+        value = f
+    v = int(value)
+    if not -_INT_BOUND[dtype] <= v < _INT_BOUND[dtype]:
+        hint = "; cast the tensor with .astype('int64')" if dtype == "int32" else ""
+        raise DTypeError(f"[constant] {value} does not fit in {dtype}{hint}")
+    return v
+
+
+def _exact_ints(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """An array as ``dtype`` (int32 / int64), refusing values that type does not hold exactly
+    (NaN, inf, fractions, values out of range) with a DTypeError naming the first one."""
+    if arr.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~np.isfinite(arr) | (arr != np.floor(arr))
+        if bad.any():
+            v = arr[bad].flat[0].item()
+            what = "NaN and infinities are not integers" if not np.isfinite(v) else "it is not a whole number"
+            raise DTypeError(f"[constant] the value {v!r} at index {np.argwhere(bad)[0].tolist()} has no exact {dtype} "
+                             f"value ({what}); round the array first or use a float dtype")
+    lo, hi = (arr.min(), arr.max()) if arr.size else (0, 0)
+    # Floats compare as floats (2**63 is one), integers as Python ints (exact for uint64 too).
+    lo, hi = (float(lo), float(hi)) if arr.dtype.kind == "f" else (int(lo), int(hi))
+    if lo < -_INT_BOUND[dtype] or hi >= _INT_BOUND[dtype]:
+        raise DTypeError(f"[constant] integer values do not fit in {dtype} (range {arr.min()}..{arr.max()})")
+    return arr.astype(dtype)
+
+
+def _array_of(op: str, value: Any) -> np.ndarray:
+    """``np.asarray(value)``, with ragged nested lists a ShapeError naming ``op``."""
+    try:
+        return np.asarray(value)
+    except ValueError:
+        text = repr(value)
+        text = text if len(text) <= 60 else text[:57] + "..."
+        raise ShapeError(f"[{op}] {text} is ragged (nested sequences of different lengths); "
+                         "an rlx constant needs a rectangular array") from None
 
 
 def _trace_of(*xs: Any) -> Trace:
@@ -108,7 +153,10 @@ def _kind(x: Any) -> str:
     if isinstance(x, np.ndarray) and x.dtype.kind in "iub":
         return "int"
     if isinstance(x, (list, tuple)):
-        return "int" if np.asarray(x).dtype.kind in "iub" else "float"
+        try:
+            return "int" if np.asarray(x).dtype.kind in "iub" else "float"
+        except ValueError:
+            return "float"  # ragged: making the constant raises the error
     return "float"  # Python/numpy floats, float arrays, Parameters
 
 
@@ -353,6 +401,40 @@ class Tensor:
             x = x.astype("float32")
         return Tensor(x._trace, x._trace.graph.pow(x._id, float(p)))
 
+    def __rpow__(self, b: Any) -> "Tensor":
+        """``b ** x`` for a Python / numpy scalar base ``b``: ``exp(x * log(b))``, with C's
+        ``pow`` at the edges (``b ** 0`` is 1, ``1 ** x`` is 1, ``0 ** -1`` is inf; a negative
+        ``b`` to a non-integer power is NaN). A float (integer and bool tensors give float32);
+        the gradient is ``b ** x * log(b)``."""
+        if isinstance(b, np.ndarray) and b.ndim == 0:
+            b = b[()]
+        if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, float, np.integer, np.floating)):
+            raise DTypeError(f"[pow] the base of b ** tensor must be a Python or numpy scalar, got {type(b).__name__}")
+        x = self
+        if x.dtype in _INTS + ("bool",):
+            if isinstance(b, (int, np.integer)):
+                raise DTypeError(f"[pow] an int to the power of an {x.dtype} tensor is not supported (its dtype would "
+                                 f"depend on the signs of the values); use a float base ({float(b)!r} ** x)")
+            x = x.astype("float32")
+        b = float(b)
+        if b != b:
+            return where(x == 0, 1.0, float("nan")).astype(x.dtype)
+        if b == 1.0:
+            return where(x == 0, 1.0, 1.0).astype(x.dtype)
+        if b == 0.0:
+            return where(x > 0, 0.0, where(x < 0, float("inf"), where(x == 0, 1.0, float("nan")))).astype(x.dtype)
+        mag = exp(x * float(np.log(abs(b))))
+        if np.isinf(b):
+            mag = where(x == 0, 1.0, mag)  # inf * 0 is NaN inside exp; C's pow gives 1
+        if b > 0:
+            return mag
+        odd = (x % 2.0) == 1.0
+        if np.isinf(b):
+            return where(odd, -mag, mag)  # C's pow: (-inf) ** 2.5 is inf
+        # Whole numbers, and +-inf as C's pow takes them ((-2) ** inf is inf); inf // 1 is NaN.
+        whole = ((x // 1.0) == x) + (x == float("inf")) + (x == float("-inf"))
+        return where(whole, where(odd, -mag, mag), float("nan"))
+
     def __lt__(self, o: Any) -> "Tensor":
         return _binary("lt", self, o)
 
@@ -435,8 +517,8 @@ class Tensor:
         x = self
         if x.dtype in _INTS + ("bool",):
             if kind == "mean":
-                x = x.astype("float32")
-            elif kind == "sum" and x.dtype != "int64":
+                return _int_mean(x, axis, keepdims)
+            if kind == "sum" and x.dtype != "int64":
                 x = x.astype("int64")
             elif kind == "max" and x.dtype == "bool":
                 return x.astype("int32")._reduce(kind, axis, keepdims).astype("bool")
@@ -471,24 +553,22 @@ class Tensor:
 
     def var(self, axis: int | Sequence[int] | None = None, keepdims: bool = False, ddof: int = 0) -> "Tensor":
         """Variance over ``axis`` (all axes when None): ``mean((x - mean)**2)`` divided by
-        ``count - ddof`` instead of ``count`` (numpy's ``ddof``; PyTorch's default is ``ddof=1``).
+        ``count - ddof`` instead of ``count`` (numpy's ``ddof``; PyTorch's default is ``ddof=1``;
+        ``count <= ddof`` gives inf, or NaN where all values are equal, as both). Integers and
+        bools give float32 (see ``_int_var``).
 
         Example:
             >>> def forward(model, x):
             ...     return x.var(axis=0)
         """
-        x = self.astype("float32") if self.dtype == "int32" else self
-        axes = _axes(axis, "var")
-        dims = list(range(x.ndim)) if axes is None else [a + x.ndim if a < 0 else a for a in axes]
-        count = 1
-        for a in dims:
-            if not 0 <= a < x.ndim:
-                raise ShapeError(f"[var] axis {a} is out of range for a tensor of shape {x.shape}")
-            count *= x.shape[a]
+        dims, count = _reduced(self, axis, "var")
+        ddof = _check.integer("var", "ddof", ddof, lo=0)
+        if self.dtype in _INTS + ("bool",):
+            return _int_var(self, dims, count, keepdims, ddof)
+        x = self
         d = x - x.mean(axis=dims, keepdims=True)
         ss = (d * d).sum(axis=dims, keepdims=keepdims)
-        ddof = _check.integer("var", "ddof", ddof, lo=0)
-        return ss / float(count - ddof) if count > ddof else ss * float("nan")
+        return ss / float(max(count - ddof, 0))
 
     def argmax(self, axis: int | None = None) -> "Tensor":
         """Index of the first maximum along ``axis`` (of the flattened tensor when None), int32."""
@@ -514,34 +594,46 @@ class Tensor:
         return abs_(self)
 
     def __getitem__(self, key: Any) -> "Tensor":
-        """Basic indexing: ints, slices with step 1, ``...`` and ``None``; an int32 tensor (or
-        integer array) as the only index picks rows of a float32 tensor (gather along axis 0)."""
-        if isinstance(key, Tensor) or (isinstance(key, (np.ndarray, list)) and np.asarray(key).dtype.kind in "iu"):
+        """Basic indexing: ints, slices with step 1, ``...``, ``None`` and ``True`` / ``False``
+        (numpy's: a new axis of length 1 / 0); an int32 tensor (or constant integer array) as the
+        only index picks rows of a float32 tensor (gather along axis 0). Constant indices may be
+        negative and are checked against the axis when tracing; a tensor's when the function
+        runs. Boolean masks are refused: the result's shape would depend on the values."""
+        _refuse_mask(key)
+        if isinstance(key, Tensor) or (isinstance(key, (np.ndarray, list)) and np.ndim(key) > 0
+                                       and np.asarray(key).dtype.kind in "iu"):
+            if self.ndim == 0:
+                raise ShapeError("[getitem] cannot index a 0-d tensor with a tensor")
+            if not isinstance(key, Tensor):
+                key = _row_ids(np.asarray(key), self.shape[0])
             ids = _as_tensor(key, self._trace)
             if ids.dtype == "int64":
                 ids = ids.astype("int32")
             if ids.dtype != "int32":
-                raise DTypeError(f"[getitem] tensor indices must be int32, got {ids.dtype}")
-            if self.ndim == 0:
-                raise ShapeError("[getitem] cannot index a 0-d tensor with a tensor")
+                raise DTypeError(f"[getitem] tensor indices must be int32, got {ids.dtype} (boolean masks are not "
+                                 "supported: use rlx.where(mask, x, 0))")
             if self.dtype not in ("float32",) + _LOW:
                 raise UnsupportedError(f"[getitem] indexing with a tensor needs a float32, bfloat16 or float16 tensor, "
                                        f"got {self.dtype}")
             return Tensor(self._trace, self._trace.graph.gather(self._id, ids._id))
         if not isinstance(key, tuple):
             key = (key,)
-        if sum(k is Ellipsis for k in key) > 1:
+        ellipses = [i for i, k in enumerate(key) if k is Ellipsis]  # by identity: arrays have no ==
+        if len(ellipses) > 1:
             raise ShapeError("[getitem] only one ... is allowed")
-        consumed = sum(1 for k in key if k is not None and k is not Ellipsis)
+        consumed = sum(1 for k in key if k is not None and k is not Ellipsis and not _is_bool_scalar(k))
         if consumed > self.ndim:
             raise ShapeError(f"[getitem] too many indices ({consumed}) for a tensor of shape {self.shape}")
-        if Ellipsis in key:
-            i = key.index(Ellipsis)
+        if ellipses:
+            i = ellipses[0]
             key = key[:i] + (slice(None),) * (self.ndim - consumed) + key[i + 1 :]
-        key = key + (slice(None),) * (self.ndim - sum(1 for k in key if k is not None))
-        out, axis, final = self, 0, []
+        else:
+            key = key + (slice(None),) * (self.ndim - consumed)
+        out, axis, final, empty = self, 0, [], []
         for k in key:
-            if k is None:
+            if k is None or _is_bool_scalar(k):
+                if k is not None and not bool(k):
+                    empty.append(len(final))  # numpy's x[False]: a new axis of length 0
                 final.append(1)
                 continue
             dim = self.shape[axis]
@@ -553,7 +645,7 @@ class Tensor:
                 if (start, stop) != (0, dim):
                     out = Tensor(self._trace, self._trace.graph.slice(out._id, axis, start, stop))
                 final.append(stop - start)
-            elif isinstance(k, (int, np.integer)):
+            elif isinstance(k, (int, np.integer)) or (isinstance(k, np.ndarray) and k.ndim == 0 and k.dtype.kind in "iu"):
                 idx = int(k) + dim if int(k) < 0 else int(k)
                 if not 0 <= idx < dim:
                     raise ShapeError(f"[getitem] index {int(k)} is out of range for axis {axis} of size {dim}")
@@ -561,7 +653,17 @@ class Tensor:
             else:
                 raise UnsupportedError(f"[getitem] unsupported index {k!r}; use ints, slices, ... or None")
             axis += 1
-        return out.reshape(*final) if tuple(final) != out.shape else out
+        out = out.reshape(*final) if tuple(final) != out.shape else out
+        for a in empty:
+            out = Tensor(self._trace, self._trace.graph.slice(out._id, a, 0, 0))
+        return out
+
+    def __iter__(self) -> Any:
+        """The sub-tensors ``x[0], x[1], ...`` along axis 0 (``for row in x``, ``a, b = x``).
+        (No ``len()``: numpy would then unpack a tensor element by element.)"""
+        if self.ndim == 0:
+            raise ShapeError("[iter] cannot iterate over a 0-d tensor (shape ())")
+        return (self[i] for i in range(self.shape[0]))
 
     def astype(self, dtype: Any) -> "Tensor":
         """The values converted to ``dtype``: ``"float32"``, ``"float16"``, ``"bfloat16"``,
@@ -596,6 +698,91 @@ def _int_pow(x: Tensor, p: int) -> Tensor:
             break
         square = square * square
     return result if result is not None else x * 0 + 1
+
+
+def _reduced(x: Tensor, axis: Any, op: str) -> tuple[list[int], int]:
+    """The axes a reduction of ``x`` over ``axis`` takes (non-negative) and how many values each
+    result reduces."""
+    axes = _axes(axis, op)
+    dims = list(range(x.ndim)) if axes is None else [a + x.ndim if a < 0 else a for a in axes]
+    count = 1
+    for a in dims:
+        if not 0 <= a < x.ndim:
+            raise ShapeError(f"[{op}] axis {a} is out of range for a tensor of shape {x.shape}")
+        count *= x.shape[a]
+    return dims, count
+
+
+def _int32_halves(x: Tensor) -> tuple[Tensor, Tensor]:
+    """int32 ``x`` as float32 ``hi * 65536 + lo`` (both exact, ``|lo| <= 32768``): sums of the
+    halves are exact for up to 256 values, where ``x.astype('float32')`` rounds values above 2**24.
+    int32 and float32 ops only, so the GPU backends run it too."""
+    hi = x // 65536
+    lo = (x - hi * 65536).astype("float32")  # in [0, 65536)
+    up = lo >= 32768.0  # centre lo on 0: small values of either sign have hi == 0
+    return hi.astype("float32") + up, lo - up * 65536.0
+
+
+def _int_mean(x: Tensor, axis: Any, keepdims: bool) -> Tensor:
+    """The float32 mean of integers or bools, without rounding each value to float32 first:
+    int64 and bools (CPU-only dtypes) through float64, as numpy; int32 as its exact sum (in
+    halves, see ``_int32_halves``) rounded once, divided by the count."""
+    if x.dtype != "int32":
+        return x.astype("float64")._reduce("mean", axis, keepdims).astype("float32")
+    dims, count = _reduced(x, axis, "mean")
+    hi, lo = _int32_halves(x)
+    total = hi._reduce("sum", dims, keepdims) * 65536.0 + lo._reduce("sum", dims, keepdims)
+    return total / float(count)  # 0 / 0: an empty mean is NaN, as numpy's
+
+
+def _int_var(x: Tensor, dims: list[int], count: int, keepdims: bool, ddof: int) -> Tensor:
+    """The float32 variance of integers or bools. int64 and bools go through float64 (numpy's
+    precision). int32 subtracts an integer ``shift`` near the mean first, so the deviations are
+    exact and small: ``(sum(d**2) - sum(d)**2 / n) / (n - ddof)`` with ``d = x - shift``."""
+    if x.dtype != "int32":
+        return x.astype("float64").var(dims, keepdims, ddof).astype("float32")
+    n = float(max(count, 1))
+    hi, lo = _int32_halves(x)
+    shi, slo = hi._reduce("sum", dims, True), lo._reduce("sum", dims, True)
+    shift_hi = (shi / n + 0.5) // 1.0  # round(mean of hi), then floor(the rest of the mean)
+    shift_lo = (((shi - shift_hi * n) * 65536.0 + slo) / n) // 1.0
+    d = (hi - shift_hi) * 65536.0 + (lo - shift_lo)
+    sd = d._reduce("sum", dims, keepdims)
+    ss = (d * d)._reduce("sum", dims, keepdims) - sd * sd / n
+    ss = where(ss < 0, 0.0, ss)  # rounding can leave -0.x where all values are equal
+    return ss / float(max(count - ddof, 0))
+
+
+def _is_bool_scalar(k: Any) -> bool:
+    """A Python / numpy bool (or 0-d bool array) index: numpy's new axis of length 1 or 0."""
+    return isinstance(k, (bool, np.bool_)) or (isinstance(k, np.ndarray) and k.ndim == 0 and k.dtype == np.bool_)
+
+
+def _refuse_mask(key: Any) -> None:
+    """UnsupportedError for boolean-mask indices (a bool tensor, array or list, alone or in a
+    tuple): the number of elements they pick, so the result's shape, is known only from values."""
+    for k in key if isinstance(key, tuple) else (key,):
+        if isinstance(k, Tensor):
+            shape, mask = k.shape, k.dtype == "bool"
+        elif isinstance(k, (np.ndarray, list)) and not _is_bool_scalar(k):
+            arr = _array_of("getitem", k)
+            shape, mask = arr.shape, arr.dtype == np.bool_
+        else:
+            continue
+        if mask:
+            raise UnsupportedError(f"[getitem] boolean mask indices (a bool mask of shape {shape}) are not supported: "
+                                   "the result's shape would depend on the mask's values; use rlx.where(mask, x, 0) "
+                                   "to zero the other elements, or int indices")
+
+
+def _row_ids(ids: np.ndarray, dim: int) -> np.ndarray:
+    """Constant integer indices of rows of an axis of size ``dim``: negative ones counted from
+    the end (numpy's), out-of-range ones a ShapeError now rather than when the function runs."""
+    bad = (ids < -dim) | (ids >= dim) if ids.dtype.kind == "i" else ids >= dim
+    if bad.any():
+        raise ShapeError(f"[getitem] index {ids[bad].flat[0].item()} is out of range for axis 0 of size {dim}")
+    ids = ids.astype(np.int64)
+    return np.where(ids < 0, ids + dim, ids).astype(np.int32)
 
 
 def matmul(a: Any, b: Any) -> Tensor:
@@ -890,7 +1077,9 @@ def _check_attention(q: Tensor, k: Tensor, v: Tensor) -> None:
 def _sdpa_composed(q: Tensor, k: Tensor, v: Tensor, offset: int | None) -> Tensor:
     """Attention from primitive ops (broadcast batch dims, empty axes; and the reference the
     fused op is tested against)."""
-    scores = _matmul_nt(q * (1.0 / float(np.sqrt(q.shape[-1]))), k)
+    # Head dim 0: every score is 0 (PyTorch's result: uniform attention), whatever the scale.
+    scale = 1.0 / float(np.sqrt(q.shape[-1])) if q.shape[-1] else 1.0
+    scores = _matmul_nt(q * scale, k)
     if offset is not None:
         tq, tk = scores.shape[-2], scores.shape[-1]
         mask = np.tril(np.ones((tq, tk), dtype=np.float32), k=offset)

@@ -289,7 +289,7 @@ _BINARY_OPS = ["add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "div
                "and", "xor", "or"]
 OPERATOR_DUNDERS = frozenset(
     [f"__{op}__" for op in _BINARY_OPS] + [f"__r{op}__" for op in _BINARY_OPS]
-    + [f"__{op}__" for op in ["neg", "pos", "abs", "invert", "lt", "le", "eq", "ne", "gt", "ge", "getitem"]]
+    + [f"__{op}__" for op in ["neg", "pos", "abs", "invert", "lt", "le", "eq", "ne", "gt", "ge", "getitem", "iter"]]
 )
 
 
