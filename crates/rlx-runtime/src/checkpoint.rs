@@ -174,6 +174,36 @@ impl<'de> serde::Deserialize<'de> for Keys {
 #[derive(serde::Deserialize)]
 struct Entry {
     data_offsets: (u64, u64),
+    #[serde(default)]
+    dtype: String,
+    #[serde(default)]
+    shape: Vec<u64>,
+}
+
+impl Entry {
+    /// Where the entry's bytes disagree with its dtype and shape (a dtype safetensors knows),
+    /// what to say about tensor `name`.
+    fn size_mismatch(&self, name: &str) -> Option<String> {
+        let elem: u64 = match self.dtype.as_str() {
+            "F64" | "I64" | "U64" => 8,
+            "F32" | "I32" | "U32" => 4,
+            "F16" | "BF16" | "I16" | "U16" => 2,
+            "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
+            _ => return None,
+        };
+        let want = self
+            .shape
+            .iter()
+            .try_fold(elem, |acc, &d| acc.checked_mul(d))?;
+        let (start, end) = self.data_offsets;
+        let have = end.checked_sub(start)?;
+        (have != want).then(|| {
+            format!(
+                "tensor '{name}' is {} {:?} ({want} bytes) but its data_offsets span {have} bytes",
+                self.dtype, self.shape
+            )
+        })
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -312,6 +342,9 @@ pub fn load_raw(
         }
         let e: Entry = serde_json::from_value(v.clone())
             .map_err(|e| err(path, format!("bad entry '{name}': {e}")))?;
+        if let Some(why) = e.size_mismatch(name) {
+            return Err(err(path, why));
+        }
         data_end = data_end.max(e.data_offsets.1);
     }
     let data_len = file_len - 8 - n;
@@ -404,6 +437,26 @@ mod tests {
         assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));
         fs::write(&path, b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage").unwrap();
         assert!(matches!(load(&path, None), Err(Error::Checkpoint(_))));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A header whose dtype disagrees with the bytes it gives a tensor names that tensor (the
+    /// total-size check after it used to speak only of the whole file's bytes).
+    #[test]
+    fn a_tensor_whose_dtype_disagrees_with_its_bytes_is_named() {
+        let dir = std::env::temp_dir().join(format!("rlx-ckpt-size-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.safetensors");
+        let header = br#"{"w":{"dtype":"F16","shape":[3],"data_offsets":[0,12]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        file.extend_from_slice(&[0u8; 12]);
+        fs::write(&path, &file).unwrap();
+        let e = load_raw(&path, Some(6)).unwrap_err().to_string();
+        assert!(
+            e.contains("tensor 'w' is F16 [3] (6 bytes) but its data_offsets span 12 bytes"),
+            "{e}"
+        );
         fs::remove_dir_all(&dir).unwrap();
     }
 
