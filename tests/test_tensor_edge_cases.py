@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import rlx
+from conftest import run_forward
 
 
 def run(build, **feeds):
@@ -282,3 +283,13 @@ def test_float_mean_and_var_are_unchanged():
     mean, var = run(lambda g, x: (x.mean(1), x.var(0, ddof=1)), x=a)
     np.testing.assert_allclose(mean, a.mean(1), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(var, a.var(0, ddof=1), rtol=1e-5)
+
+
+def test_layer_norm_names_a_misshapen_weight_and_clip_refuses_a_nan_bound():
+    x = {"x": np.ones((2, 3, 4), np.float32)}
+    with pytest.raises(rlx.ShapeError, match=r"\[layer_norm\] weight must have shape \(4,\) .* got \(3,\)"):
+        run_forward(lambda x: rlx.layer_norm(x, weight=np.ones(3, np.float32)), x)
+    with pytest.raises(rlx.ShapeError, match=r"\[layer_norm\] bias must have shape \(4,\)"):
+        run_forward(lambda x: rlx.layer_norm(x, bias=np.ones((2, 4), np.float32)), x)
+    with pytest.raises(rlx.InputError, match=r"\[clip\] lo is NaN"):
+        run_forward(lambda x: rlx.clip(x, float("nan"), 2.0), x)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Sequence
 
@@ -942,6 +943,11 @@ def layer_norm(x: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5) 
     """
     t = _trace_of(x, weight, bias)
     x = _as_tensor(x, t)
+    for what, v in (("weight", weight), ("bias", bias)):
+        shape = getattr(v, "shape", None) if v is not None else None
+        if shape is not None and tuple(shape) not in ((), (x.shape[-1],)) and x.ndim:
+            raise ShapeError(f"[layer_norm] {what} must have shape ({x.shape[-1]},) (the normalised last axis of "
+                             f"{x.shape}), got {tuple(shape)}")
     y = Tensor(t, t.graph.normalize(x._id, _check.number("layer_norm", "eps", eps, lo=0.0)))
     if weight is not None:
         y = y * weight
@@ -1216,6 +1222,9 @@ def clip(x: Any, lo: Any = None, hi: Any = None) -> Tensor:
     x = _as_tensor(x, t)
     if lo is None and hi is None:
         raise InputError("[clip] give lo, hi or both")
+    for what, v in (("lo", lo), ("hi", hi)):
+        if isinstance(v, (float, np.floating)) and math.isnan(v):
+            raise InputError(f"[clip] {what} is NaN (no value is below or above it); give a number or None")
     if lo is not None:
         x = where(x < lo, lo, x)
     if hi is not None:
