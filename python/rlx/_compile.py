@@ -805,7 +805,7 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
     executable on ``device``.
 
     Args:
-        loss_fn: ``loss_fn(model, **tensors)`` returning a float32 scalar Tensor, or
+        loss_fn: ``loss_fn(model, **tensors)`` returning a float32 (or float64) scalar Tensor, or
             ``(loss, aux)`` with ``aux`` a dict of Tensors returned by every call.
         clip_grad_norm: scale gradients so their global L2 norm is at most this (PyTorch's
             ``clip_grad_norm_``), inside the same native call; ``step.grad_norm`` is the norm
@@ -825,7 +825,8 @@ def compile_train_step(loss_fn: Callable[..., Any], model: Module, optimizer: Op
             optimizer state stay float32 masters. ``"fp16"``: the same in float16, with dynamic
             loss scaling (``step.loss_scale``): a step whose gradients overflow changes nothing
             (counted in ``step.skipped``) and halves the scale, so ``"fp16"`` always skips
-            non-finite steps (``skip_nonfinite`` is on whatever it is given). CPU only so far;
+            non-finite steps (``skip_nonfinite`` is on whatever it is given). CPU and CUDA (not
+            Metal);
             ``step.precision`` says which one a step computes in. The loss scale is not saved in
             checkpoints (a resumed run starts again from ``loss_scale``).
         loss_scale: the first loss scale of ``precision="fp16"`` (PyTorch's default, 2**16);
@@ -894,7 +895,7 @@ def compile(forward_fn: Callable[..., Any], model: Module, inputs: Mapping[str, 
     """Traces ``forward_fn(model, **tensors)`` into an inference executable on ``device``, in
     eval mode unless ``training=True``. ``precision="bf16"`` / ``"fp16"`` runs the matmuls with
     low-precision operands and float32 sums, the rest in float32 (as ``compile_train_step``);
-    CPU only so far.
+    CPU and CUDA (not Metal).
 
     Example:
         >>> predict = rlx.compile(lambda m, x: m(x), model, {"x": rlx.InputSpec((10, 64))})

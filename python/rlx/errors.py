@@ -26,7 +26,7 @@ ShapeError.__doc__ = """Shapes that do not fit together; the message names the o
 
     Example:
         >>> try:
-        ...     step(x=np.zeros((3, 5), np.float32))   # expected (64, 64)
+        ...     step(x=np.zeros((3, 5), np.float32), y=y)   # expected (64, 64)
         ... except rlx.ShapeError as e:
         ...     print(e)
     """
@@ -34,7 +34,7 @@ DTypeError.__doc__ = """Element types that do not fit together; the message name
 
     Example:
         >>> try:
-        ...     step(x=np.zeros((64, 64)))             # float64, not float32
+        ...     step(x=np.zeros((64, 64)), y=y)             # float64, not float32
         ... except rlx.DTypeError as e:
         ...     print(e)
     """
