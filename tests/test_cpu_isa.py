@@ -94,3 +94,16 @@ def test_avx2_kernels_on_request_match_bitwise():
 
 def test_this_process_reports_its_choice():
     assert rlx._rlx.cpu_isa() in ("avx512", "avx2", "portable")
+
+
+@pytest.mark.parametrize("var,value", [("RLX_CPU_ISA", "avx-512"), ("RLX_CPU_GEMM", "mkl"), ("RLX_CPU_BF16", "on"),
+                                       ("RLX_NUM_THREADS", "0"), ("RLX_NUM_THREADS", "abc")])
+def test_a_misspelt_cpu_setting_is_an_input_error_at_compile(monkeypatch, var, value):
+    """These used to fall back to the default silently."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(rlx.InputError, match=rf"\[cpu\] {var} must be .*got '{value}'"):
+        rlx.compile(lambda m, x: m(x), rlx.nn.Linear(2, 2), {"x": rlx.InputSpec((1, 2))})
+    monkeypatch.setenv(var, "AVX2" if var != "RLX_NUM_THREADS" else "2")
+    if var == "RLX_CPU_BF16":
+        monkeypatch.setenv(var, "portable")
+    rlx.compile(lambda m, x: m(x), rlx.nn.Linear(2, 2), {"x": rlx.InputSpec((1, 2))})

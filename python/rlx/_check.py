@@ -65,7 +65,30 @@ def name(where: str, v: Any) -> str:
 def device(v: Any) -> str:
     if not isinstance(v, str):
         raise DeviceError(f"[device] a device is a str such as 'cpu' or 'cuda:0', got {type(v).__name__} {v!r}")
+    cpu_environment()
     return v
+
+
+#: The CPU backend's settings and the values each takes (lower case; unset or empty: the default).
+_CPU_SETTINGS = {
+    "RLX_CPU_ISA": ("auto", "portable", "avx2", "avx512"),
+    "RLX_CPU_GEMM": ("auto", "crate", "avx2", "avx512"),
+    "RLX_CPU_BF16": ("auto", "avx512bf16", "portable"),
+}
+
+
+def cpu_environment() -> None:
+    """InputError for a CPU setting with a value the kernels would ignore (a typo used to fall
+    back to the default silently). Every run reads them once per process, so this checks the
+    environment each compile sees."""
+    for var, allowed in _CPU_SETTINGS.items():
+        value = os.environ.get(var, "").strip().lower()
+        if value and value not in allowed:
+            raise InputError(f"[cpu] {var} must be one of {', '.join(allowed)} (or unset), got {os.environ[var]!r}")
+    for var in ("RLX_NUM_THREADS",):
+        value = os.environ.get(var, "").strip()
+        if value and not (value.isdigit() and int(value) > 0):
+            raise InputError(f"[cpu] {var} must be a positive number of threads (or unset), got {value!r}")
 
 
 def function(where: str, what: str, f: Any) -> Any:
