@@ -99,7 +99,7 @@ def test_the_profile_shows_the_pairs_only_when_pairing_is_on(setting):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     # Each program prints its profile when dropped: the training step's has the update.
-    train = [p for p in r.stderr.split("rlx profile:") if "update Adam" in p]
+    train = [p for p in r.stderr.split("rlx profile (") if "update Adam" in p]
     assert len(train) == 1, r.stderr
     lines = train[0].splitlines()
     forward = [line for line in lines if "im2col" in line and "+ matmul" in line]

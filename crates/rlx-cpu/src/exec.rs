@@ -19,7 +19,13 @@ pub struct CpuProgram {
 impl Drop for CpuProgram {
     fn drop(&mut self) {
         if let Some(p) = &self.profile {
-            eprint!("{}", rlx_runtime::profile::render("rlx profile", p));
+            let has_update = self.instrs.iter().any(|i| matches!(i, Instr::Update(_)));
+            let title = format!(
+                "rlx profile ({} program of {} instructions)",
+                if has_update { "training" } else { "inference" },
+                self.instrs.len()
+            );
+            eprint!("{}", rlx_runtime::profile::render(&title, p));
         }
     }
 }

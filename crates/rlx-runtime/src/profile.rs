@@ -34,18 +34,23 @@ pub fn add(p: &mut Profile, key: String, ms: f64) {
     e.1 += 1;
 }
 
-/// The profile as text, slowest kind first, headed by `title`.
+/// The profile as text, slowest kind first, headed by `title`, the kinds in a column as wide as
+/// the longest; empty for a program that never ran.
 pub fn render(title: &str, p: &Profile) -> String {
+    if p.is_empty() {
+        return String::new();
+    }
     let total: f64 = p.values().map(|v| v.0).sum();
     let mut rows: Vec<_> = p.iter().collect();
     rows.sort_by(|a, b| b.1 .0.total_cmp(&a.1 .0));
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     let mut s = format!(
         "{title}: {total:.3} ms over {} instruction kinds\n",
         rows.len()
     );
     for (k, (t, n)) in rows {
         s.push_str(&format!(
-            "  {k:<40} {t:9.3} ms {:5.1}% {n:8} calls\n",
+            "  {k:<width$} {t:9.3} ms {:5.1}% {n:8} calls\n",
             100.0 * t / total.max(1e-12)
         ));
     }
@@ -68,5 +73,15 @@ mod tests {
         assert!(lines[1].trim_start().starts_with("big") && lines[1].contains("75.0%"));
         assert!(lines[1].trim_end().ends_with("2 calls"));
         assert!(lines[2].trim_start().starts_with("small") && lines[2].contains("25.0%"));
+        // The times line up under the longest kind; a program that never ran prints nothing.
+        add(
+            &mut p,
+            "a kind much longer than the forty columns kept before".into(),
+            0.5,
+        );
+        let s = render("t", &p);
+        let at: Vec<usize> = s.lines().skip(1).map(|l| l.find(" ms ").unwrap()).collect();
+        assert!(at.windows(2).all(|w| w[0] == w[1]), "{s}");
+        assert_eq!(render("t", &Profile::new()), "");
     }
 }
