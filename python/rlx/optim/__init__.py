@@ -480,6 +480,9 @@ class SGD(Optimizer):
         super().__init__(groups, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov)
 
+    def _extra(self) -> list[str]:
+        return ["started"]  # whether the momentum buffer holds a value yet (its first step copies d)
+
 
 class Adam(Optimizer):
     """Adam (PyTorch's rule, bias-corrected; ``weight_decay`` is L2 added to the gradient).
