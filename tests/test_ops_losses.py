@@ -226,6 +226,7 @@ def test_regression_and_binary_losses(reduction):
         (lambda a, b: rlx.smooth_l1_loss(a, b, reduction), lambda a, b: np_smooth_l1(a, b, reduction), y),
         (lambda a, b: rlx.smooth_l1_loss(a, b, reduction, beta=0.5),
          lambda a, b: np_smooth_l1(a, b, reduction, 0.5), y),
+        (lambda a, b: rlx.mse_loss(a, b, reduction), lambda a, b: getattr((a - b) ** 2, reduction)(), y),
     ]
     for fn, ref, target in cases:
         assert_close(run_forward(fn, {"a": x, "b": target}), ref(x, target.astype(np.float64)), rtol=1e-5, atol=1e-6)
@@ -235,7 +236,8 @@ def test_regression_and_binary_losses(reduction):
         tx, tt, ty = torch.tensor(x), torch.tensor(t), torch.tensor(y)
         for fn, want, target in [(rlx.binary_cross_entropy_with_logits, F.binary_cross_entropy_with_logits(tx, tt, reduction=reduction), t),
                                  (rlx.l1_loss, F.l1_loss(tx, ty, reduction=reduction), y),
-                                 (rlx.smooth_l1_loss, F.smooth_l1_loss(tx, ty, reduction=reduction), y)]:
+                                 (rlx.smooth_l1_loss, F.smooth_l1_loss(tx, ty, reduction=reduction), y),
+                                 (rlx.mse_loss, F.mse_loss(tx, ty, reduction=reduction), y)]:
             got = float(run_forward(lambda a, b, _f=fn: _f(a, b, reduction), {"a": x, "b": target}))
             assert abs(got - want.item()) < 1e-5 * max(1.0, abs(want.item())), fn.__name__
 

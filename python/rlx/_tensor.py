@@ -906,16 +906,24 @@ def where(cond: Any, a: Any, b: Any) -> Tensor:
     return Tensor(t, t.graph.where_(c._id, a._id, b._id))
 
 
-def mse_loss(pred: Any, target: Any) -> Tensor:
-    """Mean squared error of two tensors of the same shape.
+def mse_loss(pred: Any, target: Any, reduction: str = "mean") -> Tensor:
+    """Squared error of two tensors of the same shape, averaged (``reduction="mean"``) or summed
+    (``"sum"``).
 
     Example:
         >>> def loss_fn(model, x, y):
         ...     return rlx.mse_loss(model(x), y)
     """
+    if reduction not in ("mean", "sum"):
+        raise InputError(f"[mse_loss] reduction must be 'mean' or 'sum', got {reduction!r}")
     t = _trace_of(pred, target)
     wide = "float64" if "float64" in (_dtype_of(pred), _dtype_of(target)) else None
     p, q = _wide_pair(_as_tensor(pred, t, dtype=wide), _as_tensor(target, t, dtype=wide))
+    if reduction == "sum":
+        if p.shape != q.shape:
+            raise ShapeError(f"[mse_loss] pred and target must have the same shape, got {p.shape} and {q.shape}")
+        d = p - q
+        return (d * d).sum()
     return Tensor(t, t.graph.mse(p._id, q._id))
 
 
