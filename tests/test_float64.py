@@ -531,3 +531,20 @@ def test_a_float64_cnn_trains_and_a_float32_image_promotes():
     losses = [step(x=xs, y=np.array([0, 1, 2, 0, 1], np.int32)) for _ in range(20)]
     assert losses[-1] < 0.5 * losses[0]
     assert model.conv.weight.numpy().dtype == np.float64
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_multi_head_attention_and_a_transformer_block_run_in_float64(causal):
+    """The fused attention op is float32; float64 modules take the attention built from ops (they
+    used to be refused although the guide says attention computes in float64)."""
+    rlx.seed(0)
+    m = rlx.nn.TransformerBlock(6, num_heads=2, causal=causal)
+    x = np.random.default_rng(0).standard_normal((2, 5, 6))
+    want = rlx.compile(lambda m, x: m(x), m, {"x": rlx.InputSpec((2, 5, 6))})(x=x.astype(np.float32))
+    m.to("float64")
+    got = rlx.compile(lambda m, x: m(x), m, {"x": rlx.InputSpec((2, 5, 6), "float64")})(x=x)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    step = rlx.compile_train_step(lambda m, x: (m(x) ** 2).mean(), m, rlx.optim.SGD(0.1),
+                                  {"x": rlx.InputSpec((2, 5, 6), "float64")})
+    assert np.isfinite(step(x=x))

@@ -27,6 +27,7 @@ from ._tensor import (
     leaky_relu,
     matmul,
     relu,
+    scaled_dot_product_attention,
     sigmoid,
     silu,
     softmax,
@@ -1377,6 +1378,10 @@ class MultiHeadAttention(Module):
         # One fused op over the packed q|k|v projection: no head transposes or splits, and the
         # scores of one (batch, head) block at a time.
         qkv = self.qkv(x)
+        if qkv.dtype != "float32":  # float64 models: attention built from ops (the fused op is float32)
+            b, n, _ = qkv.shape
+            h = qkv.reshape(b, n, 3, self.num_heads, self.head_dim).transpose(2, 0, 3, 1, 4)
+            return self._merge(scaled_dot_product_attention(h[0], h[1], h[2], causal=self.causal))
         t = qkv._trace
         y = Tensor(t, t.graph.attention([qkv._id], 1.0 / math.sqrt(self.head_dim), 0 if self.causal else None,
                                         self.num_heads))
