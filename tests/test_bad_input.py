@@ -1070,3 +1070,11 @@ def test_graph_with_params_compiles_runs_and_refuses_bad_values():
     out = exe.run(x=np.full((2, 3), np.nan, np.float32))
     assert np.isnan(out[0]) and np.isnan(out[1]).all()
     gc.collect()
+
+
+def test_a_forward_function_may_return_numpy_scalars_as_constants():
+    """Python numbers and arrays were accepted as constant outputs but numpy scalars refused."""
+    spec = {"x": rlx.InputSpec((1, 2))}
+    for v in (np.int64(3), np.float32(2.5)):
+        f = rlx.compile(lambda m, x, _v=v: (m(x), _v), rlx.nn.Linear(2, 2), spec)
+        assert float(f(x=np.ones((1, 2), np.float32))[1]) == float(v)

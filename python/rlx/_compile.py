@@ -694,7 +694,7 @@ class Function(_Compiled):
         ids = []
         for o in outs:
             if not isinstance(o, Tensor):
-                o = t.constant(o) if isinstance(o, (np.ndarray, float, int)) else o
+                o = t.constant(o) if isinstance(o, (np.ndarray, np.generic, float, int)) else o
             if not isinstance(o, Tensor):
                 raise RlxError(f"forward_fn must return rlx.Tensor(s), got {type(o).__name__}")
             ids.append(o._id)
