@@ -372,3 +372,18 @@ def test_short_rows_with_per_row_operands_match_numpy(lead, rows, n, seed):
     got = run_forward(lambda x, w, b, c: (x * w + b) * c - w, {"x": x, "w": w, "b": b, "c": c})
     want = (x.astype(np.float64) * w + b) * c - w
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_a_zero_size_axis_trains_through_a_fused_expression(reduce):
+    """The fused kernel tiled an empty output by its row length, 0: a division by zero (the
+    unfused program was fine)."""
+
+    class M(rlx.nn.Module):
+        def __init__(self):
+            self.a = rlx.nn.Parameter(np.zeros((3, 0), np.float32))
+
+    step = rlx.compile_train_step(lambda m: getattr(m.a * 1.0, reduce)(axis=1).sum(), M(), rlx.optim.SGD(lr=0.0), {})
+    loss = step()
+    assert loss == 0.0 or (reduce == "mean" and np.isnan(loss))
+    assert step.grads["a"].shape == (3, 0)

@@ -253,3 +253,16 @@ def test_regression_and_binary_losses(reduction):
 def test_loss_bad_input(call, err, msg):
     with pytest.raises(err, match=msg):
         run_forward(call, {"z": _x((3, 4)), "y": np.zeros(3, np.int32)})
+
+
+def test_clip_gradient_at_the_bounds_is_pytorchs():
+    """torch.clamp: no gradient to x at a bound given as a number; shared half and half with a
+    bound given as a tensor (rlx used to pass x's gradient at the bounds in both cases)."""
+    x = np.array([-0.5, 2.0, 1.0, -1.0, 3.0], np.float32)
+    lo, hi = np.full(5, -0.5, np.float32), np.full(5, 2.0, np.float32)
+    _, g = run_grads(lambda m: rlx.clip(m.x * 1.0, -0.5, 2.0).sum(), {"x": x})
+    np.testing.assert_array_equal(g["x"], [0, 0, 1, 0, 0])
+    _, g = run_grads(lambda m: rlx.clip(m.x * 1.0, m.lo, m.hi).sum(), {"x": x, "lo": lo, "hi": hi})
+    np.testing.assert_array_equal(g["x"], [0.5, 0.5, 1, 0, 0])
+    np.testing.assert_array_equal(g["lo"], [0.5, 0, 0, 1, 0])
+    np.testing.assert_array_equal(g["hi"], [0, 0.5, 0, 0, 1])

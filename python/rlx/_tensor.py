@@ -1219,8 +1219,9 @@ def _extremum(a: Any, b: Any, is_max: bool) -> Tensor:
 
 
 def clip(x: Any, lo: Any = None, hi: Any = None) -> Tensor:
-    """``x`` limited to ``[lo, hi]`` (either may be None); the gradient passes where
-    ``lo <= x <= hi`` (PyTorch's ``clamp``); NaN stays NaN.
+    """``x`` limited to ``[lo, hi]`` (either may be None); NaN stays NaN. Gradients as PyTorch's
+    ``clamp``: x's passes where ``lo < x < hi``; at a bound given as a number it is 0, at a bound
+    given as a tensor x and the bound share it.
 
     Example:
         >>> def forward(model, x):
@@ -1233,10 +1234,13 @@ def clip(x: Any, lo: Any = None, hi: Any = None) -> Tensor:
     for what, v in (("lo", lo), ("hi", hi)):
         if isinstance(v, (float, np.floating)) and math.isnan(v):
             raise InputError(f"[clip] {what} is NaN (no value is below or above it); give a number or None")
+    # PyTorch's clamp: a number as the bound passes no gradient to x at the bound itself, a
+    # tensor bound shares it half and half with x there (as maximum / minimum do).
+    number = (int, float, np.number)
     if lo is not None:
-        x = where(x < lo, lo, x)
+        x = where(x <= lo, lo, x) if isinstance(lo, number) else maximum(x, lo)
     if hi is not None:
-        x = where(x > hi, hi, x)
+        x = where(x >= hi, hi, x) if isinstance(hi, number) else minimum(x, hi)
     return x
 
 

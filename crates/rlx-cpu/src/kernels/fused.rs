@@ -402,6 +402,9 @@ fn fused_shaped(f: &Fused, od: &[usize], ins: &[(&[f32], &[usize])], out: &mut [
         ins.len() <= MAX_IN,
         "a fused expression reads at most {MAX_IN} inputs"
     );
+    if out.is_empty() {
+        return; // a zero-size axis: nothing to compute (and no row length to tile by)
+    }
     let flat = ins
         .iter()
         .all(|(x, _)| x.len() == out.len() || x.len() == 1);
