@@ -991,6 +991,25 @@ pub fn fused_instructions_match_reference(backend: &Arc<dyn Backend>) {
         }
     }
     close(&got[2], &want_na, "normalize_grad_add");
+
+    // A fused expression over a zero-size axis, one operand broadcast along it: nothing to
+    // compute, and no row length to tile by (the CPU kernel once divided by it).
+    let mut g = Graph::new();
+    let ei = g.input("e", Shape::new([3, 0]), f).unwrap();
+    let ri = g.input("r", Shape::new([3, 1]), f).unwrap();
+    let expr = Arc::new(Fused {
+        shape: Shape::new([3, 0]),
+        n_inputs: 2,
+        steps: vec![FusedStep::Binary(BinaryOp::Mul, 0, 1)],
+    });
+    let fe = g.add(Op::Fused(expr), &[ei, ri]).unwrap();
+    g.set_outputs(vec![fe]).unwrap();
+    let got = run(&g, &[("e", &[]), ("r", &data(3, 0.3))]);
+    assert!(
+        got[0].is_empty(),
+        "a (3, 0) fused expression gave {:?}",
+        got[0]
+    );
 }
 
 /// Mixed precision (what `rlx_ir::autocast` makes): float32 -> bfloat16/float16 casts rounding
