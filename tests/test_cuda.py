@@ -663,3 +663,70 @@ def test_int64_labels_train_on_the_gpu_as_int32_and_values_beyond_int32_are_inpu
     bad[0] = 2**32 + 1  # would wrap to label 1 in int32
     with pytest.raises(rlx.InputError, match=r"^\[y\] values .* do not fit in int32"):
         step(x=x, y=bad)
+
+
+def _masks_and_ids(m, x, ids, keep):
+    """bool and int64 tensors inside a program and at its edges (inputs and outputs)."""
+    valid = (x > 0) & keep  # bool
+    big = ids * 3 - 2  # int64
+    sel = rlx.where(valid, big, ids)
+    return (sel, valid, x * valid, ~valid, rlx.logical_xor(valid, keep), big // 4, rlx.maximum(big, ids),
+            sel.astype("float32") / 2, sel.T, valid.astype("int32"))
+
+
+@needs_cuda
+def test_bool_and_int64_tensors_compute_on_the_gpu_as_on_the_cpu():
+    """The GPU computes int64 and bool in int32 (0/1 for bools) between the program's edges and
+    casts back at the outputs: results and dtypes equal the CPU's int64 and bool kernels for
+    values within int32; an int64 feed beyond int32 is an InputError, never a wrap; a raw
+    rlx.Graph with an int64 input takes int64 arrays the same way."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 6)).astype(np.float32)
+    x[0, :3] = [np.nan, 0.0, -0.0]
+    ids = rng.integers(-50, 50, (4, 6)).astype(np.int64)
+    keep = rng.random((4, 6)) > 0.4
+    specs = {"x": rlx.InputSpec(x.shape), "ids": rlx.InputSpec(ids.shape, "int64"),
+             "keep": rlx.InputSpec(keep.shape, "bool")}
+    outs = {d: rlx.compile(_masks_and_ids, rlx.nn.Module(), specs, device=d)(x=x, ids=ids, keep=keep)
+            for d in ("cpu", "cuda")}
+    for i, (c, g) in enumerate(zip(outs["cpu"], outs["cuda"])):
+        assert g.dtype == c.dtype and g.shape == c.shape, (i, g.dtype, c.dtype)
+        np.testing.assert_array_equal(g, c, err_msg=f"output {i}")
+    fn = rlx.compile(_masks_and_ids, rlx.nn.Module(), specs, device="cuda")
+    bad = ids.copy()
+    bad[1, 1] = 2**31
+    with pytest.raises(rlx.InputError, match=r"^\[ids\] values .* do not fit in int32"):
+        fn(x=x, ids=bad, keep=keep)
+    g = rlx.Graph()
+    i, k = g.input("i", (5,), "int64"), g.input("k", (5,), "bool")
+    g.output(rlx.where(k, i * 2, i), k | (i > 0))
+    exe = g.compile("cuda")
+    got = exe.run(i=np.arange(-2, 3, dtype=np.int64), k=np.array([1, 0, 1, 0, 1], bool))
+    np.testing.assert_array_equal(got[0], np.array([-4, -1, 0, 1, 4], np.int64))
+    assert got[0].dtype == np.int64 and got[1].dtype == np.bool_
+    np.testing.assert_array_equal(got[1], [True, False, True, True, True])
+
+
+@needs_cuda
+def test_a_bool_mask_in_the_loss_trains_on_the_gpu_as_on_the_cpu():
+    """A masked mean over a bool mask fed each step: losses and weights as on the CPU."""
+    x, y = _data()
+    valid = np.arange(len(y)) % 4 != 0
+
+    onehot = np.eye(10, dtype=np.float32)[y]
+
+    def masked_ce(m, x, t, valid):
+        per = -(rlx.log_softmax(m(x), axis=-1) * t).sum(axis=1)
+        return rlx.where(valid, per, 0.0).sum() / valid.astype("float32").sum()
+
+    spec = {"x": rlx.InputSpec(x.shape), "t": rlx.InputSpec(onehot.shape), "valid": rlx.InputSpec(valid.shape, "bool")}
+    losses, weights = {}, {}
+    for device in ("cpu", "cuda"):
+        rlx.seed(0)
+        m = MLP(32, 16, 10)
+        step = rlx.compile_train_step(masked_ce, m, rlx.optim.Adam(lr=1e-2), spec, device=device)
+        losses[device] = [step(x=x, t=onehot, valid=valid) for _ in range(4)]
+        weights[device] = {k: p.numpy().copy() for k, p in m.parameters().items()}
+    np.testing.assert_allclose(losses["cuda"], losses["cpu"], rtol=1e-4)
+    for k in weights["cpu"]:
+        np.testing.assert_allclose(weights["cuda"][k], weights["cpu"][k], rtol=1e-3, atol=1e-5, err_msg=k)

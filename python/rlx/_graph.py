@@ -195,8 +195,9 @@ class Executable:
         missing = [n for n in self._inputs if n not in arrays and n not in self._bound]
         if missing:
             raise InputError(f"[{missing[0]}] missing input")
-        # Every array is checked; only those the outputs read are fed.
-        checked = {n: convert(n, *self._declared[n], v) for n, v in arrays.items()}
+        # Every array is checked (as the slot's dtype where the program reads it: a GPU program
+        # reads int64 inputs as int32, range-checked); only those the outputs read are fed.
+        checked = {n: convert(n, *self._inputs.get(n, self._declared[n]), v) for n, v in arrays.items()}
         feeds = {n: v for n, v in checked.items() if n in self._inputs}
         outs = self._exe.outputs()
         raw = self._exe.run(feeds, None, list(range(len(outs))))

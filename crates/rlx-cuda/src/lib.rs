@@ -96,6 +96,12 @@ impl Backend for CudaBackend {
         let stream = driver::Stream::new(self.dev.clone())?;
         Ok(Arc::new(CudaCopyEngine::new(stream)))
     }
+
+    /// Integers are int32 in the kernels; bool and int64 edges are cast (`rlx_cast_b2i`,
+    /// `rlx_cast_i2b`, `rlx_cast_i2l`).
+    fn narrows_integers(&self) -> bool {
+        true
+    }
 }
 
 /// Adds folders holding Python packages (an interpreter's `sys.path`): their `nvidia/*/lib`

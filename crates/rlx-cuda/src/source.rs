@@ -129,6 +129,17 @@ extern "C" __global__ void rlx_cast_f2i(const P p) {
 extern "C" __global__ void rlx_cast_i2f(const P p) {
   GRID_LOOP(i, p.n) { F(1)[off(p, 1, i)] = (float)I(0)[off(p, 0, i)]; }
 }
+/* The integer edges of a narrowed program: bool (one byte, non-zero is true) <-> int32 0/1,
+   int32 -> int64 (sign-extended). */
+extern "C" __global__ void rlx_cast_b2i(const P p) {
+  GRID_LOOP(i, p.n) { I(1)[off(p, 1, i)] = ((const unsigned char*)p.ptr[0])[off(p, 0, i)] != 0; }
+}
+extern "C" __global__ void rlx_cast_i2b(const P p) {
+  GRID_LOOP(i, p.n) { ((unsigned char*)p.ptr[1])[off(p, 1, i)] = I(0)[off(p, 0, i)] != 0; }
+}
+extern "C" __global__ void rlx_cast_i2l(const P p) {
+  GRID_LOOP(i, p.n) { ((long long*)p.ptr[1])[off(p, 1, i)] = (long long)I(0)[off(p, 0, i)]; }
+}
 /* float32 <-> bfloat16/float16 (mixed precision), rounding to nearest even as the CPU casts do. */
 #define H(k) ((unsigned short*)p.ptr[k])
 __device__ __forceinline__ unsigned short rx_f2bf(float x) {
@@ -1523,6 +1534,9 @@ mod tests {
         let ptx = crate::driver::compile_only(&src, "sm_90").unwrap();
         for name in [
             "rlx_copy32",
+            "rlx_cast_b2i",
+            "rlx_cast_i2b",
+            "rlx_cast_i2l",
             "rlx_cast_f2bf",
             "rlx_cast_h2f",
             "rlx_cast_f2bf_x4",

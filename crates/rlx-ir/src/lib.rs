@@ -9,6 +9,7 @@ pub mod error;
 pub mod fuse;
 pub mod graph;
 pub mod infer;
+pub mod narrow;
 pub mod node;
 pub mod op;
 pub mod planner;

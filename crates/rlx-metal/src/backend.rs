@@ -136,4 +136,9 @@ impl Backend for MetalBackend {
     fn copy_engine(&self) -> Result<Arc<CopyEngine>> {
         Ok(self.device.copy_engine()?)
     }
+    /// Integers are int32 in the kernels: int64 and bool inside a program work; at its edges
+    /// (inputs, outputs) they are a `DTypeError` (no bool or int64 casts in MSL yet).
+    fn narrows_integers(&self) -> bool {
+        true
+    }
 }

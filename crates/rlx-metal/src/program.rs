@@ -37,6 +37,7 @@ pub fn target(update: UpdateMode) -> Target {
         cross_entropy_grad: false,
         layer_norm: false,
         gemm_grids: false,
+        integer_edges: false,
     }
 }
 

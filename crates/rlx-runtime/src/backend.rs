@@ -26,6 +26,12 @@ pub trait Backend: Send + Sync {
         let _ = (graph, a, b);
         false
     }
+    /// Whether this backend computes integers in int32 only: programs compiled for it get
+    /// [`rlx_ir::narrow::narrow_integers`] first, so int64 and bool tensors appear only at
+    /// their edges (inputs, outputs), in casts from and to int32. The GPU backends do.
+    fn narrows_integers(&self) -> bool {
+        false
+    }
 }
 
 /// Bytes on the host that a copy reads; the engine holds the value until the copy is done.

@@ -64,6 +64,7 @@ macro_rules! conformance_tests {
             vision_ops_match_references,
             fused_instructions_match_reference,
             mixed_precision_matches_reference,
+            int64_and_bool_programs_match_reference,
         );
     };
     (maybe $make:expr; $($check:ident),* $(,)?) => {
@@ -1136,4 +1137,96 @@ pub fn mixed_precision_matches_reference(backend: &Arc<dyn Backend>) {
             &format!("{low} a @ bt^T"),
         );
     }
+}
+
+/// int64 and bool tensors at a program's edges and inside it: a backend computing integers in
+/// int32 (`Backend::narrows_integers`) takes int64 ids into an int32 slot and gives int64 and
+/// bool outputs back in their dtypes, with the results of the CPU's int64 kernels (values within
+/// int32). A backend without casts at the integer edges refuses the program by name.
+pub fn int64_and_bool_programs_match_reference(backend: &Arc<dyn Backend>) {
+    let n = 10usize;
+    let ids: Vec<i64> = (0..n as i64).map(|i| i * 37 % 23 - 11).collect();
+    let mask: Vec<u8> = (0..n).map(|i| (i % 3 == 0) as u8).collect();
+    let x: Vec<f32> = vec![0.0, -0.0, f32::NAN, 2.5, -1.0, 0.0, 3.0, 1e-30, -0.5, 0.0];
+    let mut g = Graph::new();
+    let shape = Shape::new([2, n / 2]);
+    let gi = g.input("ids", shape.clone(), DType::I64).unwrap();
+    let gm = g.input("m", shape.clone(), DType::Bool).unwrap();
+    let gx = g.input("x", shape.clone(), DType::F32).unwrap();
+    let bin = |g: &mut Graph, b, x, y| g.add(Op::Binary(b), &[x, y]).unwrap();
+    let cast = |g: &mut Graph, to, x| g.add(Op::Cast { to }, &[x]).unwrap();
+    let three = g.constant_i64(&[3], Shape::scalar()).unwrap();
+    let minus2 = g.constant_i64(&[-2], Shape::scalar()).unwrap();
+    let four = g.constant_i64(&[4], Shape::scalar()).unwrap();
+    let a = bin(&mut g, BinaryOp::Mul, gi, three);
+    let a = bin(&mut g, BinaryOp::Add, a, minus2); // 3 * ids - 2
+    let pos = cast(&mut g, DType::Bool, gx); // x != 0 (NaN counts)
+    let (pl, ml) = (cast(&mut g, DType::I64, pos), cast(&mut g, DType::I64, gm));
+    let both = bin(&mut g, BinaryOp::Mul, pl, ml);
+    let both = cast(&mut g, DType::Bool, both); // pos and m
+    let sel = g.add(Op::Where, &[both, a, gi]).unwrap();
+    let fd = bin(&mut g, BinaryOp::FloorDiv, a, four);
+    let mf = cast(&mut g, DType::F32, gm);
+    let xm = bin(&mut g, BinaryOp::Mul, gx, mf);
+    let sel_t = g.add(Op::Transpose { perm: vec![1, 0] }, &[sel]).unwrap();
+    let sel32 = cast(&mut g, DType::I32, sel);
+    g.set_outputs(vec![sel, both, fd, xm, sel_t, sel32])
+        .unwrap();
+    let params = Arc::new(Store::new(backend.as_ref(), &[]).unwrap());
+    let exe = match Executable::new(backend.clone(), &g, params, None) {
+        Ok(exe) => exe,
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(
+                matches!(e, rlx_ir::Error::DType { .. })
+                    && msg.contains(&format!("the {} backend", backend.name()))
+                    && msg.contains("bool"),
+                "int64 and bool edges on {}: {msg}",
+                backend.name()
+            );
+            assert_ne!(backend.name(), "cpu", "the cpu backend has int64 and bool");
+            return;
+        }
+    };
+    // The ids go in as the slot's dtype: int64 on the CPU, int32 where integers are narrowed.
+    let slot = exe.inputs().into_iter().find(|s| s.name == "ids").unwrap();
+    let id_bytes: Vec<u8> = match slot.at.dtype {
+        DType::I64 => ids.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        DType::I32 => ids.iter().flat_map(|&v| (v as i32).to_le_bytes()).collect(),
+        d => panic!("ids slot is {d}"),
+    };
+    assert_eq!(slot.at.dtype == DType::I32, backend.narrows_integers());
+    let feeds = [("ids", id_bytes), ("m", mask.clone()), ("x", f32s(&x))];
+    let refs: Vec<(&str, &[u8])> = feeds.iter().map(|(n, v)| (*n, v.as_slice())).collect();
+    let got = exe.run(&refs, None, &[0, 1, 2, 3, 4, 5]).unwrap();
+    let i64s = |b: &[u8]| -> Vec<i64> {
+        b.chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
+    let want_a: Vec<i64> = ids.iter().map(|v| 3 * v - 2).collect();
+    let want_both: Vec<u8> = (0..n)
+        .map(|i| (x[i] != 0.0 && mask[i] != 0) as u8)
+        .collect();
+    let want_sel: Vec<i64> = (0..n)
+        .map(|i| if want_both[i] != 0 { want_a[i] } else { ids[i] })
+        .collect();
+    assert_eq!(i64s(&got[0]), want_sel, "where(pos & m, 3 * ids - 2, ids)");
+    assert_eq!(got[1], want_both, "bool(x) & m");
+    let floor: Vec<i64> = want_a.iter().map(|v| v.div_euclid(4)).collect();
+    assert_eq!(i64s(&got[2]), floor, "(3 * ids - 2) // 4");
+    let xm: Vec<f64> = (0..n).map(|i| x[i] as f64 * mask[i] as f64).collect();
+    close(&from_bytes(&got[3]), &xm, "x * float(m)");
+    let h = n / 2;
+    let sel_t: Vec<i64> = (0..n).map(|j| want_sel[(j % 2) * h + j / 2]).collect();
+    assert_eq!(i64s(&got[4]), sel_t, "transpose of an int64 tensor");
+    let sel32: Vec<i32> = got[5]
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(
+        sel32,
+        want_sel.iter().map(|&v| v as i32).collect::<Vec<_>>(),
+        "int64 -> int32"
+    );
 }

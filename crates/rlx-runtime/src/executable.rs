@@ -100,9 +100,19 @@ impl Executable {
                 backend.name()
             )));
         }
-        // Elementwise chains become fused instructions (`RLX_FUSION=0` turns this off). The
-        // fused graph keeps the inputs, parameters and outputs in order, so everything below
-        // reads it like the original.
+        // A backend that computes integers in int32 gets int64 and bool only at the edges, and
+        // elementwise chains become fused instructions (`RLX_FUSION=0` turns this off). Both
+        // rewrites keep the inputs, parameters and outputs in order (and the outputs' dtypes),
+        // so everything below reads the result like the original.
+        let narrowed;
+        let graph = if backend.narrows_integers() {
+            let name = backend.name();
+            let kind = name.split(':').next().unwrap_or_default();
+            narrowed = rlx_ir::narrow::narrow_integers(graph, kind)?.0;
+            &narrowed
+        } else {
+            graph
+        };
         let fused;
         let graph = if rlx_ir::fuse::enabled() {
             fused = rlx_ir::fuse::fuse(graph);

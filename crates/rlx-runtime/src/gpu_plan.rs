@@ -470,6 +470,10 @@ pub struct Target {
     /// The backend runs [`Step::GemmGrid`] (pointer-array batched GEMMs), so the GEMM
     /// attention reads and writes packed heads in place instead of copying them head-major.
     pub gemm_grids: bool,
+    /// The backend has the casts at a narrowed program's integer edges
+    /// (`rlx_cast_{b2i,i2b,i2l}`: bool -> int32, int32 -> bool, int32 -> int64; see
+    /// `rlx_ir::narrow`). No other instruction takes a bool or int64 tensor.
+    pub integer_edges: bool,
 }
 
 impl Target {
@@ -488,21 +492,26 @@ impl Target {
         layer_norm: true,
         // Not yet measured on a GPU (`RLX_CUDA_GRIDS=1` turns it on).
         gemm_grids: false,
+        integer_edges: true,
     };
 }
 
 /// Checks `program` against buffers of `lens` bytes and lowers it for `target`.
 pub fn plan(program: &Program, lens: &[usize], target: Target) -> Result<Plan> {
     crate::validate::validate(program, lens, target.backend)?;
+    let mut allowed = vec![DType::F32, DType::I32];
     if target.low_precision {
-        crate::validate::dtypes(
-            program,
-            target.backend,
-            &[DType::F32, DType::I32, DType::BF16, DType::F16],
-        )?;
+        allowed.extend([DType::BF16, DType::F16]);
+    }
+    if target.integer_edges {
+        allowed.extend([DType::I64, DType::Bool]);
+    }
+    crate::validate::dtypes(program, target.backend, &allowed)?;
+    if target.low_precision {
         low_precision_only_in_products(program, target.backend)?;
-    } else {
-        crate::validate::dtypes(program, target.backend, &[DType::F32, DType::I32])?;
+    }
+    if target.integer_edges {
+        integers_wide_only_at_edges(program, target.backend)?;
     }
     let mut b = Builder {
         plan: Plan {
@@ -1002,7 +1011,7 @@ fn low_precision_only_in_products(program: &Program, backend: &str) -> Result<()
         };
         let low = |t: &TRef| t.dtype.is_low_precision();
         let ok = match op {
-            Op::Cast { .. } => {
+            Op::Cast { .. } if low(&ins[0]) || low(out) => {
                 !(low(&ins[0]) && low(out)) && [ins[0].dtype, out.dtype].contains(&DType::F32)
             }
             Op::MatMul { .. } | Op::MatMulEpilogue { .. } => {
@@ -1025,6 +1034,46 @@ fn low_precision_only_in_products(program: &Program, backend: &str) -> Result<()
                     dts.join(", "),
                     out.dtype,
                     out.shape
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A narrowed program (`rlx_ir::narrow`) holds bool and int64 tensors only in the casts at its
+/// edges: bool -> int32, int32 -> bool and int32 -> int64. Anything else on one (a program that
+/// was not narrowed) is refused by name.
+fn integers_wide_only_at_edges(program: &Program, backend: &str) -> Result<()> {
+    let wide = |t: &TRef| matches!(t.dtype, DType::I64 | DType::Bool);
+    for instr in &program.instrs {
+        let (reads, writes) = instr.operands();
+        let Some(t) = reads.iter().chain(&writes).find(|t| wide(t)) else {
+            continue;
+        };
+        let edge = match instr {
+            Instr::Op {
+                op: Op::Cast { .. },
+                ins,
+                out,
+            } => matches!(
+                (ins[0].dtype, out.dtype),
+                (DType::Bool, DType::I32) | (DType::I32, DType::Bool) | (DType::I32, DType::I64)
+            ),
+            _ => false,
+        };
+        if !edge {
+            let what = match instr {
+                Instr::Op { op, .. } => op.name(),
+                Instr::Update(_) => "optimizer update",
+            };
+            return Err(Error::dtype(
+                what,
+                format!(
+                    "the {backend} backend computes integers in int32: a {} tensor {} may only be \
+                     cast from or to int32 at the program's edges; cast it with \
+                     .astype('int32') or run it on the cpu",
+                    t.dtype, t.shape
                 ),
             ));
         }
@@ -1402,6 +1451,9 @@ impl Builder {
                     (DType::BF16, DType::F32) => "rlx_cast_bf2f",
                     (DType::F32, DType::F16) => "rlx_cast_f2h",
                     (DType::F16, DType::F32) => "rlx_cast_h2f",
+                    (DType::Bool, DType::I32) => "rlx_cast_b2i",
+                    (DType::I32, DType::Bool) => "rlx_cast_i2b",
+                    (DType::I32, DType::I64) => "rlx_cast_i2l",
                     (a, b) if a.size() == 4 && b.size() == 4 => "rlx_copy32",
                     (a, b) => {
                         return Err(Error::unsupported(
@@ -2893,6 +2945,7 @@ mod tests {
         };
         let metal_like = Target {
             low_precision: false,
+            integer_edges: false,
             ..Target::CUDA
         };
         let e = plan(&cast, &[256], metal_like).unwrap_err();
@@ -2926,6 +2979,66 @@ mod tests {
             e.to_string().starts_with(
                 "[transpose] the cuda backend runs bfloat16/float16 only in casts from and to \
                  float32 and in matrix products (mixed precision), not transpose on [float16 (2, 3)]"
+            ),
+            "{e}"
+        );
+    }
+
+    /// A narrowed program's integer edges (bool -> int32, int32 -> bool, int32 -> int64)
+    /// launch their casts on CUDA; an int64 tensor anywhere else (a program that was not
+    /// narrowed), and the edges on a target without those casts (Metal), are `DTypeError`s
+    /// naming the op and the tensor.
+    #[test]
+    fn bool_and_int64_only_in_the_casts_at_the_edges() {
+        let typed = |offset: usize, dtype: DType| TRef {
+            dtype,
+            ..t(offset, &[2, 3])
+        };
+        let cast = |from: TRef, to: TRef| Instr::Op {
+            op: Op::Cast { to: to.dtype },
+            ins: vec![from],
+            out: to,
+        };
+        let edges = Program {
+            instrs: vec![
+                cast(typed(0, DType::Bool), typed(64, DType::I32)),
+                cast(typed(64, DType::I32), typed(128, DType::Bool)),
+                cast(typed(64, DType::I32), typed(192, DType::I64)),
+            ],
+        };
+        let pl = plan(&edges, &[256], Target::CUDA).unwrap();
+        let names: Vec<&str> = pl
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Launch {
+                    kernel: Kernel::Library(k),
+                    ..
+                } => Some(*k),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(names, ["rlx_cast_b2i", "rlx_cast_i2b", "rlx_cast_i2l"]);
+        let metal_like = Target {
+            integer_edges: false,
+            ..Target::CUDA
+        };
+        let e = plan(&edges, &[256], metal_like).unwrap_err();
+        assert!(matches!(e, rlx_ir::Error::DType { .. }), "{e}");
+        assert!(e.to_string().contains("bool tensor (2, 3)"), "{e}");
+        let wide_add = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Binary(BinaryOp::Add),
+                ins: vec![typed(0, DType::I64), typed(64, DType::I64)],
+                out: typed(128, DType::I64),
+            }],
+        };
+        let e = plan(&wide_add, &[256], Target::CUDA).unwrap_err();
+        assert!(matches!(e, rlx_ir::Error::DType { .. }), "{e}");
+        assert!(
+            e.to_string().starts_with(
+                "[add] the cuda backend computes integers in int32: a int64 tensor (2, 3) may \
+                 only be cast from or to int32 at the program's edges"
             ),
             "{e}"
         );
@@ -3121,6 +3234,7 @@ mod tests {
             cross_entropy_grad: false,
             layer_norm: false,
             gemm_grids: false,
+            integer_edges: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -3424,6 +3538,7 @@ mod tests {
             cross_entropy_grad: false,
             layer_norm: false,
             gemm_grids: false,
+            integer_edges: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {

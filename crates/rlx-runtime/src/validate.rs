@@ -191,12 +191,16 @@ pub fn dtypes(program: &Program, backend: &str, allowed: &[DType]) -> Result<()>
                 Instr::Update(_) => "optimizer update",
             };
             let names: Vec<&str> = allowed.iter().map(|d| d.name()).collect();
+            let names = match names.split_last() {
+                Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+                _ => names.join(""),
+            };
             return Err(Error::dtype(
                 what,
                 format!(
                     "the {backend} backend supports only {} tensors so far, this program holds a {} tensor {}; \
                      run it on the cpu or cast with .astype('float32')",
-                    names.join(" and "),
+                    names,
                     t.dtype,
                     t.shape
                 ),
