@@ -671,7 +671,7 @@ def _masks_and_ids(m, x, ids, keep):
     big = ids * 3 - 2  # int64
     sel = rlx.where(valid, big, ids)
     return (sel, valid, x * valid, ~valid, rlx.logical_xor(valid, keep), big // 4, rlx.maximum(big, ids),
-            sel.astype("float32") / 2, sel.T, valid.astype("int32"))
+            sel.astype("float32") / 2, sel.T, valid.astype("int32"), valid.sum(), sel.max(axis=0), big.sum(axis=1))
 
 
 @needs_cuda

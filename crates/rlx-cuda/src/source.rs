@@ -227,6 +227,50 @@ extern "C" __global__ void rlx_ibinary(const P p) {
 }
 /* ---- reductions: one block per output; kept dims in dims/st[0], reduced dims in st[2] (sizes)
    and st[3] (strides), iv[1] elements, iv[2] reduced rank; iv[0] 0 sum, 1 max; fv[0] scale. ---- */
+/* rlx_reduce over int32: sums wrap at int32's range (as the narrowed program's int64 does),
+   computed in unsigned arithmetic where wrapping is defined. */
+__device__ __forceinline__ unsigned int warp_usum(unsigned int v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ int warp_imax(int v) {
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+extern "C" __global__ void rlx_reduce_i32(const P p) {
+  __shared__ int sh[32];
+  bool mx = p.iv[0] == 1;
+  long long count = p.iv[1];
+  int rr = (int)p.iv[2];
+  const int lowest = (int)0x80000000u;
+  for (long long o = blockIdx.x; o < p.n; o += gridDim.x) {
+    long long base = off(p, 0, o);
+    unsigned int sum = 0u;
+    int top = lowest;
+    for (long long r = threadIdx.x; r < count; r += blockDim.x) {
+      long long rem = r, at = base;
+      for (int d = rr - 1; d >= 0; --d) {
+        long long q = rem / p.st[2][d];
+        at += (rem - q * p.st[2][d]) * p.st[3][d];
+        rem = q;
+      }
+      int v = I(0)[at];
+      sum += (unsigned int)v;
+      top = max(top, v);
+    }
+    int a = mx ? warp_imax(top) : (int)warp_usum(sum);
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane == 0) sh[w] = a;
+    __syncthreads();
+    if (w == 0) {
+      int nw = (blockDim.x + 31) >> 5;
+      int v = lane < nw ? sh[lane] : (mx ? lowest : 0);
+      v = mx ? warp_imax(v) : (int)warp_usum((unsigned int)v);
+      if (lane == 0) I(1)[o] = v;
+    }
+    __syncthreads();
+  }
+}
 extern "C" __global__ void rlx_reduce(const P p) {
   __shared__ float sh[32];
   bool mx = p.iv[0] == 1;
@@ -1537,6 +1581,7 @@ mod tests {
             "rlx_cast_b2i",
             "rlx_cast_i2b",
             "rlx_cast_i2l",
+            "rlx_reduce_i32",
             "rlx_cast_f2bf",
             "rlx_cast_h2f",
             "rlx_cast_f2bf_x4",

@@ -38,6 +38,7 @@ pub fn target(update: UpdateMode) -> Target {
         layer_norm: false,
         gemm_grids: false,
         integer_edges: false,
+        int_reduce: false,
     }
 }
 

@@ -1170,7 +1170,22 @@ pub fn int64_and_bool_programs_match_reference(backend: &Arc<dyn Backend>) {
     let xm = bin(&mut g, BinaryOp::Mul, gx, mf);
     let sel_t = g.add(Op::Transpose { perm: vec![1, 0] }, &[sel]).unwrap();
     let sel32 = cast(&mut g, DType::I32, sel);
-    g.set_outputs(vec![sel, both, fd, xm, sel_t, sel32])
+    let reduce = |g: &mut Graph, op, axes: Vec<usize>, x| {
+        g.add(
+            Op::Reduce {
+                op,
+                axes,
+                keepdims: false,
+            },
+            &[x],
+        )
+        .unwrap()
+    };
+    let row_sums = reduce(&mut g, ReduceOp::Sum, vec![1], sel);
+    let top = reduce(&mut g, ReduceOp::Max, vec![0, 1], a);
+    let bl = cast(&mut g, DType::I64, both);
+    let count = reduce(&mut g, ReduceOp::Sum, vec![0, 1], bl);
+    g.set_outputs(vec![sel, both, fd, xm, sel_t, sel32, row_sums, top, count])
         .unwrap();
     let params = Arc::new(Store::new(backend.as_ref(), &[]).unwrap());
     let exe = match Executable::new(backend.clone(), &g, params, None) {
@@ -1198,7 +1213,7 @@ pub fn int64_and_bool_programs_match_reference(backend: &Arc<dyn Backend>) {
     assert_eq!(slot.at.dtype == DType::I32, backend.narrows_integers());
     let feeds = [("ids", id_bytes), ("m", mask.clone()), ("x", f32s(&x))];
     let refs: Vec<(&str, &[u8])> = feeds.iter().map(|(n, v)| (*n, v.as_slice())).collect();
-    let got = exe.run(&refs, None, &[0, 1, 2, 3, 4, 5]).unwrap();
+    let got = exe.run(&refs, None, &[0, 1, 2, 3, 4, 5, 6, 7, 8]).unwrap();
     let i64s = |b: &[u8]| -> Vec<i64> {
         b.chunks_exact(8)
             .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
@@ -1229,4 +1244,11 @@ pub fn int64_and_bool_programs_match_reference(backend: &Arc<dyn Backend>) {
         want_sel.iter().map(|&v| v as i32).collect::<Vec<_>>(),
         "int64 -> int32"
     );
+    let row_sums: Vec<i64> = (0..2)
+        .map(|r| want_sel[r * h..(r + 1) * h].iter().sum())
+        .collect();
+    assert_eq!(i64s(&got[6]), row_sums, "int64 row sums");
+    assert_eq!(i64s(&got[7]), [*want_a.iter().max().unwrap()], "int64 max");
+    let count = want_both.iter().map(|&b| b as i64).sum::<i64>();
+    assert_eq!(i64s(&got[8]), [count], "count of a bool mask");
 }

@@ -474,6 +474,9 @@ pub struct Target {
     /// (`rlx_cast_{b2i,i2b,i2l}`: bool -> int32, int32 -> bool, int32 -> int64; see
     /// `rlx_ir::narrow`). No other instruction takes a bool or int64 tensor.
     pub integer_edges: bool,
+    /// The backend has `rlx_reduce_i32` (int32 sums, wrapping, and maxima); without it an
+    /// integer reduction is refused by name.
+    pub int_reduce: bool,
 }
 
 impl Target {
@@ -493,6 +496,7 @@ impl Target {
         // Not yet measured on a GPU (`RLX_CUDA_GRIDS=1` turns it on).
         gemm_grids: false,
         integer_edges: true,
+        int_reduce: true,
     };
 }
 
@@ -1531,6 +1535,11 @@ impl Builder {
                 Ok(())
             }
             Op::MatMul { trans_a, trans_b } => self.matmul(ins, out, *trans_a, *trans_b),
+            Op::Reduce { op: r, axes, .. }
+                if ins[0].dtype == DType::I32 && self.target.int_reduce && *r != ReduceOp::Mean =>
+            {
+                self.reduce(*r, &ins[0], axes, out)
+            }
             Op::Reduce { .. } if ins[0].dtype != DType::F32 => Err(Error::unsupported(
                 op.name(),
                 format!(
@@ -2470,7 +2479,8 @@ impl Builder {
         }
         let count: usize = axes.iter().map(|&a| xd[a]).product();
         let is_prefix = axes.iter().enumerate().all(|(i, &a)| a == i);
-        if is_prefix && r != ReduceOp::Max && count >= 64 {
+        let int = out.dtype == DType::I32;
+        if is_prefix && r != ReduceOp::Max && count >= 64 && !int {
             // Leading rows summed column-wise: coalesced reads.
             // Blocks of 32 columns and a chunk of rows. Up to 256 rows are one chunk: each
             // block stores its columns' sums. More rows: the chunk halves (down to 16 rows, two
@@ -2553,7 +2563,7 @@ impl Builder {
         };
         let block = (count.next_power_of_two() as u32).clamp(32, THREADS);
         self.launch(
-            Kernel::Library("rlx_reduce"),
+            Kernel::Library(if int { "rlx_reduce_i32" } else { "rlx_reduce" }),
             n.min(1 << 16) as u32,
             block,
             p,
@@ -3033,6 +3043,42 @@ mod tests {
                 out: typed(128, DType::I64),
             }],
         };
+        // int32 sums and maxima (of a narrowed int64 or bool tensor): `rlx_reduce_i32`, also
+        // for a leading axis (the float32 column-sum kernel would read floats).
+        let sum = Program {
+            instrs: vec![Instr::Op {
+                op: Op::Reduce {
+                    op: ReduceOp::Sum,
+                    axes: vec![0],
+                    keepdims: false,
+                },
+                ins: vec![TRef {
+                    shape: Shape::from(&[100, 3][..]),
+                    ..typed(0, DType::I32)
+                }],
+                out: TRef {
+                    shape: Shape::from(&[3][..]),
+                    ..typed(1216, DType::I32)
+                },
+            }],
+        };
+        let pl = plan(&sum, &[2048], Target::CUDA).unwrap();
+        assert!(matches!(
+            pl.steps[..],
+            [Step::Launch {
+                kernel: Kernel::Library("rlx_reduce_i32"),
+                ..
+            }]
+        ));
+        let without = Target {
+            int_reduce: false,
+            ..Target::CUDA
+        };
+        let e = plan(&sum, &[2048], without).unwrap_err();
+        assert!(
+            e.to_string().contains("reduces only float32 tensors"),
+            "{e}"
+        );
         let e = plan(&wide_add, &[256], Target::CUDA).unwrap_err();
         assert!(matches!(e, rlx_ir::Error::DType { .. }), "{e}");
         assert!(
@@ -3235,6 +3281,7 @@ mod tests {
             layer_norm: false,
             gemm_grids: false,
             integer_edges: false,
+            int_reduce: false,
         };
         let pl = plan(&prog, &[512], host).unwrap();
         assert_eq!(pl.steps, vec![Step::HostUpdate(Box::new(update))]);
@@ -3539,6 +3586,7 @@ mod tests {
             layer_norm: false,
             gemm_grids: false,
             integer_edges: false,
+            int_reduce: false,
         };
         let pl = plan(&prog, &[8192], metal).unwrap();
         let Step::Launch { kernel, .. } = &pl.steps[0] else {
