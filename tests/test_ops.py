@@ -567,6 +567,33 @@ def test_matmul_with_transposed_operands():
     check_op_grads(lambda a, b: a.T @ b.T, ref, {"a": a, "b": b})
 
 
+def test_transposed_operands_of_batched_products_are_read_in_place():
+    """``q @ k.transpose(0, 1, 3, 2)`` and ``x @ w.T`` compute as numpy does, forward and gradient,
+    and the training program holds no transpose at all (the product reads the operand with its
+    transpose flag, and so do the products autodiff derives from it); a transpose of other axes
+    stays a transpose."""
+    rng = np.random.default_rng(14)
+    q, k, w = values(rng, (2, 3, 5, 4)), values(rng, (2, 3, 6, 4)), values(rng, (7, 6))
+    ref = lambda q, k, w: (q @ np.swapaxes(k, -1, -2)) @ w.T  # noqa: E731
+    f = lambda q, k, w: (q @ k.transpose(0, 1, 3, 2)) @ w.T  # noqa: E731
+    inputs = {"q": q, "k": k, "w": w}
+    out = run_forward(f, inputs)
+    assert_close(out, ref(*(v.astype(np.float64) for v in inputs.values())), rtol=1e-5, atol=1e-5)
+    check_op_grads(f, ref, inputs)
+    model = rlx.nn.Module()
+    model.w = rlx.nn.Parameter(w)
+    spec = {"q": rlx.InputSpec(q.shape), "k": rlx.InputSpec(k.shape)}
+    step = rlx.compile_train_step(lambda m, q, k: ((q @ k.transpose(0, 1, 3, 2)) @ m.w.T).sum(), model,
+                                  rlx.optim.SGD(lr=0.1), spec)
+    step(q=q, k=k)
+    assert "matmul" in step.graph() and "transpose" not in step.graph()
+    fn = rlx.compile(lambda m, q: q.transpose((1, 0, 2, 3)) @ m.w[:4, :4], model, {"q": rlx.InputSpec(q.shape)})
+    got = fn(q=q)
+    w_now = model.w.numpy()[:4, :4].astype(np.float64)  # after the SGD step
+    assert_close(got, np.transpose(q, (1, 0, 2, 3)).astype(np.float64) @ w_now, rtol=1e-5, atol=1e-5)
+    assert "transpose" in fn.graph()
+
+
 def test_matmul_with_numpy_constant():
     rng = np.random.default_rng(13)
     x = values(rng, (3, 4))

@@ -174,6 +174,58 @@ impl Graph {
         Ok(self.push(op, inputs.to_vec(), shape, dtype))
     }
 
+    /// A matrix product `op(a) @ op(b)` (`trans_a`/`trans_b` transpose the last two axes). An
+    /// operand that is itself a transpose of its last two axes (`x.T` of a matrix,
+    /// `x.swapaxes(-1, -2)`) is read in place with the flag flipped instead, so no transposed
+    /// copy is made in the forward pass nor in the products autodiff derives from this one.
+    /// Errors (and the float32 widening of low-precision operands) are those of the product as
+    /// written.
+    ///
+    /// ```
+    /// use rlx_ir::{DType, Graph, Op, Shape};
+    ///
+    /// let mut g = Graph::new();
+    /// let x = g.input("x", Shape::new([4, 3]), DType::F32)?;
+    /// let w = g.input("w", Shape::new([5, 3]), DType::F32)?;
+    /// let wt = g.add(Op::Transpose { perm: vec![1, 0] }, &[w])?;
+    /// let y = g.matmul(x, wt, false, false)?;
+    /// assert_eq!(g.node(y).op, Op::MatMul { trans_a: false, trans_b: true });
+    /// assert_eq!(g.node(y).inputs, [x, w]);
+    /// assert_eq!(g.node(y).shape, Shape::new([4, 5]));
+    /// # Ok::<(), rlx_ir::Error>(())
+    /// ```
+    pub fn matmul(&mut self, a: NodeId, b: NodeId, trans_a: bool, trans_b: bool) -> Result<NodeId> {
+        let written = Op::MatMul { trans_a, trans_b };
+        let fits = match (self.nodes.get(a), self.nodes.get(b)) {
+            (Some(x), Some(y)) => infer::infer(&written, &[x, y]).is_ok(),
+            _ => false,
+        };
+        if !fits {
+            return self.add(written, &[a, b]);
+        }
+        let (a, trans_a) = self
+            .swapped_last_two(a)
+            .map_or((a, trans_a), |x| (x, !trans_a));
+        let (b, trans_b) = self
+            .swapped_last_two(b)
+            .map_or((b, trans_b), |x| (x, !trans_b));
+        self.add(Op::MatMul { trans_a, trans_b }, &[a, b])
+    }
+
+    /// The input of `id` when `id` is a transpose of its last two axes only.
+    fn swapped_last_two(&self, id: NodeId) -> Option<NodeId> {
+        let n = &self.nodes[id];
+        let Op::Transpose { perm } = &n.op else {
+            return None;
+        };
+        let r = perm.len();
+        let swap = r >= 2
+            && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
+            && perm[r - 2] == r - 1
+            && perm[r - 1] == r - 2;
+        swap.then(|| n.inputs[0])
+    }
+
     /// An op with bfloat16 / float16 operands that has no kernel for them computes in float32,
     /// as PyTorch's CPU kernels do: those operands are cast to float32, the op runs, and a float
     /// result is rounded back to the low dtype when every float operand had that one dtype

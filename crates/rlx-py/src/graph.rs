@@ -202,7 +202,8 @@ impl PyGraph {
         trans_a: bool,
         trans_b: bool,
     ) -> PyResult<NodeId> {
-        self.add(py, Op::MatMul { trans_a, trans_b }, &[a, b])
+        // A transposed operand (`x.T`) is read in place (see `Graph::matmul`).
+        self.graph.matmul(a, b, trans_a, trans_b).py_err(py)
     }
 
     #[pyo3(signature = (kind, x, axes=None, keepdims=false))]
