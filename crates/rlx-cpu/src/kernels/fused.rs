@@ -981,3 +981,85 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod tmp_timing {
+    use super::*;
+    use rlx_ir::{BinaryOp, FusedStep, Shape, UnaryOp};
+    #[test]
+    #[ignore]
+    fn fused_timing() {
+        let (r, c) = (1024usize, 512usize);
+        let x: Vec<f32> = (0..r * c).map(|i| (i % 97) as f32 / 50.0 - 1.0).collect();
+        let b: Vec<f32> = (0..c).map(|i| i as f32 / 512.0).collect();
+        let full: Vec<f32> = x.iter().map(|v| v * 0.5).collect();
+        let mut out = vec![0.0f32; r * c];
+        for (name, f, bias) in [
+            (
+                "relu(x+b)",
+                Fused {
+                    shape: Shape::new([r, c]),
+                    n_inputs: 2,
+                    steps: vec![
+                        FusedStep::Binary(BinaryOp::Add, 0, 1),
+                        FusedStep::Unary(UnaryOp::Relu, 2),
+                    ],
+                },
+                true,
+            ),
+            (
+                "gelu(x+b)",
+                Fused {
+                    shape: Shape::new([r, c]),
+                    n_inputs: 2,
+                    steps: vec![
+                        FusedStep::Binary(BinaryOp::Add, 0, 1),
+                        FusedStep::Unary(UnaryOp::Gelu, 2),
+                    ],
+                },
+                true,
+            ),
+            (
+                "x+y",
+                Fused {
+                    shape: Shape::new([r, c]),
+                    n_inputs: 2,
+                    steps: vec![FusedStep::Binary(BinaryOp::Add, 0, 1)],
+                },
+                false,
+            ),
+            (
+                "relu(x+y)",
+                Fused {
+                    shape: Shape::new([r, c]),
+                    n_inputs: 2,
+                    steps: vec![
+                        FusedStep::Binary(BinaryOp::Add, 0, 1),
+                        FusedStep::Unary(UnaryOp::Relu, 2),
+                    ],
+                },
+                false,
+            ),
+        ] {
+            let bd = if bias { vec![c] } else { vec![r, c] };
+            let bb: &[f32] = if bias { &b } else { &full };
+            let mut best = f64::MAX;
+            for _ in 0..50 {
+                let t = std::time::Instant::now();
+                fused(&f, &[(&x, &[r, c]), (bb, &bd)], &mut out);
+                best = best.min(t.elapsed().as_secs_f64());
+            }
+            let t = std::time::Instant::now();
+            for _ in 0..20 {
+                out.iter_mut().zip(&x).for_each(|(o, &v)| *o = v + 1.0);
+            }
+            let plain = t.elapsed().as_secs_f64() / 20.0;
+            println!(
+                "{name}: best {:.3} ms ({:.2} ns/elt); plain loop {:.3} ms",
+                best * 1e3,
+                best * 1e9 / (r * c) as f64,
+                plain * 1e3
+            );
+        }
+    }
+}
