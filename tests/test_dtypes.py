@@ -790,14 +790,36 @@ def test_ml_dtypes_is_imported_only_for_bfloat16():
     assert out.strip() == "False"
 
 
-def test_gpu_devices_compile_int64_inputs_as_int32():
-    """The GPU backends have no int64 kernels: there an int64 input spec becomes int32 (fed int64
-    arrays are range-checked into it, see tests/test_cuda.py); the CPU keeps int64."""
+def test_metal_compiles_int64_inputs_as_int32():
+    """Metal has no int64 outputs: there an int64 input spec becomes int32 (fed int64 arrays are
+    range-checked into it); the CPU and CUDA trace int64 (CUDA narrows it inside the program and
+    range-checks fed arrays into its int32 slot, see tests/test_cuda.py)."""
     from rlx._compile import _device_specs
 
     specs = {"ids": rlx.InputSpec((2, 3), "int64"), "x": rlx.InputSpec((2,), "float32")}
-    assert _device_specs(specs, "cpu") is specs
-    for device in ("cuda", "cuda:1", "metal"):
+    for device in ("cpu", "cuda", "cuda:1"):
+        assert _device_specs(specs, device) is specs
+    for device in ("metal",):
         got = _device_specs(specs, device)
         assert (got["ids"].shape, got["ids"].dtype) == ((2, 3), "int32")
         assert got["x"] is specs["x"]
+
+
+def test_integer_means_and_variances_take_the_int32_path_where_a_gpu_narrows_integers():
+    """On a GPU (a trace for a device computing integers in int32) the mean and variance of int64
+    and bool tensors take the exact int32 path instead of float64 (which the GPU backends lack):
+    the same values as numpy's, checked here on the CPU with such a trace."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-50_000, 50_000, (4, 7)).astype(np.int64)
+    mask = rng.random((4, 7)) > 0.3
+    g = rlx.Graph()
+    g._trace.int32_device = True  # as traced for cuda
+    i, m = g.input("i", ids.shape, "int64"), g.input("m", mask.shape, "bool")
+    g.output(i.mean(), i.mean(axis=1), m.mean(axis=0), i.var(axis=1), m.var())
+    got = g.compile("cpu").run(i=ids, m=mask)
+    want = [ids.mean(), ids.mean(axis=1), mask.mean(axis=0), ids.var(axis=1), mask.var()]
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == np.float32, k
+        np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=f"output {k}")
+    native = g._trace.graph
+    assert "float64" not in {native.dtype(k) for k in range(len(native))}

@@ -59,11 +59,11 @@ class InputSpec:
 
 
 def _device_specs(specs: dict[str, InputSpec], device: str) -> dict[str, InputSpec]:
-    """The specs a device compiles: the GPU backends compute ids and labels in int32 (they have
-    no int64 kernels), so an int64 input is declared int32 there. Fed arrays are converted as
-    for any int32 input (int64 values must fit in int32: an ``InputError`` otherwise, never a
-    wrap), and integer math on the input is int32 math. The CPU keeps int64."""
-    if device.split(":")[0] == "cpu":
+    """The specs a device compiles. The CPU and CUDA trace int64 inputs as int64 (CUDA computes
+    them in int32 inside the program and gives int64 results back, see ``rlx_ir::narrow``; its
+    input slot is int32, into which fed arrays are range-checked). Metal has no int64 outputs
+    yet, so there an int64 input is declared int32 (its results are int32)."""
+    if device.split(":")[0] != "metal":
         return specs
     return {n: InputSpec(s.shape, "int32") if s.dtype == "int64" else s for n, s in specs.items()}
 
@@ -110,9 +110,10 @@ def _check_compute_dtypes(where: str, model: Module, device: str = "cpu", precis
 
 
 def _trace(fn: Callable[..., Any], model: Module, specs: dict[str, InputSpec], store: Any,
-           training: bool) -> tuple[Trace, Any, dict[str, int]]:
-    """Traces ``fn(model, **tensors)`` with the model in train or eval mode (restored after)."""
-    t = Trace()
+           training: bool, device: str) -> tuple[Trace, Any, dict[str, int]]:
+    """Traces ``fn(model, **tensors)`` for ``device`` with the model in train or eval mode
+    (restored after)."""
+    t = Trace(device=device)
     nodes: dict[str, int] = {}
     tensors = model._tensors()
     for name, shape, dtype in store.entries():
@@ -390,7 +391,7 @@ class TrainStep(_Compiled):
         store = model._store_for(self._device)
         if not store.entries():
             raise RlxError("the model has no parameters to train")
-        t, out, nodes = _trace(self._loss_fn, model, specs, store, training=True)
+        t, out, nodes = _trace(self._loss_fn, model, specs, store, training=True, device=self._device)
         aux: dict[str, Any] = {}
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
             out, aux = out
@@ -689,7 +690,8 @@ class Function(_Compiled):
 
     def _build(self, specs: dict[str, InputSpec]) -> _Variant:
         store = self._model._store_for(self._device)
-        t, out, _ = _trace(self._forward_fn, self._model, specs, store, training=self._training)
+        t, out, _ = _trace(self._forward_fn, self._model, specs, store, training=self._training,
+                          device=self._device)
         outs = out if isinstance(out, tuple) else (out,)
         ids = []
         for o in outs:

@@ -22,10 +22,13 @@ def _current() -> "Trace | None":
 class Trace:
     """A graph being built, plus the mapping from Parameters to their graph nodes."""
 
-    def __init__(self, graph: Any | None = None) -> None:
+    def __init__(self, graph: Any | None = None, device: str = "cpu") -> None:
         self.graph = graph if graph is not None else _rlx.Graph()
         self.param_nodes: dict[int, int] = {}
         self._consts: dict[tuple, int] = {}
+        #: The program computes integers in int32 (a GPU backend): int64 and bool values are
+        #: computed as int32 there, and float64 is not available for exact integer means.
+        self.int32_device = device.split(":")[0] != "cpu"
 
     def __enter__(self) -> "Trace":
         self._prev = _current()
@@ -726,8 +729,11 @@ def _int32_halves(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def _int_mean(x: Tensor, axis: Any, keepdims: bool) -> Tensor:
     """The float32 mean of integers or bools, without rounding each value to float32 first:
-    int64 and bools (CPU-only dtypes) through float64, as numpy; int32 as its exact sum (in
-    halves, see ``_int32_halves``) rounded once, divided by the count."""
+    int64 and bools through float64 on the CPU, as numpy; int32 (and, on a GPU, int64 and bools,
+    which compute as int32 there) as its exact sum (in halves, see ``_int32_halves``) rounded
+    once, divided by the count."""
+    if x.dtype != "int32" and x._trace.int32_device:
+        x = x.astype("int32")
     if x.dtype != "int32":
         return x.astype("float64")._reduce("mean", axis, keepdims).astype("float32")
     dims, count = _reduced(x, axis, "mean")
@@ -739,7 +745,10 @@ def _int_mean(x: Tensor, axis: Any, keepdims: bool) -> Tensor:
 def _int_var(x: Tensor, dims: list[int], count: int, keepdims: bool, ddof: int) -> Tensor:
     """The float32 variance of integers or bools. int64 and bools go through float64 (numpy's
     precision). int32 subtracts an integer ``shift`` near the mean first, so the deviations are
-    exact and small: ``(sum(d**2) - sum(d)**2 / n) / (n - ddof)`` with ``d = x - shift``."""
+    exact and small: ``(sum(d**2) - sum(d)**2 / n) / (n - ddof)`` with ``d = x - shift``. On a
+    GPU int64 and bools take the int32 path (they compute as int32 there)."""
+    if x.dtype != "int32" and x._trace.int32_device:
+        x = x.astype("int32")
     if x.dtype != "int32":
         return x.astype("float64").var(dims, keepdims, ddof).astype("float32")
     n = float(max(count, 1))

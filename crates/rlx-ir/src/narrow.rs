@@ -34,12 +34,31 @@ use std::collections::HashMap;
 /// ```
 pub fn narrow_integers(graph: &Graph, backend: &str) -> Result<(Graph, Vec<NodeId>)> {
     let wide = |d: DType| matches!(d, DType::I64 | DType::Bool);
-    if !graph.nodes().iter().any(|n| wide(n.dtype)) {
+    // Only what the outputs need is narrowed (and refused): an unused int64 buffer of the model
+    // or constant stays as it is, never lowered.
+    let live = graph.live_mask();
+    let needed = |id: NodeId| live[id];
+    if !graph
+        .nodes()
+        .iter()
+        .enumerate()
+        .any(|(id, n)| needed(id) && wide(n.dtype))
+    {
         return Ok((graph.clone(), (0..graph.len()).collect()));
     }
     let mut out = Graph::new();
     let mut map: Vec<NodeId> = Vec::with_capacity(graph.len());
-    for node in graph.nodes() {
+    for (id, node) in graph.nodes().iter().enumerate() {
+        if !needed(id) {
+            // Inputs and parameters keep their places (and dtypes); the rest is dropped.
+            let kept = match &node.op {
+                Op::Input { name } => out.input(name, node.shape.clone(), node.dtype)?,
+                Op::Param { name } => out.param(name, node.shape.clone(), node.dtype)?,
+                _ => NodeId::MAX,
+            };
+            map.push(kept);
+            continue;
+        }
         let ins: Vec<NodeId> = node.inputs.iter().map(|&i| map[i]).collect();
         let new = match (&node.op, node.dtype) {
             (Op::Input { name }, DType::I64) => out.input(name, node.shape.clone(), DType::I32)?,
@@ -92,12 +111,17 @@ pub fn narrow_integers(graph: &Graph, backend: &str) -> Result<(Graph, Vec<NodeI
             }
             (Op::Cast { to }, _) if wide(*to) || wide(graph.node(node.inputs[0]).dtype) => {
                 // int64 targets become int32 ones; a cast to the dtype a narrowed source has
-                // now (int32) is no cast at all.
+                // now (int32) is no cast at all; a narrowed source goes to bfloat16/float16
+                // through float32 (the casts the GPU backends have).
                 let to = if wide(*to) { DType::I32 } else { *to };
-                if out.node(ins[0]).dtype == to {
-                    ins[0]
+                let mut src = ins[0];
+                if to.is_low_precision() && out.node(src).dtype == DType::I32 {
+                    src = out.add(Op::Cast { to: DType::F32 }, &[src])?;
+                }
+                if out.node(src).dtype == to {
+                    src
                 } else {
-                    out.add(Op::Cast { to }, &ins)?
+                    out.add(Op::Cast { to }, &[src])?
                 }
             }
             (op, _) => out.add(op.clone(), &ins)?,
@@ -200,6 +224,44 @@ mod tests {
             }
         }
         assert_eq!(h.node(map[sum]).dtype, DType::I32);
+    }
+
+    /// An int64 buffer or constant the outputs do not use is left alone (not refused), and
+    /// the parameter list keeps its order and dtypes.
+    #[test]
+    fn unused_int64_buffers_and_constants_are_left_alone() {
+        let mut g = Graph::new();
+        let x = g.input("x", Shape::new([2]), DType::F32).unwrap();
+        let p = g
+            .param("position_ids", Shape::new([6]), DType::I64)
+            .unwrap();
+        let k = g.constant_i64(&[1 << 40], Shape::scalar()).unwrap();
+        let _dead = bin(&mut g, BinaryOp::Add, p, k);
+        let m = g.input("m", Shape::new([2]), DType::Bool).unwrap();
+        let y = g.add(Op::Where, &[m, x, x]).unwrap();
+        g.set_outputs(vec![y]).unwrap();
+        let (h, _) = narrow_integers(&g, "cuda").unwrap();
+        let params: Vec<_> = h
+            .params()
+            .iter()
+            .map(|&(i, n)| (n.to_string(), h.node(i).dtype))
+            .collect();
+        assert_eq!(params, [("position_ids".to_string(), DType::I64)]);
+        let inputs: Vec<_> = h.inputs().iter().map(|&(_, n)| n.to_string()).collect();
+        assert_eq!(inputs, ["x", "m"]);
+    }
+
+    /// bool and int64 values cast to bfloat16 or float16 go through float32.
+    #[test]
+    fn casts_to_low_precision_go_through_float32() {
+        let mut g = Graph::new();
+        let i = g.input("i", Shape::new([3]), DType::I64).unwrap();
+        let h = g.add(Op::Cast { to: DType::BF16 }, &[i]).unwrap();
+        g.set_outputs(vec![h]).unwrap();
+        let (n, _) = narrow_integers(&g, "cuda").unwrap();
+        let out = n.node(n.outputs()[0]);
+        assert_eq!(out.dtype, DType::BF16);
+        assert_eq!(n.node(out.inputs[0]).dtype, DType::F32);
     }
 
     #[test]

@@ -379,18 +379,27 @@ impl Executable {
                 self.arena.write(slot.at.offset, data)?;
             }
         }
-        let mut outs: Vec<Vec<u8>> = read
+        // Where each output read is: a run of a prefetched batch reads its inputs from the
+        // staging set, so an output that is an input (or an alias of one) is read there too.
+        let out_at: Vec<TRef> = read
             .iter()
-            .map(|&i| vec![0; self.outputs[i].bytes()])
+            .map(|&i| match inner.prefetch.as_ref().filter(|_| queued) {
+                Some(pf) => {
+                    let set = pf.queue.front().expect("queued").set;
+                    prefetch::staged(&self.outputs[i], &pf.remap, set * pf.set_bytes)
+                }
+                None => self.outputs[i].clone(),
+            })
             .collect();
+        let mut outs: Vec<Vec<u8>> = out_at.iter().map(|o| vec![0; o.bytes()]).collect();
         let mut reads: Vec<HostRead<'_>> = Vec::new();
         if fold {
-            reads = read
+            reads = out_at
                 .iter()
                 .zip(outs.iter_mut())
-                .map(|(&i, out)| HostRead {
-                    buf: self.outputs[i].buf as usize,
-                    offset: self.outputs[i].offset,
+                .map(|(o, out)| HostRead {
+                    buf: o.buf as usize,
+                    offset: o.offset,
                     out,
                 })
                 .collect();
@@ -448,8 +457,7 @@ impl Executable {
         let _ = &consumed;
         drop(reads);
         if !fold {
-            for (&i, out) in read.iter().zip(outs.iter_mut()) {
-                let o = &self.outputs[i];
+            for (o, out) in out_at.iter().zip(outs.iter_mut()) {
                 bufs[o.buf as usize].read(o.offset, out)?;
             }
         }

@@ -3215,7 +3215,8 @@ mod tests {
         assert!(plan(&neg(t(0, &[8]), t(240, &[8])), &[256], Target::CUDA).is_err());
         assert!(plan(&neg(t(0, &[8]), t(16, &[8])), &[256], Target::CUDA).is_err());
         assert!(plan(&neg(t(0, &[8]), t(64, &[8])), &[256], Target::CUDA).is_ok());
-        // Integer reductions (CPU kernels only) are refused by name, never run as floats.
+        // Integer reductions run as `rlx_reduce_i32` on CUDA; a target without that kernel
+        // (Metal) refuses them by name, never runs them as floats.
         let int = |offset: usize, dims: &[usize]| TRef {
             dtype: DType::I32,
             ..t(offset, dims)
@@ -3231,11 +3232,16 @@ mod tests {
                 out: int(64, &[]),
             }],
         };
-        let e = plan(&max, &[256], Target::CUDA).unwrap_err().to_string();
+        let no_int_reduce = Target {
+            int_reduce: false,
+            ..Target::CUDA
+        };
+        let e = plan(&max, &[256], no_int_reduce).unwrap_err().to_string();
         assert!(
             e.contains("[max] the cuda backend reduces only float32"),
             "{e}"
         );
+        assert!(plan(&max, &[256], Target::CUDA).is_ok());
     }
 
     #[test]

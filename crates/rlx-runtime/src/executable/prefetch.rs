@@ -19,6 +19,8 @@ pub(super) struct Prefetch {
     pub(super) variants: Vec<Box<dyn Compiled>>,
     /// (input name, byte offset within a set) of every prefetched (unbound) input.
     pub(super) layout: Vec<(String, usize)>,
+    /// (arena offset, offset within a set) of every prefetched input that has bytes.
+    pub(super) remap: Vec<(usize, usize)>,
     pub(super) set_bytes: usize,
     pub(super) queue: VecDeque<Queued>,
 }
@@ -150,6 +152,7 @@ impl Executable {
             stage,
             variants,
             layout,
+            remap,
             set_bytes,
             queue: VecDeque::new(),
         })
@@ -158,19 +161,7 @@ impl Executable {
 
 /// The program with every reference to a remapped input slot moved into the staging buffer.
 pub(super) fn retarget(program: &Program, remap: &[(usize, usize)], base: usize) -> Program {
-    let fix = |t: &TRef| -> TRef {
-        match remap
-            .iter()
-            .find(|(from, _)| t.buf == Buf::Arena && *from == t.offset)
-        {
-            Some((_, to)) => TRef {
-                buf: Buf::Stage,
-                offset: base + to,
-                ..t.clone()
-            },
-            None => t.clone(),
-        }
-    };
+    let fix = |t: &TRef| staged(t, remap, base);
     let instrs = program
         .instrs
         .iter()
@@ -184,4 +175,20 @@ pub(super) fn retarget(program: &Program, remap: &[(usize, usize)], base: usize)
         })
         .collect();
     Program { instrs }
+}
+
+/// Where a program variant reading the staging set at `base` finds `t`: in the set when `t` is
+/// a prefetched input (or an alias of one, at its offset), else where it was.
+pub(super) fn staged(t: &TRef, remap: &[(usize, usize)], base: usize) -> TRef {
+    match remap
+        .iter()
+        .find(|(from, _)| t.buf == Buf::Arena && *from == t.offset)
+    {
+        Some((_, to)) => TRef {
+            buf: Buf::Stage,
+            offset: base + to,
+            ..t.clone()
+        },
+        None => t.clone(),
+    }
 }
