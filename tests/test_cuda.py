@@ -647,9 +647,9 @@ def test_nccl_data_parallel_on_one_rank_matches_a_plain_step():
 
 @needs_cuda
 def test_int64_labels_train_on_the_gpu_as_int32_and_values_beyond_int32_are_input_errors():
-    """The GPU backends compute ids and labels in int32: an int64 input spec is compiled as int32
-    there, int64 labels that fit train exactly as the CPU's int64 step, and a label beyond int32
-    is refused by name before anything runs (never wrapped into a valid one)."""
+    """The GPU backends compute ids and labels in int32: an int64 input has an int32 slot there,
+    int64 labels that fit train exactly as the CPU's int64 step, and a label beyond int32 is
+    refused by name before anything runs (never wrapped into a valid one)."""
     x, y = _data()
     spec = {"x": rlx.InputSpec(x.shape), "y": rlx.InputSpec(y.shape, "int64")}
     losses = {}

@@ -198,8 +198,11 @@ class _Variant:
 
     def __init__(self, exe: Any, specs: dict[str, InputSpec]) -> None:
         self.exe = exe
-        self.specs = specs
-        self.names = [n for n, *_ in exe.input_slots()]
+        # Arrays are converted to the dtype of the slot the program reads (on a GPU an int64
+        # input's slot is int32: fed int64 arrays are range-checked into it).
+        slots = {n: d for n, _, d, _ in exe.input_slots()}
+        self.specs = {n: InputSpec(s.shape, slots.get(n, s.dtype)) for n, s in specs.items()}
+        self.names = list(slots)
         self.outs = exe.outputs()
         self.skipped = 0.0
         # Train steps: the optimizer state store, the trained parameters' names, the aux output
@@ -728,7 +731,7 @@ class Function(_Compiled):
             raise InputError(f"[{name}] unknown input; expected {sorted(self._specs)}")
         if name not in self._variants[None].names:
             raise InputError(f"[{name}] this input is not used by the function")
-        return self._specs[name]
+        return self._variants[None].specs[name]
 
     def bind(self, name: str, array: Any) -> None:
         """Places a resident input (e.g. a KV cache) in the arena once; later calls omit it.

@@ -236,8 +236,9 @@ fn profile_key(plan: &Plan, unit: &Unit) -> String {
 
 /// The plan target: `RLX_CUDA_ATTENTION=gemm` runs every attention as batched GEMMs,
 /// `=gemm-grad` only gradients, `=fused` none (the register-tiled and warp kernels); unset or
-/// `auto` decides by size (see `Target::gemm_attention`). `RLX_CUDA_GRIDS=1` makes those GEMMs
-/// read packed heads in place through pointer arrays, `=0` copy them head-major first.
+/// `auto` decides by size (see `Target::gemm_attention`). Those GEMMs read packed heads in
+/// place through pointer arrays (`RLX_CUDA_GRIDS=1`, the default); `=0` copies them head-major
+/// first.
 fn target() -> Result<plan::Target> {
     let cuda = plan::Target::CUDA;
     let (gemm_attention, gemm_attention_forward) = match std::env::var("RLX_CUDA_ATTENTION")

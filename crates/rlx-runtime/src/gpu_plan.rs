@@ -493,8 +493,9 @@ impl Target {
         layer_norm_grad: true,
         cross_entropy_grad: true,
         layer_norm: true,
-        // Not yet measured on a GPU (`RLX_CUDA_GRIDS=1` turns it on).
-        gemm_grids: false,
+        // Measured on an H100 (GPT d768 fp32 step 57.5-57.8 ms against 58.9-59.1 ms copying
+        // heads, 84 MiB less memory); `RLX_CUDA_GRIDS=0` turns it off.
+        gemm_grids: true,
         integer_edges: true,
         int_reduce: true,
     };
