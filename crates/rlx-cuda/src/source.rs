@@ -227,6 +227,16 @@ extern "C" __global__ void rlx_ibinary(const P p) {
 }
 /* ---- reductions: one block per output; kept dims in dims/st[0], reduced dims in st[2] (sizes)
    and st[3] (strides), iv[1] elements, iv[2] reduced rank; iv[0] 0 sum, 1 max; fv[0] scale. ---- */
+/* The element `r` of the reduced dims (sizes p.st[2], strides p.st[3], `rr` of them) from `base`. */
+__device__ __forceinline__ long long rx_reduced_at(const P& p, long long base, long long r, int rr) {
+  long long rem = r, at = base;
+  for (int d = rr - 1; d >= 0; --d) {
+    long long q = rem / p.st[2][d];
+    at += (rem - q * p.st[2][d]) * p.st[3][d];
+    rem = q;
+  }
+  return at;
+}
 /* rlx_reduce over int32: sums wrap at int32's range (as the narrowed program's int64 does),
    computed in unsigned arithmetic where wrapping is defined. */
 __device__ __forceinline__ unsigned int warp_usum(unsigned int v) {
@@ -248,13 +258,7 @@ extern "C" __global__ void rlx_reduce_i32(const P p) {
     unsigned int sum = 0u;
     int top = lowest;
     for (long long r = threadIdx.x; r < count; r += blockDim.x) {
-      long long rem = r, at = base;
-      for (int d = rr - 1; d >= 0; --d) {
-        long long q = rem / p.st[2][d];
-        at += (rem - q * p.st[2][d]) * p.st[3][d];
-        rem = q;
-      }
-      int v = I(0)[at];
+      int v = I(0)[rx_reduced_at(p, base, r, rr)];
       sum += (unsigned int)v;
       top = max(top, v);
     }
@@ -280,13 +284,7 @@ extern "C" __global__ void rlx_reduce(const P p) {
     long long base = off(p, 0, o);
     float acc = mx ? (-RX_INF) : 0.0f;
     for (long long r = threadIdx.x; r < count; r += blockDim.x) {
-      long long rem = r, at = base;
-      for (int d = rr - 1; d >= 0; --d) {
-        long long q = rem / p.st[2][d];
-        at += (rem - q * p.st[2][d]) * p.st[3][d];
-        rem = q;
-      }
-      float v = F(0)[at];
+      float v = F(0)[rx_reduced_at(p, base, r, rr)];
       acc = mx ? rx_max(acc, v) : acc + v;
     }
     acc = mx ? warp_max(acc) : warp_sum(acc);
